@@ -1,0 +1,348 @@
+"""Broker calls: connecting, submitting, reading and cancelling jobs, enqueueing deliveries, reaping.
+
+Everything a CLI command does goes through :class:`Broker`, so Python can do all the CLI can.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from . import keys, scheduling, scripts
+from .errors import BrokerError, NotFound, UsageError
+from .models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo, payload_cost, ts
+from .settings import Settings
+
+log = logging.getLogger("gpumesh")
+
+EXECUTOR = "gpumesh.executor.run_task"  # the only function a gpumesh worker runs
+RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
+FAILURE_TTL = 86400
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***, for logs and messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _client(url: str, *, decode: bool, socket_timeout: float, retries: int) -> redis.Redis:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise UsageError(f"broker URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+    try:
+        return redis.Redis.from_url(
+            url,
+            decode_responses=decode,
+            socket_connect_timeout=3,
+            socket_timeout=socket_timeout,
+            health_check_interval=15,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
+    except ValueError as exc:
+        raise UsageError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
+
+
+def translate(exc: redis.RedisError, url: str) -> BrokerError:
+    """One line for a Redis error, without the password."""
+    text = str(exc).replace(urlsplit(url).password or "\0", "***")
+    if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text:
+        return BrokerError(f"the broker at {mask_url(url)} refused the credentials ({text}); check the URL's password")
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return BrokerError(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
+    return BrokerError(f"the broker at {mask_url(url)} answered an error: {text}")
+
+
+class Broker:
+    """A connection to the mesh's Redis plus the scripts and queues bound to it."""
+
+    def __init__(self, settings: Settings, *, blocking_timeout: float = 0, retries: int = 2) -> None:
+        self.settings = settings
+        self.url = settings.url
+        timeout = max(10.0, blocking_timeout + 10)
+        self.r = _client(self.url, decode=True, socket_timeout=timeout, retries=retries)
+        self.rq = _client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
+        self.scripts = scripts.Scripts(self.r)
+        self.queues = [
+            Queue(keys.queue_name(t), connection=self.rq, serializer=JSONSerializer) for t in range(settings.tiers)
+        ]
+
+    @property
+    def url_masked(self) -> str:
+        return mask_url(self.url)
+
+    def ping(self) -> Broker:
+        """Fail fast with exit code 3 when the broker is unreachable or refuses us."""
+        try:
+            self.r.ping()
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+        return self
+
+    def close(self) -> None:
+        self.r.close()
+        self.rq.close()
+
+    # -- scheduling reads ------------------------------------------------------------------------
+
+    def server_ms(self) -> int:
+        sec, usec = self.r.time()
+        return sec * 1000 + usec // 1000
+
+    def live_scores(self) -> dict[str, float]:
+        """Score of every worker whose last heartbeat is within the worker TTL (server time)."""
+        with self.r.pipeline(transaction=False) as p:
+            p.time()
+            p.zrange(keys.SCORES, 0, -1, withscores=True)
+            p.zrange(keys.WORKERS, 0, -1, withscores=True)
+            (sec, usec), scores, beats = p.execute()
+        cutoff = sec * 1000 + usec // 1000 - self.settings.worker_ttl * 1000
+        alive = {w for w, hb in beats if hb >= cutoff}
+        return {w: s for w, s in scores if w in alive}
+
+    # -- submit ----------------------------------------------------------------------------------
+
+    def submit(
+        self, source: str, script_name: str, payloads: list[dict[str, Any]], options: JobOptions
+    ) -> SubmitResult:
+        """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all."""
+        if not payloads:
+            raise UsageError("a job needs at least one payload")
+        sha = hashlib.sha256(source.encode()).hexdigest()
+        job_id = uuid.uuid4().hex[:12]
+        k = self.settings.tiers
+        costs = [payload_cost(p) for p in payloads]
+        try:
+            capacity = scheduling.tier_capacity(self.live_scores(), k)
+            tiers = scheduling.assign_task_tiers(costs, capacity)
+            created = self.server_ms() / 1000
+            task_ids = [keys.task_id(job_id, i) for i in range(len(payloads))]
+            per_tier: dict[int, int] = {}
+            for t in tiers:
+                per_tier[t] = per_tier.get(t, 0) + 1
+            with self.r.pipeline(transaction=True) as p:
+                p.set(keys.script(sha), source, nx=True)
+                p.hset(
+                    keys.job(job_id),
+                    mapping={
+                        "id": job_id,
+                        "name": options.name,
+                        "script_sha": sha,
+                        "script_name": script_name,
+                        "timeout": options.timeout,
+                        "max_attempts": options.max_attempts,
+                        "status": "queued",
+                        "total": len(payloads),
+                        "queued": len(payloads),
+                        "running": 0,
+                        "done": 0,
+                        "failed": 0,
+                        "cancelled": 0,
+                        "created_at": f"{created:.3f}",
+                        "tiers": json.dumps({str(t): n for t, n in sorted(per_tier.items())}),
+                    },
+                )
+                for start in range(0, len(task_ids), 5000):
+                    p.rpush(keys.job_tasks(job_id), *task_ids[start : start + 5000])
+                p.zadd(keys.JOBS, {job_id: created})
+                for i, (tid, payload) in enumerate(zip(task_ids, payloads)):
+                    p.hset(
+                        keys.task(tid),
+                        mapping={
+                            "job": job_id,
+                            "index": i,
+                            "payload": json.dumps(payload),
+                            "cost": costs[i],
+                            "tier": tiers[i],
+                            "status": "queued",
+                            "attempts": 0,
+                            "deliveries": 1,
+                            "max_attempts": options.max_attempts,
+                        },
+                    )
+                order = sorted(range(len(payloads)), key=lambda i: (-costs[i], i))  # heaviest first in each tier
+                self.enqueue(p, ((task_ids[i], tiers[i], 1) for i in order), timeout=options.timeout)
+                p.xadd(keys.EVENTS, {"kind": "job", "id": job_id, "status": "queued"}, maxlen=10000, approximate=True)
+                p.execute()
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers={str(t): n for t, n in sorted(per_tier.items())})
+
+    def enqueue(self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None) -> None:
+        """Add RQ jobs (task id, tier, delivery) to ``pipe``; the id is deterministic, so a repeat is harmless."""
+        by_tier: dict[int, list[Any]] = {}
+        # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
+        backstop = int((timeout or 86400) + self.settings.lease_ttl + 60)
+        for task_id, tier, delivery in deliveries:
+            tier = min(max(tier, 0), self.settings.tiers - 1)
+            by_tier.setdefault(tier, []).append(
+                Queue.prepare_data(
+                    EXECUTOR,
+                    args=(task_id,),
+                    job_id=keys.rq_job_id(task_id, delivery),
+                    timeout=backstop,
+                    result_ttl=RESULT_TTL,
+                    failure_ttl=FAILURE_TTL,
+                    description=f"gpumesh task {task_id}",
+                )
+            )
+        for tier, datas in by_tier.items():
+            self.queues[tier].enqueue_many(datas, pipeline=pipe)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def job_status(self, job_id: str) -> JobStatus:
+        try:
+            h = self.r.hgetall(keys.job(job_id))
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+        if not h:
+            raise NotFound(f"no job {job_id!r} on this broker; `gpumesh jobs` lists the jobs")
+        return JobStatus.from_hash(job_id, h)
+
+    def task_ids(self, job_id: str) -> list[str]:
+        self.job_status(job_id)
+        return self.r.lrange(keys.job_tasks(job_id), 0, -1)
+
+    def results(self, job_id: str) -> list[TaskResult]:
+        ids = self.task_ids(job_id)
+        rows: list[TaskResult] = []
+        for start in range(0, len(ids), 2000):
+            chunk = ids[start : start + 2000]
+            with self.r.pipeline(transaction=False) as p:
+                for tid in chunk:
+                    p.hgetall(keys.task(tid))
+                rows += [TaskResult.from_hash(tid, h) for tid, h in zip(chunk, p.execute()) if h]
+        return rows
+
+    def task(self, task_id: str) -> dict[str, str]:
+        h = self.r.hgetall(keys.task(task_id))
+        if not h:
+            raise NotFound(f"no task {task_id!r} on this broker")
+        return h
+
+    def workers(self) -> list[WorkerInfo]:
+        scores = self.live_scores()
+        tiers = scheduling.worker_tiers(scores, self.settings.tiers) if scores else {}
+        ids = sorted(scores)
+        with self.r.pipeline(transaction=False) as p:
+            for w in ids:
+                p.hgetall(keys.worker(w))
+            hashes = p.execute()
+        out = []
+        for w, h in zip(ids, hashes):
+            if not h:
+                continue
+            out.append(
+                WorkerInfo(
+                    id=w,
+                    name=h.get("name", w),
+                    hostname=h.get("hostname", ""),
+                    device=h.get("device", "cpu"),
+                    device_name=h.get("device_name", ""),
+                    score_gflops=float(h.get("score", 0)),
+                    tier=tiers.get(w, 0),
+                    state="busy" if h.get("current_task") else "idle",
+                    current_task=h.get("current_task") or None,
+                    last_heartbeat=ts(h.get("last_heartbeat")),
+                )
+            )
+        return out
+
+    def jobs(self, limit: int = 50) -> list[JobStatus]:
+        ids = self.r.zrevrange(keys.JOBS, 0, limit - 1)
+        with self.r.pipeline(transaction=False) as p:
+            for j in ids:
+                p.hgetall(keys.job(j))
+            return [JobStatus.from_hash(j, h) for j, h in zip(ids, p.execute()) if h]
+
+    def logs(self, target: str) -> Iterator[tuple[str, str, str]]:
+        """(task id, stream, line) of a task, or of every task of a job in payload order."""
+        if self.r.exists(keys.job(target)):
+            ids = self.r.lrange(keys.job_tasks(target), 0, -1)
+        else:
+            self.task(target)
+            ids = [target]
+        for tid in ids:
+            for _id, fields in self.r.xrange(keys.task_log(tid)):
+                yield tid, fields.get("stream", "stdout"), fields.get("line", "")
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Cancel every queued or running task; running ones are killed at their worker's next heartbeat."""
+        ids = self.task_ids(job_id)
+        for start in range(0, len(ids), 2000):
+            with self.r.pipeline(transaction=False) as p:
+                for tid in ids[start : start + 2000]:
+                    scripts.cancel(self.scripts, p, tid)
+                p.execute()
+        return self.job_status(job_id)
+
+    def reap_once(self, outbox_grace_ms: int = 2000, batch: int = 1000) -> dict[str, int]:
+        """One reaper pass: lapsed leases back to queued (or failed), the enqueue outbox flushed,
+        workers that stopped heartbeating dropped from the live sets. Safe to run concurrently."""
+        now = self.server_ms()
+        report = {"requeued": 0, "failed": 0, "outbox": 0, "workers_dropped": 0}
+        deliveries: list[tuple[str, int, int]] = []
+        expired = self.r.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=batch)
+        if expired:
+            with self.r.pipeline(transaction=False) as p:
+                for tid in expired:
+                    scripts.reap(self.scripts, p, tid)
+                for tid, raw in zip(expired, p.execute()):
+                    out = scripts.reap_outcome(raw)
+                    if out.status == "queued":
+                        deliveries.append((tid, out.tier, out.delivery))
+                        report["requeued"] += 1
+                    elif out.status == "failed":
+                        report["failed"] += 1
+        stuck = self.r.zrangebyscore(keys.REQUEUE, "-inf", now - outbox_grace_ms, start=0, num=batch)
+        if stuck:
+            with self.r.pipeline(transaction=False) as p:
+                for tid in stuck:
+                    p.hmget(keys.task(tid), "status", "tier", "deliveries")
+                for tid, (status, tier, delivery) in zip(stuck, p.execute()):
+                    if status == "queued":
+                        deliveries.append((tid, int(tier), int(delivery)))
+                        report["outbox"] += 1
+        self.flush_outbox(deliveries, extra_done=stuck)
+        dead = self.r.zrangebyscore(keys.WORKERS, "-inf", now - self.settings.worker_ttl * 1000)
+        if dead:
+            with self.r.pipeline(transaction=True) as p:
+                p.zrem(keys.WORKERS, *dead)
+                p.zrem(keys.SCORES, *dead)
+                p.execute()
+            report["workers_dropped"] = len(dead)
+        return report
+
+    def flush_outbox(self, deliveries: list[tuple[str, int, int]], extra_done: Iterable[str] = ()) -> None:
+        """Enqueue requeued tasks' new deliveries, then drop them from the outbox (one MULTI/EXEC)."""
+        done = {d[0] for d in deliveries} | set(extra_done)
+        if not done:
+            return
+        with self.r.pipeline(transaction=True) as p:
+            if deliveries:
+                self.enqueue(p, deliveries)
+            p.zrem(keys.REQUEUE, *done)
+            p.execute()

@@ -1,0 +1,201 @@
+"""The one function a gpumesh worker lets RQ call: run one delivery of a task.
+
+``run_task(task_id)`` acquires the task's lease (a duplicate or stale delivery is skipped), fetches the
+script by hash, runs the attempt in the sandbox while the worker's heartbeat thread keeps the lease
+alive, then completes or fails the task with its fenced token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from . import keys, sandbox, scripts
+
+if TYPE_CHECKING:
+    from .worker import MeshWorker
+
+log = logging.getLogger("gpumesh.worker")
+
+LOG_STREAM_MAXLEN = 10_000
+ERROR_TAIL_CHARS = 2000
+
+
+@dataclass
+class Running:
+    """The attempt in progress, shared between the executor (main thread) and the heartbeat thread."""
+
+    lease: scripts.Lease
+    stop_reason: str | None = None
+    last_renewal: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stop(self, reason: str) -> None:
+        with self.lock:
+            self.stop_reason = self.stop_reason or reason
+
+
+_worker: MeshWorker | None = None
+
+
+def bind(worker: MeshWorker | None) -> None:
+    """Called by the worker before it starts taking jobs."""
+    global _worker
+    _worker = worker
+
+
+def run_task(task_id: str) -> dict[str, Any]:
+    """RQ entry point. Returns a short summary, which RQ stores for rq-dashboard; gpumesh keeps the real result."""
+    if _worker is None:
+        raise RuntimeError("gpumesh.executor.run_task runs only inside `gpumesh worker`")
+    return _worker.executor.run(task_id)
+
+
+class Executor:
+    def __init__(self, worker: MeshWorker) -> None:
+        self.w = worker
+        self.broker = worker.broker
+        self.settings = worker.broker.settings
+        self._scripts_cache: dict[str, str] = {}
+        self.current: Running | None = None
+
+    def _script(self, sha: str) -> str:
+        src = self._scripts_cache.get(sha)
+        if src is None:
+            src = self.broker.r.get(keys.script(sha))
+            if src is None:
+                raise LookupError(f"script {sha[:12]} is missing from the broker")
+            if len(self._scripts_cache) > 64:
+                self._scripts_cache.clear()
+            self._scripts_cache[sha] = src
+        return src
+
+    def run(self, task_id: str) -> dict[str, Any]:
+        lease = scripts.acquire(
+            self.broker.scripts, self.broker.r, task_id, self.w.worker_id, int(self.settings.lease_ttl * 1000)
+        )
+        if isinstance(lease, str):
+            log.info("skip %s: task is %s (duplicate or stale delivery)", task_id, lease)
+            return {"task_id": task_id, "skipped": lease}
+        running = Running(lease)
+        self.current = running
+        log.info("run %s attempt %d", task_id, lease.attempt)
+        try:
+            status = self._attempt(running)
+        except BaseException:
+            # Cold shutdown (SystemExit), RQ's backstop timeout or a bug: hand the task back, never strand it.
+            self._finish_quietly(running, "worker stopped during the attempt", release=True)
+            raise
+        finally:
+            self.current = None
+        return {"task_id": task_id, "attempt": lease.attempt, "status": status}
+
+    def _attempt(self, running: Running) -> str:
+        lease = running.lease
+        try:
+            source = self._script(lease.script_sha)
+        except LookupError as exc:
+            return self._fail(running, str(exc), 0.0)
+        logbuf: list[tuple[str, str]] = []
+        last_flush = time.monotonic()
+
+        def on_line(stream: str, line: str) -> None:
+            nonlocal last_flush
+            logbuf.append((stream, line))
+            if len(logbuf) >= 200 or time.monotonic() - last_flush > 0.25:
+                self._flush_log(lease.task_id, logbuf)
+                last_flush = time.monotonic()
+
+        def should_stop() -> str | None:
+            if running.stop_reason:
+                return running.stop_reason
+            if time.monotonic() - running.last_renewal > self.settings.lease_ttl:
+                # Out of touch with the broker for a whole lease: someone else may hold the task now.
+                return "lease lost: no heartbeat reached the broker within the lease TTL"
+            return None
+
+        env = {
+            "GPUMESH_DEVICE": self.w.capability.device,
+            "GPUMESH_JOB_ID": lease.job_id,
+            "GPUMESH_TASK_ID": lease.task_id,
+            "GPUMESH_TASK_INDEX": str(lease.index),
+            "GPUMESH_ATTEMPT": str(lease.attempt),
+            "GPUMESH_WORKER_ID": self.w.worker_id,
+            "GPUMESH_WORKER_SCORE": f"{self.w.capability.score_gflops:.3f}",
+        }
+        if self.w.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
+        limits = self.w.limits(lease.timeout)
+        self._log_marker(lease)
+        out = sandbox.run(source, lease.script_name, lease.payload, env, limits, on_line, should_stop)
+        self._flush_log(lease.task_id, logbuf)
+
+        if out.killed and out.killed.startswith("lease lost"):
+            log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
+            return "lost"
+        if out.killed == "cancelled":
+            log.info("%s: cancelled; the attempt was killed", lease.task_id)
+            return "cancelled"
+        if out.killed == "shutdown":
+            self._finish_quietly(running, "", release=True, duration=out.duration)
+            return "released"
+        if out.returncode == 0 and not out.killed:
+            if out.result_too_large:
+                return self._fail(running, f"result line is over the {limits.result_bytes}-byte cap", out.duration)
+            if out.last_line is None:
+                return self._fail(running, "the script printed nothing; the result must be the last stdout line, as JSON", out.duration)
+            try:
+                json.loads(out.last_line)
+            except ValueError:
+                return self._fail(
+                    running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration
+                )
+            res = scripts.complete(self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration)
+            if not res.accepted:
+                log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
+                return f"rejected:{res.status}"
+            log.info("done %s in %.2fs", lease.task_id, out.duration)
+            return "done"
+        tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
+        error = out.describe_exit() + (f"\n{tail}" if tail else "")
+        return self._fail(running, error, out.duration)
+
+    def _fail(self, running: Running, error: str, duration: float) -> str:
+        lease = running.lease
+        res = scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration)
+        if not res.accepted:
+            log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
+            return f"rejected:{res.status}"
+        if res.status == "queued":
+            self.broker.flush_outbox([(lease.task_id, res.tier, res.delivery)])
+        log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
+        return res.status
+
+    def _finish_quietly(self, running: Running, error: str, release: bool, duration: float = 0.0) -> None:
+        try:
+            res = scripts.fail(self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release)
+            if res.accepted and res.status == "queued":
+                self.broker.flush_outbox([(running.lease.task_id, res.tier, res.delivery)])
+        except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
+            log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
+
+    def _log_marker(self, lease: scripts.Lease) -> None:
+        self._flush_log(lease.task_id, [("gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")])
+
+    def _flush_log(self, task_id: str, buf: list[tuple[str, str]]) -> None:
+        if not buf:
+            return
+        try:
+            with self.broker.r.pipeline(transaction=False) as p:
+                for stream, line in buf:
+                    p.xadd(keys.task_log(task_id), {"stream": stream, "line": line}, maxlen=LOG_STREAM_MAXLEN, approximate=True)
+                p.execute()
+        except redis.RedisError as exc:
+            log.warning("%s: %d log lines lost (%s)", task_id, len(buf), exc)
+        buf.clear()

@@ -1,0 +1,123 @@
+"""The sandbox's first process: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S``.
+
+It makes the task die with its worker (PR_SET_PDEATHSIG), adopts every orphan of the task
+(PR_SET_CHILD_SUBREAPER, so a grandchild that called setsid is still found), sets the rlimits, then
+forks: the child runs the script in this same interpreter (runpy: no second start-up), the parent
+supervises. On SIGTERM (the worker's kill, its timeout, or the worker's death) the supervisor sends
+TERM to the whole tree, KILL after the grace period, and exits the way the script did.
+
+Imports stay minimal: this runs once per task attempt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _descendants() -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _signal_tree(sig: int) -> None:
+    for pid in _descendants():
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _run_script(script: str) -> None:
+    """In the forked child: become the script, exit with its code."""
+    import runpy
+    import traceback
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    sys.argv = [script]
+    sys.path[0] = os.path.dirname(script)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # the script's own error: its traceback is the task's error
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    parent, script, cpu, fsize, nofile, grace = argv
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the worker died before prctl took effect
+        sys.exit(70)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for limit, value in ((resource.RLIMIT_CPU, int(cpu)), (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_NOFILE, int(nofile))):
+        if value > 0:
+            _soft, hard = resource.getrlimit(limit)
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
+
+    child = os.fork()
+    if child == 0:
+        _run_script(script)
+
+    def on_term(_sig: int, _frame: object) -> None:
+        _signal_tree(signal.SIGTERM)
+        signal.alarm(max(1, int(float(grace))))
+
+    def on_alarm(_sig: int, _frame: object) -> None:
+        _signal_tree(signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    status = None
+    while status is None:
+        try:
+            pid, st = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if pid == child:
+            status = st
+    # The script is gone; nothing it started may outlive it.
+    _signal_tree(signal.SIGKILL)
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.exit(os.WEXITSTATUS(status) if status is not None else 70)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

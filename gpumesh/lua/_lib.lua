@@ -1,0 +1,73 @@
+-- Helpers prepended to every gpumesh script by gpumesh/scripts.py (not a script of its own).
+-- Time always comes from the server; workers' clocks never enter the state machine.
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function secs(ms)
+  return string.format('%.3f', ms / 1000)
+end
+
+local function emit(events_key, kind, id, status)
+  redis.call('XADD', events_key, 'MAXLEN', '~', 10000, '*', 'kind', kind, 'id', id, 'status', status)
+end
+
+-- Move one task between job counters, in the same script as the task's own change.
+local function move(job_key, from, to)
+  redis.call('HINCRBY', job_key, from, -1)
+  redis.call('HINCRBY', job_key, to, 1)
+end
+
+-- The last task to end sets the job's terminal status: cancelled > failed > done.
+local function maybe_finish(job_key, events_key, job_id, ms)
+  local c = redis.call('HMGET', job_key, 'queued', 'running', 'failed', 'cancelled', 'status')
+  if tonumber(c[1]) > 0 or tonumber(c[2]) > 0 then
+    return
+  end
+  local status = 'done'
+  if tonumber(c[4]) > 0 then
+    status = 'cancelled'
+  elseif tonumber(c[3]) > 0 then
+    status = 'failed'
+  end
+  if c[5] ~= status then
+    redis.call('HSET', job_key, 'status', status, 'finished_at', secs(ms))
+    emit(events_key, 'job', job_id, status)
+  end
+end
+
+-- End a running attempt: back to 'queued' (into the enqueue outbox) while attempts remain, else 'failed'.
+-- Returns {'queued', delivery number, tier} or {'failed', attempts, tier}.
+-- refund: the attempt does not count (a worker handing its task back on shutdown).
+local function end_attempt(task_key, job_key, events_key, requeue_key, task_id, err, duration, refund, ms)
+  local t = redis.call('HMGET', task_key, 'attempts', 'max_attempts', 'tier', 'job')
+  local attempts, max_attempts = tonumber(t[1]), tonumber(t[2])
+  if refund then
+    attempts = redis.call('HINCRBY', task_key, 'attempts', -1)
+  end
+  if err ~= '' then
+    redis.call('HSET', task_key, 'error', err)
+  end
+  if attempts < max_attempts then
+    -- each requeue is a new delivery with its own deterministic RQ job id (<task>_<delivery>)
+    local delivery = redis.call('HINCRBY', task_key, 'deliveries', 1)
+    redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
+    redis.call('ZADD', requeue_key, ms, task_id)
+    move(job_key, 'running', 'queued')
+    emit(events_key, 'task', task_id, 'queued')
+    return {'queued', delivery, tonumber(t[3])}
+  end
+  redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(ms), 'duration', duration)
+  move(job_key, 'running', 'failed')
+  emit(events_key, 'task', task_id, 'failed')
+  maybe_finish(job_key, events_key, t[4], ms)
+  return {'failed', attempts, tonumber(t[3])}
+end
+
+local function clear_current(worker_key, task_id)
+  if redis.call('HGET', worker_key, 'current_task') == task_id then
+    redis.call('HSET', worker_key, 'current_task', '')
+  end
+end

@@ -1,0 +1,20 @@
+-- reap: a running task whose lease key has lapsed goes back to queued (or failed at max_attempts).
+-- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
+-- KEYS[5] events stream KEYS[6] requeue zset (enqueue outbox)
+-- ARGV[1] task id
+-- Returns {'renewed'} (lease still alive), {'gone'} (not running), or end_attempt's {'queued'|'failed', n, tier}
+local t = redis.call('HMGET', KEYS[1], 'status', 'worker')
+local ms = now_ms()
+if t[1] ~= 'running' then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return {'gone'}
+end
+local pttl = redis.call('PTTL', KEYS[2])
+if pttl > 0 then
+  redis.call('ZADD', KEYS[3], ms + pttl, ARGV[1])
+  return {'renewed'}
+end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+local err = 'lease expired: worker ' .. (t[2] or '?') .. ' stopped heartbeating'
+return end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[6], ARGV[1], err, '', false, ms)

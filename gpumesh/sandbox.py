@@ -1,0 +1,256 @@
+"""Run one attempt of a task script in a fresh interpreter, under limits, and collect its output.
+
+The worker's side of the sandbox: a temp working directory removed afterwards, payload on stdin, a
+cleaned environment, stdout/stderr streamed line by line to a sink with a byte cap, the wall-clock
+timeout and the RSS cap enforced by killing the whole tree (TERM, grace, KILL), and the result taken
+from the last non-empty stdout line.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import psutil
+
+# Variables a task may need from the worker's environment; everything else (the broker URL and
+# password included) stays out.
+PASS_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM",
+    "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "HF_HOME", "TORCH_HOME", "XDG_CACHE_HOME",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+    "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+)  # fmt: skip
+
+TRUNCATED = "[gpumesh] output truncated: the log cap of {cap} bytes was reached"
+STDERR_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout: float  # wall-clock seconds
+    memory_bytes: int  # RSS of the whole tree; 0 = none
+    cpu_seconds: int = 0  # RLIMIT_CPU; 0 = none
+    file_bytes: int = 64 << 30  # RLIMIT_FSIZE; 0 = none
+    open_files: int = 4096
+    grace: float = 3.0  # between TERM and KILL
+    log_bytes: int = 1_000_000
+    result_bytes: int = 1_000_000
+
+
+@dataclass
+class Outcome:
+    """What one attempt did."""
+
+    returncode: int | None = None
+    killed: str | None = None  # 'timeout', 'memory', or the reason the worker gave (cancelled, lease lost, ...)
+    last_line: str | None = None
+    result_too_large: bool = False
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    log_truncated: bool = False
+    duration: float = 0.0
+
+    def describe_exit(self) -> str:
+        if self.killed == "timeout":
+            return "timed out"
+        if self.killed == "memory":
+            return "killed: over its memory cap"
+        if self.killed:
+            return f"killed: {self.killed}"
+        rc = self.returncode
+        if rc is not None and rc < 0:
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            return f"killed by {name}"
+        return f"exit code {rc}"
+
+
+def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def tree_rss(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def _kill_hard(proc: subprocess.Popen[bytes]) -> None:
+    """Last resort when the launcher did not end in time: KILL it and every descendant we can see."""
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        victims = []
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run(
+    source: str,
+    script_name: str,
+    payload: str,
+    env: Mapping[str, str],
+    limits: Limits,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+) -> Outcome:
+    """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
+    ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown)."""
+    out = Outcome()
+    workdir = tempfile.mkdtemp(prefix="gpumesh-task-")
+    started = time.monotonic()
+    try:
+        script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
+        with open(script, "w") as f:
+            f.write(source)
+        output_dir = os.path.join(workdir, "output")
+        os.mkdir(output_dir)
+        full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
+        with tempfile.TemporaryFile() as stdin:
+            stdin.write(payload.encode())
+            stdin.seek(0)
+            cmd = [
+                sys.executable, "-u", "-m", "gpumesh.launcher", str(os.getpid()), script,
+                str(limits.cpu_seconds), str(limits.file_bytes), str(limits.open_files), str(limits.grace),
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=workdir, env=full_env, start_new_session=True, close_fds=True,
+            )  # fmt: skip
+        try:
+            _supervise(proc, out, limits, on_line, should_stop, started)
+        except BaseException:  # the worker is going down (cold shutdown, backstop timeout): take the task with it
+            _kill_hard(proc)
+            proc.wait()
+            raise
+    finally:
+        out.duration = time.monotonic() - started
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    out: Outcome,
+    limits: Limits,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+    started: float,
+) -> None:
+    sel = selectors.DefaultSelector()
+    assert proc.stdout and proc.stderr
+    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    partial = {"stdout": b"", "stderr": b""}
+    logged = 0
+    deadline = started + limits.timeout
+    term_sent_at: float | None = None
+    next_rss = started + 0.2
+    pipes_closed_at: float | None = None
+
+    def emit(stream: str, raw: bytes) -> None:
+        nonlocal logged
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        if stream == "stdout" and line.strip():
+            if len(raw) > limits.result_bytes:
+                out.last_line, out.result_too_large = None, True
+            else:
+                out.last_line, out.result_too_large = line, False
+        elif stream == "stderr":
+            out.stderr_tail.append(line)
+        if out.log_truncated:
+            return
+        logged += len(raw) + 1
+        if logged > limits.log_bytes:
+            out.log_truncated = True
+            on_line("stderr", TRUNCATED.format(cap=limits.log_bytes))
+        else:
+            on_line(stream, line)
+
+    def kill(reason: str) -> None:
+        nonlocal term_sent_at
+        if term_sent_at is None:
+            out.killed = out.killed or reason
+            term_sent_at = time.monotonic()
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+
+    while True:
+        now = time.monotonic()
+        if sel.get_map():
+            for key, _ in sel.select(timeout=0.1):
+                stream = key.data
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    if partial[stream]:
+                        emit(stream, partial[stream])
+                        partial[stream] = b""
+                    continue
+                lines = (partial[stream] + chunk).split(b"\n")
+                partial[stream] = lines.pop()
+                if len(partial[stream]) > limits.result_bytes + limits.log_bytes:  # a runaway line with no newline
+                    lines.append(partial[stream])
+                    partial[stream] = b""
+                for raw in lines:
+                    emit(stream, raw)
+        else:
+            try:
+                proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is not None:
+            if not sel.get_map():
+                break
+            # The launcher is gone but a pipe is still open (a descendant escaped it): drain briefly.
+            pipes_closed_at = pipes_closed_at or now
+            if now - pipes_closed_at > 1.0:
+                _kill_hard(proc)
+                break
+        if term_sent_at is None:
+            reason = should_stop()
+            if reason:
+                kill(reason)
+            elif now > deadline:
+                kill("timeout")
+            elif limits.memory_bytes and now >= next_rss:
+                next_rss = now + 0.25
+                if tree_rss(proc.pid) > limits.memory_bytes:
+                    kill("memory")
+        elif now - term_sent_at > limits.grace + 2.0 and proc.poll() is None:
+            _kill_hard(proc)
+    for f in (proc.stdout, proc.stderr):
+        f.close()
+    out.returncode = proc.wait()

@@ -1,0 +1,123 @@
+"""The task state machine: one atomic Lua script per transition, loaded once per client.
+
+redis-py's ``Script`` runs EVALSHA and reloads the source on NOSCRIPT, so a ``SCRIPT FLUSH`` or a
+Redis restart costs one extra round trip, never an error. Return codes become typed results here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from . import keys
+
+NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel")
+
+
+@cache
+def _source(name: str) -> str:
+    lua = resources.files("gpumesh") / "lua"
+    return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+class Scripts:
+    """The transition scripts registered on one client (a pipeline may run them too)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._s: dict[str, Script] = {name: client.register_script(_source(name)) for name in NAMES}
+
+    def __getitem__(self, name: str) -> Script:
+        return self._s[name]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a worker learns when it acquires a task: everything needed to run it."""
+
+    task_id: str
+    token: str
+    attempt: int
+    job_id: str
+    index: int
+    payload: str
+    script_sha: str
+    script_name: str
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Answer of complete/fail/reap/cancel: ``accepted`` false means a fenced or late call changed nothing."""
+
+    accepted: bool
+    status: str  # new status when accepted, else why not ('stale', 'cancelled', 'missing', ...)
+    delivery: int = 0  # when requeued: the delivery number that names the new RQ job
+    tier: int = 0
+
+
+def _task_keys(task_id: str, *extra: str) -> list[str]:
+    return [keys.task(task_id), keys.lease(task_id), keys.LEASES, keys.job(keys.job_of_task(task_id)), keys.EVENTS, *extra]
+
+
+def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
+    """Lease a queued task; a string says why not (its status or 'missing')."""
+    r = s["acquire"](
+        keys=_task_keys(task_id, keys.worker(worker_id), keys.REQUEUE), args=[task_id, worker_id, lease_ms], client=client
+    )
+    if int(r[0]) != 1:
+        return r[1]
+    return Lease(task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]))
+
+
+def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float) -> Outcome:
+    r = s["complete"](
+        keys=_task_keys(lease.task_id, keys.worker(worker_id)),
+        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}"],
+        client=client,
+    )
+    return Outcome(int(r[0]) == 1, r[1])
+
+
+def fail(
+    s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False
+) -> Outcome:
+    r = s["fail"](
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.REQUEUE),
+        args=[lease.task_id, lease.token, error, f"{duration:.3f}", "release" if release else "fail"],
+        client=client,
+    )
+    if int(r[0]) != 1:
+        return Outcome(False, r[1])
+    return Outcome(True, r[1], int(r[2]), int(r[3]))
+
+
+def heartbeat(
+    s: Scripts, client: Any, worker_id: str, worker_ttl_ms: int, lease: Lease | None, lease_ms: int
+) -> tuple[bool, str, int]:
+    """Returns (registered, lease state, server time ms)."""
+    task_id = lease.task_id if lease else ""
+    r = s["heartbeat"](
+        keys=[keys.worker(worker_id), keys.WORKERS, keys.lease(task_id), keys.LEASES, keys.task(task_id)],
+        args=[worker_id, worker_ttl_ms, lease.token if lease else "", lease_ms, task_id],
+        client=client,
+    )
+    return bool(int(r[0])), r[1], int(r[2])
+
+
+def reap(s: Scripts, client: Any, task_id: str) -> Any:
+    return s["reap"](keys=_task_keys(task_id, keys.REQUEUE), args=[task_id], client=client)
+
+
+def reap_outcome(r: list[Any]) -> Outcome:
+    if r[0] in ("queued", "failed"):
+        return Outcome(True, r[0], int(r[1]), int(r[2]))
+    return Outcome(False, r[0])
+
+
+def cancel(s: Scripts, client: Any, task_id: str) -> Any:
+    return s["cancel"](keys=_task_keys(task_id, keys.REQUEUE), args=[task_id], client=client)

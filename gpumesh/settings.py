@@ -1,0 +1,81 @@
+"""One settings object: flags over environment (``GPUMESH_*``) over the config file over defaults.
+
+Core code receives a :class:`Settings`; only :meth:`Settings.load` reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import UsageError
+
+ENV_PREFIX = "GPUMESH_"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+def config_path() -> Path:
+    """Where ``gpumesh config init`` writes and every command reads the config file."""
+    override = os.environ.get(ENV_PREFIX + "CONFIG")
+    return Path(override) if override else Path(click.get_app_dir("gpumesh")) / "config.toml"
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpumesh"
+
+
+class Settings(BaseModel):
+    """Everything an operator or a test can tune. Times are seconds (floats allowed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = DEFAULT_URL
+    lease_ttl: float = Field(30.0, gt=0, description="a task's lease lapses this long after the last heartbeat")
+    heartbeat_interval: float = Field(5.0, gt=0, description="how often a worker renews its registration and lease")
+    tiers: int = Field(3, ge=1, le=16, description="number of capability tiers (RQ queues)")
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    log_max_bytes: int = Field(1_000_000, ge=1024, description="stdout+stderr kept per attempt")
+    result_max_bytes: int = Field(1_000_000, ge=64, description="largest accepted result line")
+    task_memory_mb: int = Field(0, ge=0, description="RSS cap per task tree; 0 = 90% of the machine's memory")
+
+    @model_validator(mode="after")
+    def _heartbeat_fits_lease(self) -> Settings:
+        if self.heartbeat_interval * 2 > self.lease_ttl:
+            raise ValueError(
+                f"heartbeat interval ({self.heartbeat_interval}s) must be at most half the lease TTL "
+                f"({self.lease_ttl}s), or leases lapse between heartbeats"
+            )
+        return self
+
+    @property
+    def worker_ttl(self) -> float:
+        """A worker's registration expires this long after its last heartbeat."""
+        return self.lease_ttl
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        """Build settings from defaults, the config file, ``GPUMESH_*`` variables and ``overrides`` (not None)."""
+        values: dict[str, Any] = {}
+        path = config_path()
+        if path.is_file():
+            try:
+                values.update(tomllib.loads(path.read_text()))
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise UsageError(f"config file {path} is unreadable ({exc}); fix it or delete it") from exc
+        for name in cls.model_fields:
+            env = os.environ.get(ENV_PREFIX + name.upper())
+            if env not in (None, ""):
+                values[name] = env
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "settings"
+            raise UsageError(f"invalid setting {where}: {err['msg']}") from exc

@@ -1,0 +1,225 @@
+"""``gpumesh worker``: an RQ SimpleWorker that runs only gpumesh's executor, under leases.
+
+The worker process itself never initialises CUDA: the benchmark and every task run in child
+processes. A heartbeat thread renews the registration and the current lease, learns about
+cancellation, recomputes the tier from the live scores (and so the queue order), and takes its turn
+as the mesh's reaper.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import psutil
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.worker import SimpleWorker
+
+from . import __version__, executor, keys, scheduling, scripts
+from .broker import EXECUTOR, Broker
+from .models import Capability
+from .sandbox import Limits
+
+log = logging.getLogger("gpumesh.worker")
+
+
+def refusal(job: Job) -> str | None:
+    """Why an RQ job must not run here, or None. Whoever can write rq:job:* picks the function."""
+    if job.func_name != EXECUTOR:
+        return f"refused: function {job.func_name!r} is not gpumesh's executor"
+    for attr in ("_success_callback_name", "_failure_callback_name", "_stopped_callback_name"):
+        if getattr(job, attr, None):
+            return "refused: gpumesh jobs carry no callbacks"
+    if len(job.args) != 1 or not isinstance(job.args[0], str) or job.kwargs:
+        return "refused: a gpumesh job takes exactly one task id"
+    return None
+
+
+class MeshJob(Job):
+    """An RQ job whose function is pinned: nothing read from Redis chooses code to import."""
+
+    @property
+    def func(self):  # type: ignore[override]
+        if self.func_name != EXECUTOR:
+            raise PermissionError(f"refused: function {self.func_name!r} is not gpumesh's executor")
+        return executor.run_task
+
+
+class MeshWorker(SimpleWorker):
+    job_class = MeshJob
+
+    def __init__(
+        self,
+        broker: Broker,
+        capability: Capability,
+        name: str | None = None,
+        cuda_visible_devices: str | None = None,
+    ) -> None:
+        self.broker = broker
+        self.settings = broker.settings
+        self.capability = capability
+        self.cuda_visible_devices = cuda_visible_devices
+        self.display_name = name or socket.gethostname()
+        self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
+        self.executor = executor.Executor(self)
+        self._order = list(range(self.settings.tiers - 1, -1, -1))
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._hb_failing = False
+        super().__init__(
+            [q.name for q in broker.queues],
+            name=self.worker_id,
+            connection=broker.rq,
+            serializer=JSONSerializer,
+            worker_ttl=max(60, int(self.settings.worker_ttl * 2)),
+        )
+
+    # -- RQ hooks --------------------------------------------------------------------------------
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # Short blocking pops, so a change of tier (a worker joined or died) applies within a heartbeat.
+        return max(1, math.ceil(self.settings.heartbeat_interval))
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        order = self._order
+        by_name = {q.name: q for q in self.queues}
+        self._ordered_queues = [by_name[keys.queue_name(t)] for t in order]
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+
+    def execute_job(self, job: Job, queue: Any) -> None:
+        why = refusal(job)
+        if why:
+            log.error("RQ job %s from %s %s", job.id, queue.name, why)
+            self.handle_job_failure(job, queue, exc_string=why)
+            return
+        super().execute_job(job, queue)
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        executor.bind(self)
+        self._register()
+        self._beat()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
+        self._hb_thread.start()
+        log.info(
+            "worker %s ready: %s (%s), %.1f GFLOP/s, broker %s",
+            self.worker_id, self.capability.device, self.capability.device_name,
+            self.capability.score_gflops, self.broker.url_masked,
+        )  # fmt: skip
+        try:
+            return super().work(*args, **kwargs)
+        finally:
+            self._hb_stop.set()
+            self._hb_thread.join(timeout=5)
+            self._unregister()
+            executor.bind(None)
+
+    # -- gpumesh ---------------------------------------------------------------------------------
+
+    def limits(self, timeout: float) -> Limits:
+        mem = self.settings.task_memory_mb << 20 or int(psutil.virtual_memory().total * 0.9)
+        cpus = os.cpu_count() or 1
+        return Limits(
+            timeout=timeout,
+            memory_bytes=mem,
+            cpu_seconds=math.ceil(timeout * cpus) + 10,
+            log_bytes=self.settings.log_max_bytes,
+            result_bytes=self.settings.result_max_bytes,
+        )
+
+    def _register(self) -> None:
+        cap = self.capability
+        with self.broker.r.pipeline(transaction=True) as p:
+            p.hset(
+                keys.worker(self.worker_id),
+                mapping={
+                    "name": self.display_name,
+                    "hostname": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "device": cap.device,
+                    "device_name": cap.device_name,
+                    "memory": cap.memory_bytes,
+                    "score": cap.score_gflops,
+                    "version": __version__,
+                    "current_task": "",
+                },
+            )
+            p.pexpire(keys.worker(self.worker_id), int(self.settings.worker_ttl * 1000))
+            p.zadd(keys.SCORES, {self.worker_id: cap.score_gflops})
+            p.execute()
+
+    def _unregister(self) -> None:
+        try:
+            with self.broker.r.pipeline(transaction=True) as p:
+                p.delete(keys.worker(self.worker_id))
+                p.zrem(keys.WORKERS, self.worker_id)
+                p.zrem(keys.SCORES, self.worker_id)
+                p.execute()
+        except redis.RedisError as exc:
+            log.warning("could not unregister (%s); the registration expires by itself", exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.settings.heartbeat_interval):
+            try:
+                self._beat()
+                if self._hb_failing:
+                    log.info("broker reachable again")
+                self._hb_failing = False
+            except redis.RedisError as exc:
+                if not self._hb_failing:
+                    log.warning("heartbeat failed (%s); retrying every %.1fs", exc, self.settings.heartbeat_interval)
+                self._hb_failing = True
+            except Exception:
+                log.exception("heartbeat error")
+
+    def _beat(self) -> None:
+        s = self.settings
+        running = self.executor.current
+        sent_at = time.monotonic()
+        registered, state, _now = scripts.heartbeat(
+            self.broker.scripts,
+            self.broker.r,
+            self.worker_id,
+            int(s.worker_ttl * 1000),
+            running.lease if running else None,
+            int(s.lease_ttl * 1000),
+        )
+        if running is not None:
+            if state == "ok":
+                running.last_renewal = sent_at
+            elif state == "cancelled":
+                running.stop("cancelled")
+            elif state == "lost":
+                running.stop("lease lost: the task was leased again elsewhere")
+        if not registered:
+            log.warning("registration had expired (paused or cut off?); registering again")
+            self._register()
+            scripts.heartbeat(self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0)
+        scores = self.broker.live_scores()
+        scores.setdefault(self.worker_id, self.capability.score_gflops)
+        tiers = scheduling.worker_tiers(scores, s.tiers)
+        self._order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
+        self.broker.rq.expire(self.key, self.worker_ttl + 60)
+        if self._reaper_turn():
+            report = self.broker.reap_once()
+            if any(report.values()):
+                log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
+
+    def _reaper_turn(self) -> bool:
+        """One reaper at a time across the mesh (an optimisation: reaping twice is harmless)."""
+        ttl = int(self.settings.heartbeat_interval * 2000) + 1000
+        r = self.broker.r
+        if r.set(keys.REAPER_LOCK, self.worker_id, nx=True, px=ttl):
+            return True
+        if r.get(keys.REAPER_LOCK) == self.worker_id:
+            r.pexpire(keys.REAPER_LOCK, ttl)
+            return True
+        return False
