@@ -338,11 +338,12 @@ class Broker:
 
     def flush_outbox(self, deliveries: list[tuple[str, int, int]], extra_done: Iterable[str] = ()) -> None:
         """Enqueue requeued tasks' new deliveries, then drop them from the outbox (one MULTI/EXEC)."""
-        done = {d[0] for d in deliveries} | set(extra_done)
+        unique = list({(tid, delivery): (tid, tier, delivery) for tid, tier, delivery in deliveries}.values())
+        done = {d[0] for d in unique} | set(extra_done)
         if not done:
             return
         with self.r.pipeline(transaction=True) as p:
-            if deliveries:
-                self.enqueue(p, deliveries)
+            if unique:
+                self.enqueue(p, unique)
             p.zrem(keys.REQUEUE, *done)
             p.execute()

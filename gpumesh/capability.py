@@ -83,7 +83,9 @@ def _bench_numpy() -> Capability:
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = a.T.copy()
     score = _timed(lambda: a @ b, 2 * n**3)
-    return Capability(device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="numpy")
+    return Capability(
+        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="numpy"
+    )
 
 
 def _bench_python() -> Capability:
@@ -95,7 +97,9 @@ def _bench_python() -> Capability:
         [[sum(x * y for x, y in zip(row, col)) for col in bt] for row in a]
 
     score = _timed(step, 2 * n**3)
-    return Capability(device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="python")
+    return Capability(
+        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="python"
+    )
 
 
 def benchmark(seconds: float = BENCH_SECONDS) -> Capability:
@@ -141,11 +145,17 @@ def probe(cache_dir: Path, refresh: bool = False, score: float | None = None, ti
 
 def _run_child(args: list[str], timeout: float) -> Capability:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpumesh.capability", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "gpumesh.capability", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise GpumeshError(f"the hardware probe failed (exit {proc.returncode}: {tail[0]}); pass --score to skip the benchmark")
+        raise GpumeshError(
+            f"the hardware probe failed (exit {proc.returncode}: {tail[0]}); pass --score to skip the benchmark"
+        )
     return Capability.model_validate_json(proc.stdout.strip().splitlines()[-1])
 
 

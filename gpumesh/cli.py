@@ -152,7 +152,9 @@ def _read_script(spec: str) -> str:
 
 def _progress_line(st: JobStatus) -> str:
     t = st.tasks
-    return f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
+    return (
+        f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
+    )
 
 
 def wait_for(broker: Broker, job_id: str, quiet: bool = False, poll: float = 0.5) -> JobStatus:
@@ -298,7 +300,15 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
         return
     table = Table("worker", "host", "device", "GFLOP/s", "tier", "state", "task")
     for r in rows:
-        table.add_row(r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier), r.state, r.current_task or "")
+        table.add_row(
+            r.id,
+            r.hostname,
+            f"{r.device} {r.device_name}",
+            f"{r.score_gflops:.1f}",
+            str(r.tier),
+            r.state,
+            r.current_task or "",
+        )
     Console().print(table)
 
 

@@ -149,14 +149,18 @@ class Executor:
             if out.result_too_large:
                 return self._fail(running, f"result line is over the {limits.result_bytes}-byte cap", out.duration)
             if out.last_line is None:
-                return self._fail(running, "the script printed nothing; the result must be the last stdout line, as JSON", out.duration)
+                return self._fail(
+                    running,
+                    "the script printed nothing; the result must be the last stdout line, as JSON",
+                    out.duration,
+                )
             try:
                 json.loads(out.last_line)
             except ValueError:
-                return self._fail(
-                    running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration
-                )
-            res = scripts.complete(self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration)
+                return self._fail(running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration)
+            res = scripts.complete(
+                self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration
+            )
             if not res.accepted:
                 log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
                 return f"rejected:{res.status}"
@@ -179,7 +183,9 @@ class Executor:
 
     def _finish_quietly(self, running: Running, error: str, release: bool, duration: float = 0.0) -> None:
         try:
-            res = scripts.fail(self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release)
+            res = scripts.fail(
+                self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release
+            )
             if res.accepted and res.status == "queued":
                 self.broker.flush_outbox([(running.lease.task_id, res.tier, res.delivery)])
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
@@ -194,7 +200,12 @@ class Executor:
         try:
             with self.broker.r.pipeline(transaction=False) as p:
                 for stream, line in buf:
-                    p.xadd(keys.task_log(task_id), {"stream": stream, "line": line}, maxlen=LOG_STREAM_MAXLEN, approximate=True)
+                    p.xadd(
+                        keys.task_log(task_id),
+                        {"stream": stream, "line": line},
+                        maxlen=LOG_STREAM_MAXLEN,
+                        approximate=True,
+                    )
                 p.execute()
         except redis.RedisError as exc:
             log.warning("%s: %d log lines lost (%s)", task_id, len(buf), exc)

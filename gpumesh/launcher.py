@@ -22,12 +22,24 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def _descendants() -> list[int]:
-    import psutil
-
-    try:
-        return [p.pid for p in psutil.Process().children(recursive=True)]
-    except psutil.Error:
-        return []
+    """Every process below this one, read from /proc. Plain os calls only: this runs in signal handlers,
+    where importing a module (psutil) can re-enter itself. As a subreaper we keep every orphan below us."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, stack = [], [os.getpid()]
+    while stack:
+        for pid in children.get(stack.pop(), ()):
+            out.append(pid)
+            stack.append(pid)
+    return out
 
 
 def _signal_tree(sig: int) -> None:
@@ -72,26 +84,37 @@ def main(argv: list[str]) -> None:
         sys.exit(70)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    for limit, value in ((resource.RLIMIT_CPU, int(cpu)), (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_NOFILE, int(nofile))):
+    for limit, value in (
+        (resource.RLIMIT_CPU, int(cpu)),
+        (resource.RLIMIT_FSIZE, int(fsize)),
+        (resource.RLIMIT_NOFILE, int(nofile)),
+    ):
         if value > 0:
             _soft, hard = resource.getrlimit(limit)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
 
-    child = os.fork()
-    if child == 0:
-        _run_script(script)
+    terminating = False
 
     def on_term(_sig: int, _frame: object) -> None:
+        nonlocal terminating
+        if terminating:  # the worker's TERM and its death signal may both arrive
+            return
+        terminating = True
         _signal_tree(signal.SIGTERM)
         signal.alarm(max(1, int(float(grace))))
 
     def on_alarm(_sig: int, _frame: object) -> None:
         _signal_tree(signal.SIGKILL)
 
+    # Handlers before the fork: a TERM that lands right after it must still reach the script.
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = os.fork()
+    if child == 0:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _run_script(script)
 
     status = None
     while status is None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import UsageError
 
@@ -20,7 +20,7 @@ def ts(value: Any) -> datetime | None:
     """A Redis time field (epoch seconds as text) as an aware datetime; '' and None stay None."""
     if value in (None, "", b""):
         return None
-    return datetime.fromtimestamp(float(value), tz=timezone.utc)
+    return datetime.fromtimestamp(float(value), tz=UTC)
 
 
 def payload_cost(payload: dict[str, Any]) -> float:

@@ -152,6 +152,8 @@ def run(
         except BaseException:  # the worker is going down (cold shutdown, backstop timeout): take the task with it
             _kill_hard(proc)
             proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()  # type: ignore[union-attr]
             raise
     finally:
         out.duration = time.monotonic() - started

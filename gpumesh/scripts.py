@@ -61,13 +61,22 @@ class Outcome:
 
 
 def _task_keys(task_id: str, *extra: str) -> list[str]:
-    return [keys.task(task_id), keys.lease(task_id), keys.LEASES, keys.job(keys.job_of_task(task_id)), keys.EVENTS, *extra]
+    return [
+        keys.task(task_id),
+        keys.lease(task_id),
+        keys.LEASES,
+        keys.job(keys.job_of_task(task_id)),
+        keys.EVENTS,
+        *extra,
+    ]
 
 
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
     """Lease a queued task; a string says why not (its status or 'missing')."""
     r = s["acquire"](
-        keys=_task_keys(task_id, keys.worker(worker_id), keys.REQUEUE), args=[task_id, worker_id, lease_ms], client=client
+        keys=_task_keys(task_id, keys.worker(worker_id), keys.REQUEUE),
+        args=[task_id, worker_id, lease_ms],
+        client=client,
     )
     if int(r[0]) != 1:
         return r[1]

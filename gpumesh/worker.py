@@ -71,6 +71,7 @@ class MeshWorker(SimpleWorker):
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.executor = executor.Executor(self)
         self._order = list(range(self.settings.tiers - 1, -1, -1))
+        self._published: list[int] | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
@@ -89,11 +90,15 @@ class MeshWorker(SimpleWorker):
         # Short blocking pops, so a change of tier (a worker joined or died) applies within a heartbeat.
         return max(1, math.ceil(self.settings.heartbeat_interval))
 
-    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        order = self._order
+    @property
+    def _ordered_queues(self) -> list[Any]:
+        # RQ reads this before every blocking pop, so a tier change applies at the next pop.
         by_name = {q.name: q for q in self.queues}
-        self._ordered_queues = [by_name[keys.queue_name(t)] for t in order]
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        return [by_name[keys.queue_name(t)] for t in self._order]
+
+    @_ordered_queues.setter
+    def _ordered_queues(self, _value: list[Any]) -> None:
+        pass  # the order is the scheduler's, not RQ's dequeue strategy
 
     def execute_job(self, job: Job, queue: Any) -> None:
         why = refusal(job)
@@ -206,7 +211,14 @@ class MeshWorker(SimpleWorker):
         scores = self.broker.live_scores()
         scores.setdefault(self.worker_id, self.capability.score_gflops)
         tiers = scheduling.worker_tiers(scores, s.tiers)
-        self._order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
+        order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
+        self._order = order
+        if order != self._published or not registered:
+            self._published = order
+            self.broker.r.hset(
+                keys.worker(self.worker_id),
+                mapping={"tier": tiers[self.worker_id], "queues": ",".join(map(str, order))},
+            )
         self.broker.rq.expire(self.key, self.worker_ttl + 60)
         if self._reaper_turn():
             report = self.broker.reap_once()

@@ -1,0 +1,184 @@
+"""End to end with real `gpumesh worker` processes, a real Redis and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from gpumesh import keys
+
+from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until
+
+
+def write_script(tmp: Path, body: str) -> Path:
+    path = tmp / "task.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def job_of(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
+def test_grid_search_example_through_submit_wait(env, workers: Workers):
+    workers.start()
+    p = gpumesh("submit", str(ROOT / "examples/grid_search.py"), "--payloads", str(ROOT / "examples/payloads.json"),
+                "--wait", "--json", env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    assert st["status"] == "done" and st["tasks"]["done"] == 6 and st["tasks"]["total"] == 6
+    assert set(st) == {"job_id", "name", "status", "tasks", "created_at", "finished_at"}
+    res = json.loads(gpumesh("results", st["job_id"], "--format", "json", env=env).stdout)
+    assert [row["index"] for row in res] == list(range(6))
+    assert all(row["status"] == "done" and row["attempts"] == 1 for row in res)
+    assert res[0]["result"]["loss"] < 0.05  # lr 0.3, 400 epochs fits y = 3x - 2
+    assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s"}
+
+
+def test_worker_sigkilled_mid_task_is_re_leased_and_finishes_elsewhere(env, workers: Workers, r: redis.Redis, tmp_path):
+    script = write_script(tmp_path, f"""
+        import json, os, sys, time
+        attempt = os.environ["GPUMESH_ATTEMPT"]
+        open(os.path.join({str(tmp_path)!r}, "pid-" + attempt), "w").write(str(os.getpid()))
+        if attempt == "1":
+            time.sleep(120)
+        print(json.dumps({{"attempt": attempt, "worker": os.environ["GPUMESH_WORKER_ID"]}}))
+        """)  # fmt: skip
+    a = workers.start()
+    b = workers.start()
+    job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"n": 1}]').stdout)
+    tid = keys.task_id(job, 0)
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1 to start")
+    holder = r.hget(keys.task(tid), "worker")
+    victim = a if int(r.hget(keys.worker(holder), "pid")) == a.pid else b
+    sandbox_pid = int((tmp_path / "pid-1").read_text())
+    killed_at = time.monotonic()
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    wait_until(lambda: not pid_alive(sandbox_pid), timeout=8, what="the dead worker's sandbox to die")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=30, what="the task to finish elsewhere")
+    elapsed = time.monotonic() - killed_at
+    task = r.hgetall(keys.task(tid))
+    assert task["attempts"] == "2"
+    assert json.loads(task["result"])["attempt"] == "2"
+    assert task["worker"] != holder
+    done_events = [f for _, f in r.xrange(keys.EVENTS) if f["id"] == tid and f["status"] == "done"]
+    assert len(done_events) == 1, "exactly one result accepted"
+    assert elapsed < 15
+
+
+def test_always_failing_script_runs_exactly_max_attempts_then_fails(env, workers: Workers, r: redis.Redis, tmp_path):
+    runs = tmp_path / "runs"
+    script = write_script(tmp_path, f"""
+        import os, sys
+        with open({str(runs)!r}, "a") as f:
+            f.write(os.environ["GPUMESH_ATTEMPT"] + "\\n")
+        print("something broke on attempt " + os.environ["GPUMESH_ATTEMPT"], file=sys.stderr)
+        sys.exit(3)
+        """)  # fmt: skip
+    workers.start()
+    p = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "3", "--wait", env=env, input="[{}]")
+    assert p.returncode == 1, p.stderr
+    assert runs.read_text().split() == ["1", "2", "3"]
+    job = p.stdout.split()[0]
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["status"] == "failed" and row["attempts"] == 3
+    assert row["error"].startswith("exit code 3")
+    assert "something broke on attempt 3" in row["error"]
+    st = json.loads(gpumesh("status", job, "--json", env=env).stdout)
+    assert st["status"] == "failed" and st["tasks"]["failed"] == 1
+
+
+def test_bad_result_line_fails_the_attempt_with_a_clear_error(env, workers: Workers, tmp_path):
+    script = write_script(tmp_path, "print('not json at all')\n")
+    workers.start()
+    p = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "1", "--wait", env=env, input="[{}]")
+    assert p.returncode == 1
+    (row,) = json.loads(gpumesh("results", p.stdout.split()[0], "--format", "json", env=env).stdout)
+    assert row["error"] == "the last stdout line is not JSON: 'not json at all'"
+
+
+def test_cancel_kills_running_within_a_heartbeat_and_queued_never_run(env, workers: Workers, r: redis.Redis, tmp_path):
+    script = write_script(tmp_path, f"""
+        import json, os, sys, time
+        p = json.load(sys.stdin)
+        open(os.path.join({str(tmp_path)!r}, "ran-%d" % p["i"]), "w").write(str(os.getpid()))
+        time.sleep(p["sleep"])
+        print("{{}}")
+        """)  # fmt: skip
+    payloads = [{"i": 0, "sleep": 120, "cost": 100}] + [{"i": i, "sleep": 0, "cost": 1} for i in range(1, 6)]
+    workers.start()
+    job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input=json.dumps(payloads)).stdout)
+    wait_until(lambda: (tmp_path / "ran-0").exists(), what="the long task to start")
+    pid = int((tmp_path / "ran-0").read_text())
+    t0 = time.monotonic()
+    p = gpumesh("cancel", job, "--json", env=env)
+    assert p.returncode == 0 and json.loads(p.stdout)["status"] == "cancelled"
+    wait_until(lambda: not pid_alive(pid), timeout=10, what="the running task to be killed")
+    assert time.monotonic() - t0 < 0.4 + 2.5  # one heartbeat (0.4 s) plus process start-up slack
+    time.sleep(1.5)  # the worker now drains the cancelled deliveries
+    assert sorted(f.name for f in tmp_path.glob("ran-*")) == ["ran-0"]
+    st = json.loads(gpumesh("status", job, "--json", env=env).stdout)
+    assert st["tasks"] == {"total": 6, "queued": 0, "running": 0, "done": 0, "failed": 0, "cancelled": 6}
+    assert r.hget(keys.task(keys.task_id(job, 0)), "attempts") == "1"
+
+
+def test_sigterm_finishes_the_current_task_then_exits(env, workers: Workers, r: redis.Redis, tmp_path):
+    script = write_script(tmp_path, f"""
+        import json, os, sys, time
+        p = json.load(sys.stdin)
+        open(os.path.join({str(tmp_path)!r}, "ran-%d" % p["i"]), "w").write("")
+        time.sleep(1.5)
+        print(json.dumps(p))
+        """)  # fmt: skip
+    w = workers.start()
+    job = job_of(
+        gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": 0, "cost": 2}, {"i": 1}]').stdout
+    )
+    wait_until(lambda: (tmp_path / "ran-0").exists(), what="the first task to start")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=20) == 0
+    assert r.hget(keys.task(keys.task_id(job, 0)), "status") == "done"
+    assert r.hget(keys.task(keys.task_id(job, 1)), "status") == "queued"
+    assert not (tmp_path / "ran-1").exists()
+    assert r.zcard(keys.WORKERS) == 0, "a stopped worker unregisters"
+
+
+def test_worker_refuses_an_rq_job_that_is_not_gpumesh_s_executor(env, workers: Workers, r: redis.Redis, tmp_path):
+    marker = tmp_path / "pwned"
+    conn = redis.Redis.from_url(env["GPUMESH_URL"])
+    q = Queue(keys.queue_name(2), connection=conn, serializer=JSONSerializer)
+    evil = q.enqueue("os.system", f"touch {marker}")
+    w = workers.start("--burst", wait=False)
+    assert w.wait(timeout=30) == 0
+    assert not marker.exists()
+    assert Job.fetch(evil.id, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+    assert "not gpumesh's executor" in workers.log(0)
+
+
+def test_heavy_tasks_land_on_the_strong_worker(env, workers: Workers, r: redis.Redis, tmp_path):
+    script = write_script(
+        tmp_path, 'import json, os, sys\njson.load(sys.stdin)\nprint(json.dumps(os.environ["GPUMESH_WORKER_ID"]))\n'
+    )
+    workers.start("--name", "weak", score=1)
+    workers.start("--name", "strong", score=9)
+    weak = next(w for w in r.zrange(keys.WORKERS, 0, -1) if w.startswith("weak-"))
+    wait_until(lambda: r.hget(keys.worker(weak), "queues") == "0,1", what="the weak worker to drop to tier 0")
+    time.sleep(1.2)  # a blocking pop already in flight on the old queues ends within one dequeue timeout (1 s)
+    payloads = [{"cost": 9}] * 3 + [{"cost": 1}] * 3
+    p = gpumesh("submit", str(script), "--payloads", "-", "--json", env=env, input=json.dumps(payloads))
+    sub = json.loads(p.stdout)
+    assert sub["tiers"] == {"0": 3, "2": 3}  # tier share follows score share: 27/30 of the cost to the strong tier
+    wait_until(lambda: json.loads(gpumesh("status", sub["job_id"], "--json", env=env).stdout)["status"] == "done")
+    res = json.loads(gpumesh("results", sub["job_id"], "--format", "json", env=env).stdout)
+    heavy = {row["result"].rsplit("-", 1)[0] for row in res[:3]}
+    assert heavy == {"strong"}

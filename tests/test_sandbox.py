@@ -1,0 +1,190 @@
+"""The sandbox with real processes: environment, limits, kills, output caps, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gpumesh import sandbox
+
+from .conftest import pid_alive, wait_until
+
+
+def run(source: str, payload: dict | None = None, should_stop=lambda: None, **limits):
+    lines: list[tuple[str, str]] = []
+    lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
+    out = sandbox.run(
+        textwrap.dedent(source), "task.py", json.dumps(payload or {}), {"GPUMESH_DEVICE": "cpu"}, lim,
+        lambda s, line: lines.append((s, line)), should_stop,
+    )  # fmt: skip
+    return out, lines
+
+
+def test_payload_on_stdin_result_is_last_line_and_env_is_clean(monkeypatch):
+    monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
+    monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
+    out, lines = run(
+        """
+        import json, os, sys
+        p = json.load(sys.stdin)
+        print("progress", file=sys.stderr)
+        print(json.dumps({"x": p["x"] * 2, "cwd": os.getcwd(), "env": sorted(os.environ),
+                          "out": os.environ["GPUMESH_OUTPUT_DIR"], "dev": os.environ["GPUMESH_DEVICE"]}))
+        print("   ")
+        """,
+        {"x": 21},
+    )
+    assert out.returncode == 0 and out.killed is None
+    res = json.loads(out.last_line)
+    assert res["x"] == 42 and res["dev"] == "cpu"
+    assert "GPUMESH_URL" not in res["env"] and "REDIS_PASSWORD" not in res["env"]
+    assert not any("hunter2" in v for v in res["env"])
+    assert res["out"].startswith(res["cwd"])
+    assert not Path(res["cwd"]).exists(), "the temp working directory is removed afterwards"
+    assert ("stderr", "progress") in lines
+
+
+def test_script_error_gives_exit_code_and_stderr_tail():
+    out, _ = run("import sys\nprint('bad things', file=sys.stderr)\nsys.exit(3)")
+    assert out.returncode == 3 and out.describe_exit() == "exit code 3"
+    assert list(out.stderr_tail) == ["bad things"]
+
+
+def test_uncaught_exception_is_exit_1_with_traceback():
+    out, _ = run("raise ValueError('nope')")
+    assert out.returncode == 1
+    assert out.stderr_tail[-1] == "ValueError: nope"
+
+
+def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Path):
+    pidfile = tmp_path / "pids"
+    started = time.monotonic()
+    out, _ = run(
+        f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
+        open({str(pidfile)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(300)
+        """,
+        timeout=1.5,
+    )
+    assert out.killed == "timeout" and out.describe_exit() == "timed out"
+    assert time.monotonic() - started < 10
+    for pid in map(int, pidfile.read_text().split()):
+        wait_until(lambda pid=pid: not pid_alive(pid), timeout=5, what=f"pid {pid} to die")
+
+
+def test_script_ignoring_sigterm_is_killed_after_the_grace_period():
+    out, _ = run("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)", timeout=0.5)
+    assert out.killed == "timeout"
+    assert out.duration < 8
+
+
+def test_processes_left_behind_by_a_finished_script_are_killed(tmp_path: Path):
+    pidfile = tmp_path / "pid"
+    out, _ = run(
+        f"""
+        import subprocess, sys
+        p = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open({str(pidfile)!r}, "w").write(str(p.pid))
+        print('{{"ok": true}}')
+        """
+    )
+    assert out.returncode == 0 and out.last_line == '{"ok": true}'
+    pid = int(pidfile.read_text())
+    wait_until(lambda pid=pid: not pid_alive(pid), timeout=5, what="the daemonised child to die")
+
+
+def test_memory_cap_by_rss_kills_the_task():
+    out, _ = run("b = bytearray(400 << 20)\nimport time\ntime.sleep(30)", memory_bytes=200 << 20)
+    assert out.killed == "memory"
+    assert "memory cap" in out.describe_exit()
+
+
+def test_cpu_rlimit_kills_a_busy_loop():
+    out, _ = run("while True: pass", cpu_seconds=1)
+    assert out.returncode is not None and out.returncode < 0
+    assert out.describe_exit() in ("killed by SIGXCPU", "killed by SIGKILL")
+
+
+def test_rlimits_are_set_for_the_script():
+    out, _ = run(
+        "import json, resource\n"
+        "print(json.dumps([resource.getrlimit(resource.RLIMIT_CORE)[0], resource.getrlimit(resource.RLIMIT_NOFILE)[0],"
+        " resource.getrlimit(resource.RLIMIT_FSIZE)[0]]))",
+        open_files=256, file_bytes=1 << 20,
+    )  # fmt: skip
+    assert json.loads(out.last_line) == [0, 256, 1 << 20]
+
+
+def test_log_is_capped_and_truncation_is_marked():
+    out, lines = run("for i in range(10000): print('x' * 99)\nprint('{}')", log_bytes=10_000)
+    assert out.log_truncated and out.last_line == "{}"
+    assert len(lines) < 110
+    assert lines[-1][1].startswith("[gpumesh] output truncated")
+
+
+def test_result_line_over_the_cap_is_flagged():
+    out, _ = run("print('[' + '1,' * 5000 + '1]')", result_bytes=1000)
+    assert out.result_too_large and out.last_line is None
+
+
+def test_should_stop_kills_the_attempt_with_its_reason():
+    t0 = time.monotonic()
+    out, _ = run(
+        "import time\ntime.sleep(300)", should_stop=lambda: "cancelled" if time.monotonic() - t0 > 0.5 else None
+    )
+    assert out.killed == "cancelled"
+    assert out.duration < 5
+
+
+def test_sandbox_dies_with_its_worker(tmp_path: Path):
+    """SIGKILL the process that runs the sandbox: the task and its setsid grandchild die too."""
+    pidfile = tmp_path / "pids"
+    host = tmp_path / "host.py"
+    host.write_text(
+        textwrap.dedent(
+            f"""
+            import json
+            from gpumesh import sandbox
+            src = '''
+            import os, subprocess, sys, time
+            c = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
+            open({str(pidfile)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
+            time.sleep(300)
+            '''
+            sandbox.run(src, "t.py", "{{}}", {{}}, sandbox.Limits(timeout=300, memory_bytes=0, grace=1.0),
+                        lambda s, l: None, lambda: None)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(host)], start_new_session=True)
+    wait_until(lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, what="the task to start")
+    pids = list(map(int, pidfile.read_text().split()))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in pids:
+        wait_until(lambda pid=pid: not pid_alive(pid), timeout=8, what=f"task process {pid} to die with its worker")
+
+
+@pytest.mark.parametrize("reason", ["shutdown"])
+def test_worker_exception_mid_attempt_kills_the_task(tmp_path: Path, reason: str):
+    pidfile = tmp_path / "pid"
+
+    def stop():
+        if pidfile.exists() and pidfile.read_text():
+            raise SystemExit(reason)  # what a cold shutdown looks like from inside the loop
+        return None
+
+    with pytest.raises(SystemExit):
+        run(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)", should_stop=stop)
+    wait_until(lambda: not pid_alive(int(pidfile.read_text())), timeout=5, what="the task to die")

@@ -1,0 +1,225 @@
+"""The Lua transitions against a real Redis: fencing, counters, retries, reaping, cancellation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from gpumesh import keys, scripts
+from gpumesh.broker import Broker
+from gpumesh.models import JobOptions
+
+from .conftest import RedisServer
+
+SCRIPT = "import json,sys; print(json.dumps(json.load(sys.stdin)))"
+LEASE_MS = 30_000
+
+
+def submit(broker: Broker, n: int = 1, max_attempts: int = 3) -> tuple[str, list[str]]:
+    res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(n)], JobOptions(max_attempts=max_attempts))
+    return res.job_id, broker.task_ids(res.job_id)
+
+
+def counters(r: redis.Redis, job_id: str) -> dict[str, str]:
+    return r.hgetall(keys.job(job_id))
+
+
+def assert_counters_match_tasks(r: redis.Redis, job_id: str) -> None:
+    job = counters(r, job_id)
+    statuses = [r.hget(keys.task(t), "status") for t in r.lrange(keys.job_tasks(job_id), 0, -1)]
+    for state in ("queued", "running", "done", "failed", "cancelled"):
+        assert int(job[state]) == statuses.count(state), (state, job, statuses)
+
+
+def test_acquire_only_from_queued_and_duplicates_are_skipped(broker: Broker, r: redis.Redis):
+    job, (tid,) = submit(broker)
+    lease = scripts.acquire(broker.scripts, r, tid, "w1", LEASE_MS)
+    assert isinstance(lease, scripts.Lease)
+    assert lease.attempt == 1 and lease.job_id == job and lease.payload == '{"i": 0}'
+    assert r.get(keys.lease(tid)) == lease.token
+    assert scripts.acquire(broker.scripts, r, tid, "w2", LEASE_MS) == "running"
+    assert counters(r, job)["status"] == "running"
+    assert_counters_match_tasks(r, job)
+
+
+def test_complete_is_fenced_by_the_token(broker: Broker, r: redis.Redis):
+    job, (tid,) = submit(broker)
+    lease = scripts.acquire(broker.scripts, r, tid, "w1", LEASE_MS)
+    forged = scripts.Lease(**{**lease.__dict__, "token": "w2:1:0"})
+    out = scripts.complete(broker.scripts, r, forged, "w2", '{"x": 1}', 0.1)
+    assert not out.accepted and out.status == "stale"
+    assert r.hget(keys.task(tid), "status") == "running"
+    out = scripts.complete(broker.scripts, r, lease, "w1", '{"x": 2}', 0.1)
+    assert out.accepted
+    assert r.hget(keys.task(tid), "result") == '{"x": 2}'
+    assert counters(r, job)["status"] == "done"
+    assert not r.exists(keys.lease(tid)) and r.zscore(keys.LEASES, tid) is None
+    # a second completion of the same lease changes nothing
+    assert scripts.complete(broker.scripts, r, lease, "w1", '{"x": 3}', 0.1) == scripts.Outcome(False, "done")
+    assert r.hget(keys.task(tid), "result") == '{"x": 2}'
+
+
+def test_stale_worker_after_reap_and_re_lease_changes_nothing(broker: Broker, r: redis.Redis):
+    job, (tid,) = submit(broker)
+    old = scripts.acquire(broker.scripts, r, tid, "old", 50)
+    time.sleep(0.1)  # the lease lapses
+    report = broker.reap_once(outbox_grace_ms=0)
+    assert report["requeued"] == 1
+    new = scripts.acquire(broker.scripts, r, tid, "new", LEASE_MS)
+    assert isinstance(new, scripts.Lease) and new.attempt == 2
+    assert not scripts.complete(broker.scripts, r, old, "old", '"late"', 1).accepted
+    assert not scripts.fail(broker.scripts, r, old, "old", "late failure", 1).accepted
+    hb = scripts.heartbeat(broker.scripts, r, "old", 5000, old, LEASE_MS)
+    assert hb[1] == "lost"
+    assert scripts.complete(broker.scripts, r, new, "new", '"fresh"', 1).accepted
+    task = r.hgetall(keys.task(tid))
+    assert task["result"] == '"fresh"' and task["attempts"] == "2" and task["worker"] == "new"
+    assert_counters_match_tasks(r, job)
+
+
+def test_fail_requeues_until_max_attempts_then_fails_the_job(broker: Broker, r: redis.Redis):
+    job, (tid,) = submit(broker, max_attempts=2)
+    first = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    out = scripts.fail(broker.scripts, r, first, "w", "exit code 1\nboom", 0.2)
+    assert out.accepted and out.status == "queued" and out.delivery == 2
+    assert r.zscore(keys.REQUEUE, tid) is not None  # the outbox holds it until the new delivery is enqueued
+    assert_counters_match_tasks(r, job)
+    second = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    assert r.zscore(keys.REQUEUE, tid) is None
+    out = scripts.fail(broker.scripts, r, second, "w", "exit code 1\nboom again", 0.2)
+    assert out.accepted and out.status == "failed"
+    task = r.hgetall(keys.task(tid))
+    assert task["status"] == "failed" and task["attempts"] == "2" and task["error"].endswith("boom again")
+    assert counters(r, job)["status"] == "failed"
+    assert_counters_match_tasks(r, job)
+
+
+def test_release_hands_back_without_spending_an_attempt(broker: Broker, r: redis.Redis):
+    _, (tid,) = submit(broker, max_attempts=1)
+    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    out = scripts.fail(broker.scripts, r, lease, "w", "", 0.0, release=True)
+    assert out.accepted and out.status == "queued"
+    assert r.hget(keys.task(tid), "attempts") == "0"
+
+
+def test_reaper_requeues_then_fails_at_max_attempts_and_flushes_the_outbox(broker: Broker, r: redis.Redis):
+    job, (tid,) = submit(broker, max_attempts=2)
+    rq_queue_lengths = lambda: sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3))  # noqa: E731
+    r.delete(*[f"rq:queue:{keys.queue_name(t)}" for t in range(3)])
+    scripts.acquire(broker.scripts, r, tid, "w", 30)
+    time.sleep(0.08)
+    assert broker.reap_once(outbox_grace_ms=0)["requeued"] == 1
+    assert rq_queue_lengths() == 1  # a new RQ delivery, id <task>_2
+    assert r.hget(keys.task(tid), "error").startswith("lease expired: worker w")
+    scripts.acquire(broker.scripts, r, tid, "w", 30)
+    time.sleep(0.08)
+    assert broker.reap_once(outbox_grace_ms=0)["failed"] == 1
+    assert counters(r, job)["status"] == "failed"
+    assert_counters_match_tasks(r, job)
+
+
+def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
+    _, (tid,) = submit(broker)
+    lease = scripts.acquire(broker.scripts, r, tid, "w", 60)
+    r.zadd(keys.LEASES, {tid: 0})  # deadline in the past, but the lease key is alive
+    scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS)
+    assert broker.reap_once()["requeued"] == 0
+    assert r.hget(keys.task(tid), "status") == "running"
+
+
+def test_outbox_survives_a_crash_between_state_change_and_enqueue(broker: Broker, r: redis.Redis):
+    """fail.lua moved the task to queued, then the worker died before enqueueing: the reaper enqueues it."""
+    _, (tid,) = submit(broker)
+    r.delete(*[f"rq:queue:{keys.queue_name(t)}" for t in range(3)])
+    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    out = scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1)  # ... and no flush_outbox: the crash
+    queue = f"rq:queue:{keys.queue_name(out.tier)}"
+    assert r.llen(queue) == 0
+    assert broker.reap_once(outbox_grace_ms=0)["outbox"] == 1
+    assert r.lrange(queue, 0, -1) == [keys.rq_job_id(tid, 2)]
+    assert r.zcard(keys.REQUEUE) == 0
+
+
+def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: Broker, r: redis.Redis):
+    job, tids = submit(broker, n=3)
+    lease = scripts.acquire(broker.scripts, r, tids[0], "w", LEASE_MS)
+    scripts.complete(broker.scripts, r, scripts.acquire(broker.scripts, r, tids[1], "w", LEASE_MS), "w", "1", 0)
+    st = broker.cancel(job)
+    assert st.status == "cancelled"
+    assert (st.tasks.cancelled, st.tasks.done, st.tasks.queued, st.tasks.running) == (2, 1, 0, 0)
+    assert scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS)[1] == "cancelled"
+    assert scripts.acquire(broker.scripts, r, tids[2], "w", LEASE_MS) == "cancelled"
+    assert not scripts.complete(broker.scripts, r, lease, "w", "1", 0).accepted
+    assert_counters_match_tasks(r, job)
+
+
+def test_heartbeat_renews_the_lease_and_says_when_registration_expired(broker: Broker, r: redis.Redis):
+    _, (tid,) = submit(broker)
+    lease = scripts.acquire(broker.scripts, r, tid, "w", 200)
+    registered, state, now_ms = scripts.heartbeat(broker.scripts, r, "w", 5000, lease, 10_000)
+    assert (registered, state) == (False, "ok")
+    assert r.pttl(keys.lease(tid)) > 5000
+    assert abs(now_ms / 1000 - time.time()) < 5
+
+
+def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redis):
+    _, (tid,) = submit(broker)
+    r.script_flush()
+    assert isinstance(scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS), scripts.Lease)
+    r.script_flush()
+    assert broker.reap_once()["requeued"] == 0  # pipelined EVALSHA reloads too
+
+
+def test_redis_restart_does_not_break_the_next_call(tmp_path, env, monkeypatch):
+    server = RedisServer(tmp_path).start(appendonly=True)
+    try:
+        from gpumesh.settings import Settings
+
+        b = Broker(Settings.load(url=server.url))
+        _, (tid,) = submit(b)
+        server.stop()
+        server.start(appendonly=True)
+        lease = scripts.acquire(b.scripts, b.r, tid, "w", LEASE_MS)
+        assert isinstance(lease, scripts.Lease)
+        b.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("n_workers", [8])
+def test_race_of_many_processes_acquires_every_task_exactly_once(
+    broker: Broker, r: redis.Redis, redis_server, n_workers
+):
+    """Eight processes hammer the same 400 tasks; each task is acquired once and completed once."""
+    import multiprocessing as mp
+
+    job, tids = submit(broker, n=400)
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(n_workers) as pool:
+        won = pool.starmap(_grab_all, [(redis_server.url, tids, f"p{i}") for i in range(n_workers)])
+    assert sum(len(w) for w in won) == 400
+    assert len(set().union(*map(set, won))) == 400
+    attempts = {r.hget(keys.task(t), "attempts") for t in tids}
+    assert attempts == {"1"}
+    st = broker.job_status(job)
+    assert st.status == "done" and st.tasks.done == 400
+    assert_counters_match_tasks(r, job)
+
+
+def _grab_all(url: str, tids: list[str], me: str) -> list[str]:
+    import random
+
+    from gpumesh.settings import Settings
+
+    b = Broker(Settings(url=url))
+    order = tids[:]
+    random.Random(me).shuffle(order)
+    won = []
+    for tid in order:
+        lease = scripts.acquire(b.scripts, b.r, tid, me, LEASE_MS)
+        if isinstance(lease, scripts.Lease):
+            assert scripts.complete(b.scripts, b.r, lease, me, '"ok"', 0).accepted
+            won.append(tid)
+    return won
