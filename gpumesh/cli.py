@@ -327,7 +327,10 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
             counts[tid] = counts.get(tid, 0) + 1
             if counts[tid] > seen.get(tid, 0):
                 prefix = f"[{tid}] " if tid != target else ""
-                click.echo(f"{prefix}{line}", err=stream == "stderr")
+                if stream == "gpumesh":
+                    click.echo(f"{prefix}--- {line} ---", err=True)
+                else:
+                    click.echo(f"{prefix}{line}", err=stream == "stderr")
         seen = counts
         if not follow or _ended(broker, target):
             return

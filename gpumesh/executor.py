@@ -102,7 +102,7 @@ class Executor:
             source = self._script(lease.script_sha)
         except LookupError as exc:
             return self._fail(running, str(exc), 0.0)
-        logbuf: list[tuple[str, str]] = []
+        logbuf: list[tuple[str, str]] = [("gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")]
         last_flush = time.monotonic()
 
         def on_line(stream: str, line: str) -> None:
@@ -132,7 +132,6 @@ class Executor:
         if self.w.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
         limits = self.w.limits(lease.timeout)
-        self._log_marker(lease)
         out = sandbox.run(source, lease.script_name, lease.payload, env, limits, on_line, should_stop)
         self._flush_log(lease.task_id, logbuf)
 
@@ -190,9 +189,6 @@ class Executor:
                 self.broker.flush_outbox([(running.lease.task_id, res.tier, res.delivery)])
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
             log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
-
-    def _log_marker(self, lease: scripts.Lease) -> None:
-        self._flush_log(lease.task_id, [("gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")])
 
     def _flush_log(self, task_id: str, buf: list[tuple[str, str]]) -> None:
         if not buf:

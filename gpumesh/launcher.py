@@ -51,22 +51,30 @@ def _signal_tree(sig: int) -> None:
 
 
 def _run_script(script: str) -> None:
-    """In the forked child: become the script, exit with its code."""
-    import runpy
-    import traceback
+    """In the forked child: become the script's ``__main__`` and exit with its code.
 
+    Plain compile + exec rather than runpy: in a freshly forked child runpy's imports cost ~7 ms a task."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
+    main = type(sys)("__main__")
+    main.__file__ = script
+    sys.modules["__main__"] = main
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        with open(script, "rb") as f:
+            exec(compile(f.read(), script, "exec"), main.__dict__)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
+            code = 1
     except BaseException:  # the script's own error: its traceback is the task's error
+        import traceback
+
         traceback.print_exc()
         code = 1
     try:
@@ -74,6 +82,15 @@ def _run_script(script: str) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _has_children() -> bool:
+    """Cheap check before walking /proc: as a subreaper, any surviving descendant is below a child of ours."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return True
 
 
 def main(argv: list[str]) -> None:
@@ -111,9 +128,11 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import gc
+
+    gc.freeze()  # fewer copy-on-write faults in the child
     child = os.fork()
     if child == 0:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
         _run_script(script)
 
     status = None
@@ -127,7 +146,8 @@ def main(argv: list[str]) -> None:
         if pid == child:
             status = st
     # The script is gone; nothing it started may outlive it.
-    _signal_tree(signal.SIGKILL)
+    if _has_children():
+        _signal_tree(signal.SIGKILL)
     while True:
         try:
             os.waitpid(-1, 0)

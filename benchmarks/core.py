@@ -1,0 +1,137 @@
+"""Core throughput benchmark, side by side in one run on this machine.
+
+    python benchmarks/core.py [--shards 300] [--repeat 3] [--submit 10000]
+
+Starts its own redis-server on a free port and measures, alternating the contenders each round:
+  * floor:   a loop spawning `python -c <no-op script>` with a JSON payload on stdin (what any
+             fresh-interpreter executor pays per task);
+  * gpumesh: one `gpumesh worker` draining a job of no-op shards (submit to last result);
+  * submit:  seconds to submit a job of N shards (script, job, tasks and RQ jobs in one MULTI/EXEC).
+Prints medians and ratios as a Markdown table, and the command that reproduced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from gpumesh.broker import Broker
+from gpumesh.models import JobOptions
+from gpumesh.settings import Settings
+
+NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return proc, url
+
+
+def floor(n: int) -> float:
+    """Tasks per second of a bare spawn loop: interpreter start, payload on stdin, one JSON line back."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        subprocess.run([sys.executable, "-c", NOOP], input=json.dumps({"i": i}).encode(), capture_output=True, check=True)
+    return n / (time.perf_counter() - t0)
+
+
+def through_gpumesh(broker: Broker, n: int) -> float:
+    t0 = time.perf_counter()
+    job = broker.submit(NOOP, "noop.py", [{"i": i} for i in range(n)], JobOptions()).job_id
+    while not broker.job_status(job).finished:
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - t0
+    assert broker.job_status(job).tasks.done == n
+    return n / elapsed
+
+
+def submit_seconds(broker: Broker, n: int) -> float:
+    payloads = [{"i": i, "cost": 1 + i % 5} for i in range(n)]
+    t0 = time.perf_counter()
+    broker.submit(NOOP, "noop.py", payloads, JobOptions())
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=300, help="no-op shards per throughput round")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
+    ap.add_argument("--submit", type=int, default=10_000, help="shards in the submit benchmark")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
+    server, url = start_redis(tmp)
+    env = {**os.environ, "GPUMESH_URL": url, "XDG_CACHE_HOME": str(tmp / "cache")}
+    worker = None
+    try:
+        broker = Broker(Settings(url=url))
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "worker", "--score", "1", "--log-level", "WARNING"],
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        while not broker.live_scores():
+            time.sleep(0.05)
+        through_gpumesh(broker, 20)  # warm-up: script cache, connections
+        floors, meshes, submits = [], [], []
+        for _ in range(args.repeat):
+            floors.append(floor(args.shards))
+            meshes.append(through_gpumesh(broker, args.shards))
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=30)
+        worker = None
+        for _ in range(args.repeat):
+            broker.r.flushall()
+            submits.append(submit_seconds(broker, args.submit))
+        f, m, s = statistics.median(floors), statistics.median(meshes), statistics.median(submits)
+        rows = [
+            ("floor: `python -c` spawn loop, tasks/s", f"{f:.1f}", ", ".join(f"{x:.1f}" for x in floors)),
+            ("gpumesh, one worker, no-op shards/s", f"{m:.1f}", ", ".join(f"{x:.1f}" for x in meshes)),
+            ("gpumesh ÷ floor", f"{m / f:.2f}", ""),
+            (f"submit of {args.submit:,} shards, s", f"{s:.2f}", ", ".join(f"{x:.2f}" for x in submits)),
+        ]
+        print(f"| measure ({args.repeat} rounds, {args.shards} shards each) | median | rounds |")
+        print("| --- | --- | --- |")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print(f"\nreproduce: python benchmarks/core.py --shards {args.shards} --repeat {args.repeat} --submit {args.submit}")
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGKILL)
+        server.terminate()
+        server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
