@@ -17,6 +17,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from . import keys, scheduling, scripts
@@ -165,6 +166,8 @@ class Broker:
                 for start in range(0, len(task_ids), 5000):
                     p.rpush(keys.job_tasks(job_id), *task_ids[start : start + 5000])
                 p.zadd(keys.JOBS, {job_id: created})
+                for start in range(0, len(task_ids), 5000):
+                    p.zadd(keys.QUEUED, {tid: int(created * 1000) for tid in task_ids[start : start + 5000]})
                 for i, (tid, payload) in enumerate(zip(task_ids, payloads)):
                     p.hset(
                         keys.task(tid),
@@ -299,11 +302,18 @@ class Broker:
                 p.execute()
         return self.job_status(job_id)
 
-    def reap_once(self, outbox_grace_ms: int = 2000, batch: int = 1000) -> dict[str, int]:
-        """One reaper pass: lapsed leases back to queued (or failed), the enqueue outbox flushed,
-        workers that stopped heartbeating dropped from the live sets. Safe to run concurrently."""
+    def reap_once(self, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
+        """One reaper pass. Safe to run concurrently (every change is a fenced script or idempotent):
+
+        * leases that lapsed send their tasks back to queued (or failed at max attempts);
+        * the audit re-enqueues queued tasks whose delivery was lost: never enqueued (a worker died
+          between the state change and the enqueue) or popped by a worker that died before acquiring
+          it (its tier queue is empty, yet the task waits). A duplicate delivery is harmless;
+        * workers that stopped heartbeating leave the live sets.
+        """
         now = self.server_ms()
-        report = {"requeued": 0, "failed": 0, "outbox": 0, "workers_dropped": 0}
+        grace = int(self.settings.lease_ttl * 1000) if audit_grace_ms is None else audit_grace_ms
+        report = {"requeued": 0, "failed": 0, "redelivered": 0, "workers_dropped": 0}
         deliveries: list[tuple[str, int, int]] = []
         expired = self.r.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=batch)
         if expired:
@@ -317,16 +327,8 @@ class Broker:
                         report["requeued"] += 1
                     elif out.status == "failed":
                         report["failed"] += 1
-        stuck = self.r.zrangebyscore(keys.REQUEUE, "-inf", now - outbox_grace_ms, start=0, num=batch)
-        if stuck:
-            with self.r.pipeline(transaction=False) as p:
-                for tid in stuck:
-                    p.hmget(keys.task(tid), "status", "tier", "deliveries")
-                for tid, (status, tier, delivery) in zip(stuck, p.execute()):
-                    if status == "queued":
-                        deliveries.append((tid, int(tier), int(delivery)))
-                        report["outbox"] += 1
-        self.flush_outbox(deliveries, extra_done=stuck)
+        self.deliver(deliveries)
+        report["redelivered"] = self._audit_queued(now - grace, now, batch)
         dead = self.r.zrangebyscore(keys.WORKERS, "-inf", now - self.settings.worker_ttl * 1000)
         if dead:
             with self.r.pipeline(transaction=True) as p:
@@ -336,14 +338,38 @@ class Broker:
             report["workers_dropped"] = len(dead)
         return report
 
-    def flush_outbox(self, deliveries: list[tuple[str, int, int]], extra_done: Iterable[str] = ()) -> None:
-        """Enqueue requeued tasks' new deliveries, then drop them from the outbox (one MULTI/EXEC)."""
-        unique = list({(tid, delivery): (tid, tier, delivery) for tid, tier, delivery in deliveries}.values())
-        done = {d[0] for d in unique} | set(extra_done)
-        if not done:
+    def _audit_queued(self, older_than_ms: int, now: int, batch: int) -> int:
+        old = self.r.zrangebyscore(keys.QUEUED, "-inf", older_than_ms, start=0, num=batch)
+        if not old:
+            return 0
+        with self.r.pipeline(transaction=False) as p:
+            for q in self.queues:
+                p.llen(q.key)
+            for tid in old:
+                p.hmget(keys.task(tid), "status", "tier", "deliveries")
+            res = p.execute()
+        lengths, states = res[: len(self.queues)], res[len(self.queues) :]
+        queued = [(tid, int(t), int(d)) for tid, (st, t, d) in zip(old, states) if st == "queued"]
+        with self.r.pipeline(transaction=False) as p:
+            for tid, _tier, delivery in queued:
+                p.exists(Job.key_for(keys.rq_job_id(tid, delivery)))
+            present = p.execute()
+        lost = [q for q, there in zip(queued, present) if not there or lengths[min(q[1], len(lengths) - 1)] == 0]
+        self.deliver(lost)
+        with self.r.pipeline(transaction=True) as p:
+            stale = [tid for tid, (st, _t, _d) in zip(old, states) if st != "queued"]
+            if stale:
+                p.zrem(keys.QUEUED, *stale)
+            if queued:  # checked: look again one grace period from now (XX: never re-add an acquired task)
+                p.zadd(keys.QUEUED, {tid: now for tid, _t, _d in queued}, xx=True)
+            p.execute()
+        return len(lost)
+
+    def deliver(self, deliveries: list[tuple[str, int, int]]) -> None:
+        """Enqueue RQ deliveries (task id, tier, delivery number); ids are deterministic, so repeats are harmless."""
+        unique = list({(tid, d): (tid, tier, d) for tid, tier, d in deliveries}.values())
+        if not unique:
             return
         with self.r.pipeline(transaction=True) as p:
-            if unique:
-                self.enqueue(p, unique)
-            p.zrem(keys.REQUEUE, *done)
+            self.enqueue(p, unique)
             p.execute()

@@ -176,7 +176,7 @@ class Executor:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         if res.status == "queued":
-            self.broker.flush_outbox([(lease.task_id, res.tier, res.delivery)])
+            self.broker.deliver([(lease.task_id, res.tier, res.delivery)])
         log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
         return res.status
 
@@ -186,7 +186,7 @@ class Executor:
                 self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release
             )
             if res.accepted and res.status == "queued":
-                self.broker.flush_outbox([(running.lease.task_id, res.tier, res.delivery)])
+                self.broker.deliver([(running.lease.task_id, res.tier, res.delivery)])
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
             log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
 

@@ -8,7 +8,7 @@ JOBS = PREFIX + "jobs"  # zset: job id -> created_at
 WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (ms, server time)
 SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
-REQUEUE = PREFIX + "requeue"  # zset: task id -> ms when it went back to queued (enqueue outbox)
+QUEUED = PREFIX + "queued"  # zset: queued task id -> ms its delivery was last enqueued or checked (the audit)
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 

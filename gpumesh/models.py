@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .errors import UsageError
 
@@ -27,6 +27,18 @@ def payload_cost(payload: dict[str, Any]) -> float:
     return float(payload.get("cost", 1))
 
 
+def _check_cost(payload: dict[str, Any]) -> dict[str, Any]:
+    if "cost" in payload:
+        cost = payload["cost"]
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
+            raise ValueError(f"cost must be a positive number, got {json.dumps(cost)}")
+    return payload
+
+
+Payload = Annotated[dict[str, Any], AfterValidator(_check_cost)]
+PAYLOADS = TypeAdapter(Annotated[list[Payload], Field(min_length=1)])
+
+
 def parse_payloads(text: str, source: str = "payloads") -> list[dict[str, Any]]:
     """Validate a JSON list of objects with an optional positive ``cost``; one clear UsageError otherwise."""
     try:
@@ -36,18 +48,19 @@ def parse_payloads(text: str, source: str = "payloads") -> list[dict[str, Any]]:
             f"{source} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             'expected a list of objects such as [{"lr": 0.1}, {"lr": 0.01}]'
         ) from None
-    if not isinstance(data, list):
-        raise UsageError(f"{source} must be a JSON list of objects, got a JSON {type(data).__name__}")
-    if not data:
-        raise UsageError(f"{source} is an empty list; a job needs at least one payload")
-    for i, item in enumerate(data):
-        if not isinstance(item, dict):
-            raise UsageError(f"{source}[{i}] must be a JSON object, got {json.dumps(item)[:60]}")
-        if "cost" in item:
-            cost = item["cost"]
-            if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
-                raise UsageError(f"{source}[{i}].cost must be a positive number, got {json.dumps(cost)}")
-    return data
+    try:
+        return PAYLOADS.validate_python(data, strict=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"]
+        if not loc:
+            if isinstance(data, list):
+                raise UsageError(f"{source} is an empty list; a job needs at least one payload") from None
+            raise UsageError(f"{source} must be a JSON list of objects, got a JSON {type(data).__name__}") from None
+        where = f"{source}[{loc[0]}]"
+        if err["type"] == "value_error":
+            raise UsageError(f"{where}.{err['msg'].removeprefix('Value error, ')}") from None
+        raise UsageError(f"{where} must be a JSON object, got {json.dumps(data[loc[0]])[:60]}") from None
 
 
 class JobOptions(BaseModel):

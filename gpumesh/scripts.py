@@ -74,7 +74,7 @@ def _task_keys(task_id: str, *extra: str) -> list[str]:
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
     """Lease a queued task; a string says why not (its status or 'missing')."""
     r = s["acquire"](
-        keys=_task_keys(task_id, keys.worker(worker_id), keys.REQUEUE),
+        keys=_task_keys(task_id, keys.worker(worker_id), keys.QUEUED),
         args=[task_id, worker_id, lease_ms],
         client=client,
     )
@@ -96,7 +96,7 @@ def fail(
     s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False
 ) -> Outcome:
     r = s["fail"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.REQUEUE),
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.QUEUED),
         args=[lease.task_id, lease.token, error, f"{duration:.3f}", "release" if release else "fail"],
         client=client,
     )
@@ -119,7 +119,7 @@ def heartbeat(
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:
-    return s["reap"](keys=_task_keys(task_id, keys.REQUEUE), args=[task_id], client=client)
+    return s["reap"](keys=_task_keys(task_id, keys.QUEUED), args=[task_id], client=client)
 
 
 def reap_outcome(r: list[Any]) -> Outcome:
@@ -129,4 +129,4 @@ def reap_outcome(r: list[Any]) -> Outcome:
 
 
 def cancel(s: Scripts, client: Any, task_id: str) -> Any:
-    return s["cancel"](keys=_task_keys(task_id, keys.REQUEUE), args=[task_id], client=client)
+    return s["cancel"](keys=_task_keys(task_id, keys.QUEUED), args=[task_id], client=client)

@@ -38,10 +38,11 @@ local function maybe_finish(job_key, events_key, job_id, ms)
   end
 end
 
--- End a running attempt: back to 'queued' (into the enqueue outbox) while attempts remain, else 'failed'.
+-- End a running attempt: back to 'queued' (and into the queued set the reaper audits) while attempts
+-- remain, else 'failed'.
 -- Returns {'queued', delivery number, tier} or {'failed', attempts, tier}.
 -- refund: the attempt does not count (a worker handing its task back on shutdown).
-local function end_attempt(task_key, job_key, events_key, requeue_key, task_id, err, duration, refund, ms)
+local function end_attempt(task_key, job_key, events_key, queued_key, task_id, err, duration, refund, ms)
   local t = redis.call('HMGET', task_key, 'attempts', 'max_attempts', 'tier', 'job')
   local attempts, max_attempts = tonumber(t[1]), tonumber(t[2])
   if refund then
@@ -54,7 +55,7 @@ local function end_attempt(task_key, job_key, events_key, requeue_key, task_id, 
     -- each requeue is a new delivery with its own deterministic RQ job id (<task>_<delivery>)
     local delivery = redis.call('HINCRBY', task_key, 'deliveries', 1)
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
-    redis.call('ZADD', requeue_key, ms, task_id)
+    redis.call('ZADD', queued_key, ms, task_id)
     move(job_key, 'running', 'queued')
     emit(events_key, 'task', task_id, 'queued')
     return {'queued', delivery, tonumber(t[3])}

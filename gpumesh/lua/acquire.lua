@@ -1,6 +1,6 @@
 -- acquire: queued -> running. Only a queued task can be leased; any other delivery is skipped.
 -- KEYS[1] task hash        KEYS[2] lease key     KEYS[3] leases zset    KEYS[4] job hash
--- KEYS[5] events stream    KEYS[6] worker hash   KEYS[7] requeue zset (enqueue outbox)
+-- KEYS[5] events stream    KEYS[6] worker hash   KEYS[7] queued zset
 -- ARGV[1] task id          ARGV[2] worker id     ARGV[3] lease TTL (ms)
 -- Returns {1, token, attempt, job id, index, payload, script sha, script name, timeout s}
 --      or {0, why}: why = 'missing' or the task's status.

@@ -1,6 +1,6 @@
 -- cancel: queued|running -> cancelled. A running task's worker learns it at its next heartbeat.
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] requeue zset (enqueue outbox)
+-- KEYS[5] events stream KEYS[6] queued zset
 -- ARGV[1] task id
 -- Returns {1, previous status} or {0, status or 'missing'} when already ended.
 local status = redis.call('HGET', KEYS[1], 'status')

@@ -1,6 +1,6 @@
 -- fail: running -> queued (attempts left) or failed; fenced by the lease token.
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] requeue zset (enqueue outbox)
+-- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] queued zset
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] error text    ARGV[4] duration (s)
 -- ARGV[5] 'fail', or 'release' to hand the task back without spending an attempt
 -- Returns {1, 'queued', delivery, tier} | {1, 'failed', attempts, tier} | {0, why} as complete.lua.

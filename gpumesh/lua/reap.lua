@@ -1,6 +1,6 @@
 -- reap: a running task whose lease key has lapsed goes back to queued (or failed at max_attempts).
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] requeue zset (enqueue outbox)
+-- KEYS[5] events stream KEYS[6] queued zset
 -- ARGV[1] task id
 -- Returns {'renewed'} (lease still alive), {'gone'} (not running), or end_attempt's {'queued'|'failed', n, tier}
 local t = redis.call('HMGET', KEYS[1], 'status', 'worker')
