@@ -22,7 +22,7 @@ from rq.serializers import JSONSerializer
 
 from . import keys, scheduling, scripts
 from .errors import BrokerError, NotFound, UsageError
-from .models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo, payload_cost, ts
+from .models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo, payload_cost, ts
 from .settings import Settings
 
 log = logging.getLogger("gpumesh")
@@ -279,16 +279,32 @@ class Broker:
                 p.hgetall(keys.job(j))
             return [JobStatus.from_hash(j, h) for j, h in zip(ids, p.execute()) if h]
 
-    def logs(self, target: str) -> Iterator[tuple[str, str, str]]:
-        """(task id, stream, line) of a task, or of every task of a job in payload order."""
+    def logs(self, target: str, cursors: dict[str, str] | None = None) -> Iterator[tuple[str, str, str]]:
+        """(task id, stream, line) of a task, or of every task of a job in payload order.
+
+        ``cursors`` (task id -> last stream id seen) is updated, so a follower reads only new lines."""
+        cursors = {} if cursors is None else cursors
         if self.r.exists(keys.job(target)):
             ids = self.r.lrange(keys.job_tasks(target), 0, -1)
         else:
             self.task(target)
             ids = [target]
-        for tid in ids:
-            for _id, fields in self.r.xrange(keys.task_log(tid)):
-                yield tid, fields.get("stream", "stdout"), fields.get("line", "")
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            with self.r.pipeline(transaction=False) as p:
+                for tid in chunk:
+                    p.xrange(keys.task_log(tid), min=f"({cursors[tid]}" if tid in cursors else "-")
+                for tid, entries in zip(chunk, p.execute()):
+                    for entry_id, fields in entries:
+                        cursors[tid] = entry_id
+                        yield tid, fields.get("stream", "stdout"), fields.get("line", "")
+
+    def target_ended(self, target: str) -> bool:
+        """Whether a job, or a task, has reached a terminal status."""
+        h = self.r.hget(keys.job(target), "status")
+        if h is None:
+            h = self.task(target).get("status")
+        return h in TERMINAL
 
     # -- changes ---------------------------------------------------------------------------------
 
@@ -301,6 +317,21 @@ class Broker:
                     scripts.cancel(self.scripts, p, tid)
                 p.execute()
         return self.job_status(job_id)
+
+    def retry(self, job_id: str) -> tuple[int, JobStatus]:
+        """Re-queue every failed task of a job with a fresh set of attempts. Returns (tasks re-queued, status)."""
+        ids = self.task_ids(job_id)
+        deliveries: list[tuple[str, int, int]] = []
+        for start in range(0, len(ids), 2000):
+            chunk = ids[start : start + 2000]
+            with self.r.pipeline(transaction=False) as p:
+                for tid in chunk:
+                    scripts.retry(self.scripts, p, tid)
+                for tid, res in zip(chunk, p.execute()):
+                    if int(res[0]) == 1:
+                        deliveries.append((tid, int(res[2]), int(res[1])))
+        self.deliver(deliveries)
+        return len(deliveries), self.job_status(job_id)
 
     def reap_once(self, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
         """One reaper pass. Safe to run concurrently (every change is a fenced script or idempotent):

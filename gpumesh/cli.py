@@ -1,32 +1,33 @@
-"""The ``gpumesh`` command: thin Click commands over :mod:`gpumesh.broker` and :mod:`gpumesh.worker`.
+"""The ``gpumesh`` command: thin Click commands over the Python API (broker, worker, server, local).
 
-Data goes to stdout, chatter to stderr. Exit codes: 0 ok, 1 job ended failed/cancelled,
-2 bad usage or input, 3 broker unreachable or refused the credentials, 4 not found.
+Data goes to stdout, progress and errors to stderr. Exit codes: 0 ok · 1 job ended failed/cancelled ·
+2 bad usage or input · 3 broker unreachable or refused the credentials · 4 not found.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 import click
 import redis
-from rich.console import Console
-from rich.table import Table
 
-from . import __version__
-from .broker import Broker, translate
+from . import __version__, render
+from .broker import Broker, mask_url, translate
 from .errors import GpumeshError, UsageError
 from .models import JobOptions, JobStatus, parse_payloads
-from .settings import Settings
+from .settings import Settings, config_path
 
-err = Console(stderr=True, highlight=False)
+err = render.err
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class Group(click.Group):
@@ -38,8 +39,7 @@ class Group(click.Group):
         except GpumeshError as exc:
             self._die(ctx, exc, exc.exit_code)
         except redis.RedisError as exc:
-            url = (ctx.obj or {}).get("url", "")
-            self._die(ctx, translate(exc, url), 3)
+            self._die(ctx, translate(exc, (ctx.obj or {}).get("url", "")), 3)
 
     @staticmethod
     def _die(ctx: click.Context, exc: Exception, code: int) -> None:
@@ -52,25 +52,30 @@ class Group(click.Group):
 url_option = click.option(
     "--url",
     metavar="URL",
-    help="Broker URL, redis://[:PASSWORD@]HOST:PORT/DB or rediss://… (default: $GPUMESH_URL, the config file, "
-    "then redis://127.0.0.1:6379/0).",
+    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS "
+    "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
 )
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
 
 
-def connect(ctx: click.Context, url: str | None, **settings: Any) -> Broker:
-    s = Settings.load(url=url, **settings)
-    ctx.obj["url"] = s.url
-    broker = Broker(s)
+def connect(ctx: click.Context, url: str | None) -> Broker:
+    settings = Settings.load(url=url)
+    ctx.obj["url"] = settings.url
+    broker = Broker(settings)
     ctx.call_on_close(broker.close)
     return broker.ping()
 
 
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(render.dump(data))
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+def exit_for(ctx: click.Context, st: JobStatus) -> None:
+    if st.status != "done":
+        ctx.exit(1)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="gpumesh")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context
@@ -79,55 +84,216 @@ def main(ctx: click.Context, debug: bool) -> None:
 
     A job is a script plus a JSON list of payloads; each payload is one task. Workers benchmark
     themselves and take tasks from the tier that matches their strength.
+
+    \b
+    One machine, one command:   gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2
+    A broker others can join:   gpumesh serve            (prints the worker and submit lines to copy)
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
 
 
-# -- worker ----------------------------------------------------------------------------------------
+# -- running a mesh --------------------------------------------------------------------------------
+
+
+def worker_options(f: Any) -> Any:
+    for option in reversed(
+        [
+            click.option("--name", help="Name shown in `gpumesh workers` (default: the hostname)."),
+            click.option(
+                "--score", type=click.FloatRange(min=0, min_open=True), help="Skip the benchmark; use this GFLOP/s."
+            ),
+            click.option("--rebench", is_flag=True, help="Benchmark again instead of using the cached score."),
+            click.option("--burst", is_flag=True, help="Exit when the queues are empty instead of waiting for work."),
+            click.option(
+                "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"])
+            ),
+            click.option("--exit-with-parent", type=int, hidden=True),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
+    from . import capability
+    from .worker import MeshWorker
+
+    level = opts["log_level"]
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("rq").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+    broker = connect(ctx, url)
+    cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
+    w = MeshWorker(
+        broker, cap, name=opts["name"], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        parent_pid=opts["exit_with_parent"],
+    )  # fmt: skip
+    w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
 
 
 @main.command()
 @click.argument("broker_url", metavar="[URL]", required=False)
-@click.option("--name", help="Name shown in `gpumesh workers` (default: the hostname).")
-@click.option("--score", type=click.FloatRange(min=0, min_open=True), help="Skip the benchmark and use this GFLOP/s.")
-@click.option("--rebench", is_flag=True, help="Benchmark again instead of using the cached score.")
-@click.option("--burst", is_flag=True, help="Exit when the queues are empty instead of waiting for work.")
-@click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"]))
+@worker_options
 @url_option
 @click.pass_context
-def worker(
-    ctx: click.Context, broker_url: str | None, name: str | None, score: float | None, rebench: bool, burst: bool,
-    log_level: str, url: str | None,
-) -> None:  # fmt: skip
-    """Benchmark this machine, join the mesh and run tasks until stopped.
+def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: Any) -> None:
+    """Benchmark this machine, join the mesh at URL and run tasks until stopped.
 
-    URL (or --url) is the broker. SIGTERM or Ctrl-C finishes the current task and exits; a second
-    one hands the task back to the queue at once. Tuning: GPUMESH_LEASE_TTL (30 s),
-    GPUMESH_HEARTBEAT_INTERVAL (5 s), GPUMESH_TIERS (3).
+    The benchmark runs once per machine and is cached; --score skips it. SIGTERM or Ctrl-C
+    finishes the current task and exits; a second one hands the task back to the queue at once.
+    Tuning: GPUMESH_LEASE_TTL (30 s), GPUMESH_HEARTBEAT_INTERVAL (5 s), GPUMESH_TIERS (3).
     """
-    import os
-
-    from . import capability
-    from .worker import MeshWorker
-
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("rq").setLevel(logging.WARNING if log_level != "DEBUG" else logging.DEBUG)
-    broker = connect(ctx, broker_url or url)
-    cap = capability.probe(broker.settings.cache_dir, refresh=rebench, score=score)
-    w = MeshWorker(broker, cap, name=name, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
-    w.work(burst=burst, logging_level=logging.getLevelName(logging.getLogger("rq").level))
+    _run_worker(ctx, broker_url or url, opts)
 
 
-# -- submit and reading ----------------------------------------------------------------------------
+@main.command()
+@click.argument("address", metavar="HOST:PORT")
+@click.option("--token", required=True, help="The broker's password, as `gpumesh serve` printed it.")
+@worker_options
+@click.pass_context
+def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
+    """Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form.
+
+    Same as `gpumesh worker redis://:TOKEN@HOST:PORT/0`; a redis:// or rediss:// ADDRESS keeps its scheme.
+    """
+    scheme, rest = ("redis", address)
+    if "://" in address:
+        scheme, rest = address.split("://", 1)
+    hostport = urlsplit(f"//{rest}").netloc.rsplit("@", 1)[-1]
+    if not hostport:
+        raise UsageError(f"join needs HOST:PORT, got {address!r}")
+    _run_worker(ctx, f"{scheme}://:{quote(token, safe='')}@{hostport}/0", opts)
+
+
+@main.command()
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface."
+)
+@click.option("--port", default=6390, show_default=True, type=click.IntRange(1, 65535))
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Jobs, password and logs [~/.local/share/gpumesh/broker].",
+)
+@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh[tunnel]').")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, data_dir: Path | None, public: bool) -> None:
+    """Start a broker for the mesh: Redis with a generated password, kept across restarts.
+
+    It listens on 127.0.0.1 unless --host says otherwise, persists jobs in an append-only file,
+    never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
+    Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
+    """
+    from .server import BrokerServer, broker_url, default_data_dir, is_loopback, lan_address
+
+    logging.basicConfig(level="INFO", format=LOG_FORMAT, stream=sys.stderr)
+    tunnel_url = None
+    if public:
+        try:
+            from pyngrok import ngrok
+        except ImportError:
+            raise UsageError("--public needs pyngrok: pip install 'gpumesh[tunnel]'") from None
+    server = BrokerServer(data_dir or default_data_dir(), host=host, port=port).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        settings = Settings.load(url=server.url)
+        broker = Broker(settings).ping()
+        join_host = lan_address() if host in ("0.0.0.0", "::") else ("127.0.0.1" if host == "localhost" else host)
+        lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
+        if not is_loopback(host):
+            err.print(
+                f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
+                "password can run code on every worker. Keep the password secret; prefer a VPN or TLS.[/]"
+            )
+        join = broker_url(server.password, join_host, port)
+        if public:
+            tunnel = ngrok.connect(port, "tcp")
+            public_host, public_port = urlsplit(tunnel.public_url).netloc.rsplit(":", 1)
+            tunnel_url = broker_url(server.password, public_host, int(public_port))
+            err.print(
+                "[bold red]WARNING: the broker is now reachable from the whole internet at "
+                f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
+                "Redis traffic through the tunnel is not encrypted; use TLS (rediss://) for anything private.[/]"
+            )
+        lines += [
+            "",
+            "Join a worker on another machine:",
+            f"  gpumesh worker '{tunnel_url or join}'",
+            "Submit a job:",
+            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json --url '{tunnel_url or join}' --wait",
+        ]
+        if tunnel_url:
+            lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'"]
+        click.echo("\n".join(lines), nl=True)
+        sys.stdout.flush()
+        while not stop.wait(settings.heartbeat_interval):
+            try:
+                report = broker.reap_once()
+                if any(report.values()):
+                    logging.getLogger("gpumesh.serve").info("reaper: %s", report)
+            except redis.RedisError as exc:
+                logging.getLogger("gpumesh.serve").warning("reaper: %s", translate(exc, server.url))
+        err.print("stopping the broker (append-only file flushed)")
+        broker.close()
+    finally:
+        if tunnel_url:
+            ngrok.kill()
+        server.stop()
+
+
+@main.command()
+@click.argument("script")
+@click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
+@click.option(
+    "--local", "workers", default=2, show_default=True, type=click.IntRange(1, 64), help="Local workers to start."
+)
+@click.option("--name", default="", help="A name for the job.")
+@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
+@click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True
+)
+@json_option
+@click.pass_context
+def run(
+    ctx: click.Context, script: str, payloads_spec: str, workers: int, fmt: str, as_json: bool, **opts: Any
+) -> None:
+    """Run SCRIPT on a private local mesh: a broker and N workers on this machine, one command.
+
+    Prints the results and exits with the job's code (0 done, 1 failed or cancelled). Everything it
+    started is stopped on the way out.
+    """
+    from .local import LocalMesh
+
+    source, payloads, options = _job_input(script, payloads_spec, opts)
+    fmt = "json" if as_json else fmt
+    with LocalMesh(workers, Settings.load()) as mesh:
+        assert mesh.broker is not None
+        err.print(f"local mesh: private broker and {workers} worker(s) up")
+        res = mesh.broker.submit(source, Path(script).name, payloads, options)
+        try:
+            st = render.follow(lambda: mesh.broker.job_status(res.job_id), quiet=as_json)  # type: ignore[union-attr]
+        except KeyboardInterrupt:
+            err.print("interrupted: stopping the local mesh")
+            ctx.exit(130)
+        rows = mesh.broker.results(res.job_id)
+    if fmt == "table":
+        render.out().print(render.results_table(rows))
+    else:
+        click.echo(render.results_text(rows, fmt), nl=False)
+    exit_for(ctx, st)
+
+
+# -- jobs ------------------------------------------------------------------------------------------
 
 
 def _read_payloads(spec: str) -> list[dict[str, Any]]:
     if spec == "-":
         return parse_payloads(sys.stdin.read(), "payloads on stdin")
-    path = Path(spec)
     try:
-        text = path.read_text()
+        text = Path(spec).read_text()
     except FileNotFoundError:
         raise UsageError(f"payloads file {spec} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -150,29 +316,26 @@ def _read_script(spec: str) -> str:
     return source
 
 
-def _progress_line(st: JobStatus) -> str:
-    t = st.tasks
-    return (
-        f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
-    )
-
-
-def wait_for(broker: Broker, job_id: str, quiet: bool = False, poll: float = 0.5) -> JobStatus:
-    """Poll until the job ends; progress lines on stderr when they change."""
-    last = ""
+def _job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[str, list[dict[str, Any]], JobOptions]:
+    """Everything validated before anything is written anywhere."""
+    source = _read_script(script)
+    payloads = _read_payloads(payloads_spec)
     try:
-        while True:
-            st = broker.job_status(job_id)
-            line = _progress_line(st)
-            if not quiet and line != last:
-                err.print(line)
-                last = line
-            if st.finished:
-                return st
-            time.sleep(poll)
+        options = JobOptions(name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"])
+    except ValueError as exc:
+        first = exc.errors()[0]  # type: ignore[attr-defined]
+        raise UsageError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+    return source, payloads, options
+
+
+def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
+    try:
+        return render.follow(lambda: broker.job_status(job_id), quiet=quiet)
     except KeyboardInterrupt:
-        err.print(f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id}")
-        sys.exit(130)
+        click.echo(
+            f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
+        )
+        ctx.exit(130)
 
 
 @main.command()
@@ -181,26 +344,20 @@ def wait_for(broker: Broker, job_id: str, quiet: bool = False, poll: float = 0.5
 @click.option("--name", default="", help="A name for the job.")
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
 @click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
-@click.option("--wait", is_flag=True, help="Wait for the job to end; exit 1 if it failed or was cancelled.")
+@click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
 @url_option
 @json_option
 @click.pass_context
 def submit(
-    ctx: click.Context, script: str, payloads_spec: str, name: str, timeout: float, max_attempts: int,
-    wait: bool, url: str | None, as_json: bool,
-) -> None:  # fmt: skip
-    """Submit SCRIPT with one task per payload.
+    ctx: click.Context, script: str, payloads_spec: str, wait: bool, url: str | None, as_json: bool, **opts: Any
+) -> None:
+    """Submit SCRIPT with one task per payload; print the job id.
 
     The script reads its payload as JSON on stdin and prints its result as the last stdout line
     (JSON). Payloads may carry "cost" (a positive number) so heavy tasks go to strong workers.
+    Everything is checked before anything is written; the job appears whole or not at all.
     """
-    source = _read_script(script)
-    payloads = _read_payloads(payloads_spec)
-    try:
-        options = JobOptions(name=name, timeout=timeout, max_attempts=max_attempts)
-    except ValueError as exc:
-        first = exc.errors()[0]  # type: ignore[attr-defined]
-        raise UsageError(f"--{first['loc'][0].replace('_', '-')}: {first['msg']}") from None
+    source, payloads, options = _job_input(script, payloads_spec, opts)
     broker = connect(ctx, url)
     res = broker.submit(source, Path(script).name, payloads, options)
     if not wait:
@@ -212,80 +369,75 @@ def submit(
             click.echo(res.job_id)
         return
     if not as_json:
-        err.print(f"submitted job {res.job_id}: {res.tasks} tasks; waiting (Ctrl-C stops waiting, not the job)")
-    st = wait_for(broker, res.job_id, quiet=as_json)
+        err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
+    st = _wait(ctx, broker, res.job_id, quiet=as_json)
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
         click.echo(f"{st.job_id} {st.status}")
-    if st.status != "done":
-        ctx.exit(1)
-
-
-@main.command()
-@click.argument("job_id")
-@url_option
-@json_option
-@click.pass_context
-def status(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> None:
-    """Show a job's status and task counts."""
-    st = connect(ctx, url).job_status(job_id)
-    if as_json:
-        emit_json(st.model_dump(mode="json"))
-    else:
-        click.echo(_progress_line(st) + (f"  [{st.name}]" if st.name else ""))
-
-
-@main.command()
-@url_option
-@json_option
-@click.pass_context
-def jobs(ctx: click.Context, url: str | None, as_json: bool) -> None:
-    """List recent jobs, newest first."""
-    rows = connect(ctx, url).jobs()
-    if as_json:
-        emit_json([r.model_dump(mode="json") for r in rows])
-        return
-    table = Table("job", "name", "status", "done", "failed", "total", "created")
-    for r in rows:
-        created = r.created_at.strftime("%Y-%m-%d %H:%M:%S") if r.created_at else ""
-        table.add_row(r.job_id, r.name, r.status, str(r.tasks.done), str(r.tasks.failed), str(r.tasks.total), created)
-    Console().print(table)
+    exit_for(ctx, st)
 
 
 @main.command()
 @click.argument("job_id")
 @click.option(
-    "--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True,
-    help="table for people; json, jsonl or csv for programs.",
-)  # fmt: skip
+    "--watch", is_flag=True, help="Follow the job to its end with a progress bar; exit 1 if it did not succeed."
+)
+@url_option
+@json_option
+@click.pass_context
+def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
+    """Show a job's status and task counts."""
+    broker = connect(ctx, url)
+    st = _wait(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id)
+    if as_json:
+        emit_json(st.model_dump(mode="json"))
+    elif not watch:
+        click.echo(render.status_line(st) + (f"  [{st.name}]" if st.name else ""))
+    if watch:
+        exit_for(ctx, st)
+
+
+@main.command()
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@url_option
+@json_option
+@click.pass_context
+def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None:
+    """List recent jobs, newest first."""
+    rows = connect(ctx, url).jobs(limit)
+    if as_json:
+        emit_json([r.model_dump(mode="json") for r in rows])
+    else:
+        render.out().print(render.jobs_table(rows))
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True,
+              help="table for people; json, jsonl or csv for programs.")  # fmt: skip
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write to FILE instead of stdout.",
+)
 @url_option
 @click.pass_context
-def results(ctx: click.Context, job_id: str, fmt: str, url: str | None) -> None:
+def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url: str | None) -> None:
     """Print a job's per-task results in payload order."""
     rows = connect(ctx, url).results(job_id)
-    dumped = [r.model_dump(mode="json") for r in rows]
-    if fmt == "json":
-        emit_json(dumped)
-    elif fmt == "jsonl":
-        for d in dumped:
-            click.echo(json.dumps(d))
-    elif fmt == "csv":
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(dumped[0]) if dumped else ["index"])
-        w.writeheader()
-        for d in dumped:
-            w.writerow({**d, "result": json.dumps(d["result"])})
-        click.echo(buf.getvalue(), nl=False)
+    if fmt == "table":
+        if output:
+            raise UsageError("--output needs --format json, jsonl or csv")
+        render.out().print(render.results_table(rows))
+        return
+    text = render.results_text(rows, fmt)
+    if output:
+        output.write_text(text)
+        err.print(f"wrote {len(rows)} results to {output}")
     else:
-        table = Table("#", "status", "result", "error", "attempts", "worker", "s")
-        for r in rows:
-            table.add_row(
-                str(r.index), r.status, json.dumps(r.result) if r.result is not None else "",
-                (r.error or "").splitlines()[0] if r.error else "", str(r.attempts), r.worker or "",
-                f"{r.duration_s:.2f}" if r.duration_s is not None else "",
-            )  # fmt: skip
-        Console().print(table)
+        click.echo(text, nl=False)
 
 
 @main.command()
@@ -297,19 +449,34 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
     rows = connect(ctx, url).workers()
     if as_json:
         emit_json([r.model_dump(mode="json") for r in rows])
+    else:
+        render.out().print(render.workers_table(rows))
+
+
+@main.command()
+@click.option(
+    "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between refreshes."
+)
+@click.option("--once", is_flag=True, help="Print one snapshot and exit (the default when stdout is not a terminal).")
+@url_option
+@click.pass_context
+def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> None:
+    """A live view of the workers (tier, score, current task) and the recent jobs. Ctrl-C quits."""
+    from rich.live import Live
+
+    broker = connect(ctx, url)
+    console = render.out()
+    view = lambda: render.top_view(broker.workers(), broker.jobs(15))  # noqa: E731
+    if once or not console.is_terminal:
+        console.print(view())
         return
-    table = Table("worker", "host", "device", "GFLOP/s", "tier", "state", "task")
-    for r in rows:
-        table.add_row(
-            r.id,
-            r.hostname,
-            f"{r.device} {r.device_name}",
-            f"{r.score_gflops:.1f}",
-            str(r.tier),
-            r.state,
-            r.current_task or "",
-        )
-    Console().print(table)
+    try:
+        with Live(view(), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(view())
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()
@@ -318,30 +485,23 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
 @url_option
 @click.pass_context
 def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None:
-    """Print the stdout/stderr lines of a task, or of every task of a job."""
+    """Print the output of a task, or of every task of a job: its stdout to stdout, stderr to stderr."""
     broker = connect(ctx, url)
-    seen: dict[str, int] = {}
-    while True:
-        counts: dict[str, int] = {}
-        for tid, stream, line in broker.logs(target):
-            counts[tid] = counts.get(tid, 0) + 1
-            if counts[tid] > seen.get(tid, 0):
+    cursors: dict[str, str] = {}
+    try:
+        while True:
+            ended = not follow or broker.target_ended(target)  # read before the lines: none is missed
+            for tid, stream, line in broker.logs(target, cursors):
                 prefix = f"[{tid}] " if tid != target else ""
                 if stream == "gpumesh":
                     click.echo(f"{prefix}--- {line} ---", err=True)
                 else:
                     click.echo(f"{prefix}{line}", err=stream == "stderr")
-        seen = counts
-        if not follow or _ended(broker, target):
-            return
-        time.sleep(0.5)
-
-
-def _ended(broker: Broker, target: str) -> bool:
-    try:
-        return broker.job_status(target).finished
-    except GpumeshError:
-        return broker.task(target).get("status") in ("done", "failed", "cancelled")
+            if ended:
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        ctx.exit(130)
 
 
 @main.command()
@@ -355,7 +515,84 @@ def cancel(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> N
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
-        click.echo(_progress_line(st))
+        click.echo(render.status_line(st))
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it did not succeed.")
+@url_option
+@json_option
+@click.pass_context
+def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json: bool) -> None:
+    """Re-queue the failed tasks of a job, each with a fresh set of attempts."""
+    broker = connect(ctx, url)
+    n, st = broker.retry(job_id)
+    if not as_json:
+        err.print(f"re-queued {n} failed task(s) of {job_id}" if n else f"job {job_id} has no failed task to retry")
+    if wait and n:
+        st = _wait(ctx, broker, job_id, quiet=as_json)
+    if as_json:
+        emit_json({"requeued": n, **st.model_dump(mode="json")})
+    else:
+        click.echo(render.status_line(st))
+    if wait:
+        exit_for(ctx, st)
+
+
+@main.command()
+@json_option
+def bench(as_json: bool) -> None:
+    """Probe and benchmark this machine (in a child process) and cache the score workers use."""
+    from . import capability
+
+    settings = Settings.load()
+    if not as_json:
+        err.print("benchmarking (matmul, about a second)…")
+    cap = capability.probe(settings.cache_dir, refresh=True)
+    if as_json:
+        emit_json(cap.model_dump())
+    else:
+        render.out().print(render.capability_table(cap))
+
+
+@main.group()
+def config() -> None:
+    """Write or show the config file that every command reads (mode 0600)."""
+
+
+@config.command("init")
+@click.option("--url", help="The broker URL to store (asked for on a terminal when omitted).")
+@click.option("--force", is_flag=True, help="Overwrite an existing config file.")
+def config_init(url: str | None, force: bool) -> None:
+    """Store the broker URL so commands need no --url or GPUMESH_URL."""
+    path = config_path()
+    if path.exists() and not force:
+        raise UsageError(f"{path} already exists; pass --force to overwrite it")
+    if url is None:
+        if not sys.stdin.isatty():
+            raise UsageError("config init needs --url when not run on a terminal")
+        url = click.prompt("Broker URL (redis://:PASSWORD@HOST:PORT/0)", hide_input=True)
+    Settings.load(url=url)  # validates it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# gpumesh settings; keys as in `gpumesh config show`\nurl = {json.dumps(url)}\n")
+    os.chmod(path, 0o600)
+    err.print(f"wrote {path} (mode 0600) for {mask_url(url)}")
+
+
+@config.command("show")
+@json_option
+def config_show(as_json: bool) -> None:
+    """Print the settings in effect (flags aside), with the password masked."""
+    s = Settings.load()
+    data = {**s.model_dump(mode="json"), "url": mask_url(s.url), "config_file": str(config_path())}
+    if as_json:
+        emit_json(data)
+    else:
+        for k, v in data.items():
+            click.echo(f"{k} = {v}")
 
 
 if __name__ == "__main__":

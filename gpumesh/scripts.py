@@ -16,7 +16,7 @@ from redis.commands.core import Script
 
 from . import keys
 
-NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel")
+NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry")
 
 
 @cache
@@ -130,3 +130,11 @@ def reap_outcome(r: list[Any]) -> Outcome:
 
 def cancel(s: Scripts, client: Any, task_id: str) -> Any:
     return s["cancel"](keys=_task_keys(task_id, keys.QUEUED), args=[task_id], client=client)
+
+
+def retry(s: Scripts, client: Any, task_id: str) -> Any:
+    return s["retry"](
+        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.QUEUED],
+        args=[task_id],
+        client=client,
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -62,11 +63,13 @@ class MeshWorker(SimpleWorker):
         capability: Capability,
         name: str | None = None,
         cuda_visible_devices: str | None = None,
+        parent_pid: int | None = None,
     ) -> None:
         self.broker = broker
         self.settings = broker.settings
         self.capability = capability
         self.cuda_visible_devices = cuda_visible_devices
+        self.parent_pid = parent_pid
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.executor = executor.Executor(self)
@@ -173,6 +176,10 @@ class MeshWorker(SimpleWorker):
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.settings.heartbeat_interval):
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.warning("parent process %d is gone; stopping", self.parent_pid)
+                self.parent_pid = None
+                os.kill(os.getpid(), signal.SIGTERM)
             try:
                 self._beat()
                 if self._hb_failing:

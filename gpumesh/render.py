@@ -1,0 +1,198 @@
+"""Output for people and for machines: progress while a job runs, tables, result formats.
+
+On a terminal: a live progress bar on stderr. Elsewhere: one plain line on stderr whenever the counts
+change. With ``--json`` nothing but the final document goes to stdout.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .models import Capability, JobStatus, TaskResult, WorkerInfo
+
+err = Console(stderr=True, highlight=False)
+
+
+def out() -> Console:
+    """Console for tables on stdout: the terminal's width, or wide enough that piped ids are never cut."""
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=240)
+
+
+def _table(*headers: str, title: str | None = None) -> Table:
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, overflow="fold")  # wrap long values rather than cut ids with an ellipsis
+    return table
+
+
+class Rate:
+    """Tasks ended per second since watching began, and the time left at that rate."""
+
+    def __init__(self, first: JobStatus) -> None:
+        self.t0 = time.monotonic()
+        self.ended0 = self._ended(first)
+
+    @staticmethod
+    def _ended(st: JobStatus) -> int:
+        return st.tasks.done + st.tasks.failed + st.tasks.cancelled
+
+    def describe(self, st: JobStatus) -> tuple[str, str]:
+        elapsed = time.monotonic() - self.t0
+        ended = self._ended(st) - self.ended0
+        if ended <= 0 or elapsed <= 0:
+            return "-", "-"
+        rate = ended / elapsed
+        left = st.tasks.total - self._ended(st)
+        return f"{rate:.1f}/s", _duration(left / rate) if left else "0s"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def status_line(st: JobStatus, rate: Rate | None = None) -> str:
+    t = st.tasks
+    line = (
+        f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
+    )
+    if t.cancelled:
+        line += f", {t.cancelled} cancelled"
+    if rate is not None and not st.finished:
+        speed, eta = rate.describe(st)
+        if speed != "-":
+            line += f" ({speed}, ETA {eta})"
+    return line
+
+
+def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -> JobStatus:
+    """Poll a job until it ends, showing progress on stderr (a bar on a terminal, lines elsewhere)."""
+    st = poll()
+    if quiet:
+        while not st.finished:
+            time.sleep(interval)
+            st = poll()
+        return st
+    rate = Rate(st)
+    if not err.is_terminal:
+        last = ""
+        while True:
+            line = status_line(st, rate)
+            if line != last:
+                err.print(line)
+                last = line
+            if st.finished:
+                return st
+            time.sleep(interval)
+            st = poll()
+    columns = (
+        TextColumn("[bold]{task.fields[job]}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} done"),
+        TextColumn("[red]{task.fields[failed]} failed"),
+        TextColumn("{task.fields[running]} running"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("ETA {task.fields[eta]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=False) as bar:
+        task = bar.add_task("job", total=st.tasks.total, job=st.job_id, failed=0, running=0, rate="-", eta="-")
+        while True:
+            speed, eta = rate.describe(st)
+            bar.update(
+                task, completed=st.tasks.done, failed=st.tasks.failed, running=st.tasks.running, rate=speed, eta=eta
+            )
+            if st.finished:
+                break
+            time.sleep(interval)
+            st = poll()
+    err.print(status_line(st))
+    return st
+
+
+def results_text(rows: list[TaskResult], fmt: str) -> str:
+    dumped = [r.model_dump(mode="json") for r in rows]
+    if fmt == "json":
+        return json.dumps(dumped, indent=2) + "\n"
+    if fmt == "jsonl":
+        return "".join(json.dumps(d) + "\n" for d in dumped)
+    if fmt == "csv":
+        buf = io.StringIO()
+        fields = list(TaskResult.model_fields)
+        w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        w.writeheader()
+        for d in dumped:
+            w.writerow({**d, "result": json.dumps(d["result"]) if d["result"] is not None else ""})
+        return buf.getvalue()
+    raise ValueError(fmt)
+
+
+def results_table(rows: Iterable[TaskResult]) -> Table:
+    table = _table("#", "status", "result", "error", "attempts", "worker", "s")
+    for r in rows:
+        table.add_row(
+            str(r.index),
+            r.status,
+            json.dumps(r.result) if r.result is not None else "",
+            r.error.splitlines()[0] if r.error else "",
+            str(r.attempts),
+            r.worker or "",
+            f"{r.duration_s:.2f}" if r.duration_s is not None else "",
+        )
+    return table
+
+
+def workers_table(rows: Iterable[WorkerInfo]) -> Table:
+    table = _table("worker", "host", "device", "GFLOP/s", "tier", "state", "task", title="workers")
+    for r in rows:
+        table.add_row(
+            r.id,
+            r.hostname,
+            f"{r.device} {r.device_name}",
+            f"{r.score_gflops:.1f}",
+            str(r.tier),
+            r.state,
+            r.current_task or "",
+        )
+    return table
+
+
+def jobs_table(rows: Iterable[JobStatus]) -> Table:
+    table = _table("job", "name", "status", "done", "running", "queued", "failed", "total", "created", title="jobs")
+    for r in rows:
+        t = r.tasks
+        created = r.created_at.strftime("%Y-%m-%d %H:%M:%S") if r.created_at else ""
+        table.add_row(
+            r.job_id, r.name, r.status, str(t.done), str(t.running), str(t.queued), str(t.failed), str(t.total), created
+        )
+    return table
+
+
+def top_view(workers: list[WorkerInfo], jobs: list[JobStatus]) -> Group:
+    return Group(workers_table(workers), jobs_table(jobs))
+
+
+def capability_table(cap: Capability) -> Table:
+    table = _table("device", "name", "memory", "GFLOP/s", "backend")
+    table.add_row(
+        cap.device, cap.device_name, f"{cap.memory_bytes / 2**30:.1f} GiB", f"{cap.score_gflops:.1f}", cap.backend
+    )
+    return table
+
+
+def dump(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str)

@@ -1,0 +1,175 @@
+"""The rest of the CLI: watch, retry, output files, top, bench, config, logs -f, the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import stat
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import redis
+from rich.console import Console
+
+from gpumesh import keys, render
+from gpumesh.errors import UsageError
+from gpumesh.models import JobStatus, TaskCounts
+from gpumesh.settings import Settings
+
+from .conftest import ROOT, Workers, gpumesh
+
+EXAMPLE = str(ROOT / "examples/grid_search.py")
+PAYLOADS = str(ROOT / "examples/payloads.json")
+
+
+def test_status_watch_follows_to_the_end_with_plain_lines_off_a_terminal(env, workers: Workers):
+    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, env=env).stdout.strip()
+    workers.start()
+    p = gpumesh("status", job, "--watch", env=env)
+    assert p.returncode == 0
+    assert p.stderr.strip().splitlines()[-1] == f"{job} done: 6/6 done, 0 running, 0 queued, 0 failed"
+    p = gpumesh("status", job, "--watch", "--json", env=env)
+    assert json.loads(p.stdout)["status"] == "done" and p.stderr == ""
+
+
+def test_retry_requeues_failed_tasks_with_fresh_attempts(env, workers: Workers, r: redis.Redis, tmp_path: Path):
+    fixed = tmp_path / "fixed"
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        f"import json, os, sys\np = json.load(sys.stdin)\n"
+        f"if p['i'] == 1 and not os.path.exists({str(fixed)!r}):\n    sys.exit('not yet')\n"
+        "print(json.dumps(p))\n"
+    )
+    workers.start()
+    p = gpumesh(
+        "submit", str(script), "--payloads", "-", "--max-attempts", "2", "--wait", env=env, input='[{"i": 0}, {"i": 1}]'
+    )
+    assert p.returncode == 1
+    job = p.stdout.split()[0]
+    assert r.hget(keys.task(keys.task_id(job, 1)), "attempts") == "2"
+    fixed.touch()
+    p = gpumesh("retry", job, "--wait", "--json", env=env)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["requeued"] == 1 and out["status"] == "done" and out["tasks"]["done"] == 2
+    assert r.hget(keys.task(keys.task_id(job, 1)), "attempts") == "1"
+    p = gpumesh("retry", job, env=env)
+    assert p.returncode == 0 and "no failed task to retry" in p.stderr
+
+
+def test_results_output_file(env, workers: Workers, tmp_path: Path):
+    workers.start()
+    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).stdout.split()[0]
+    out = tmp_path / "results.jsonl"
+    p = gpumesh("results", job, "--format", "jsonl", "--output", str(out), env=env)
+    assert p.returncode == 0 and p.stdout == ""
+    assert len(out.read_text().splitlines()) == 6
+    p = gpumesh("results", job, "--output", str(out), env=env)
+    assert p.returncode == 2 and "--output needs --format" in p.stderr
+
+
+def test_top_once_shows_workers_and_jobs(env, workers: Workers):
+    workers.start("--name", "box")
+    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).stdout.split()[0]
+    p = gpumesh("top", "--once", env=env)
+    assert p.returncode == 0
+    assert "workers" in p.stdout and "box-" in p.stdout and "jobs" in p.stdout and job in p.stdout
+
+
+def test_bench_json_shape(env):
+    p = gpumesh("bench", "--json", env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cap = json.loads(p.stdout)
+    assert set(cap) == {"device", "device_name", "memory_bytes", "score_gflops", "backend"}
+    assert cap["score_gflops"] > 0 and cap["memory_bytes"] > 0
+
+
+def test_config_init_show_and_layering(env, redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    cfg = Path(env["GPUMESH_CONFIG"])
+    secret = "s3cr3t-pw"
+    url = f"redis://:{secret}@127.0.0.1:{redis_server.port}/0"
+    env_no_url = {k: v for k, v in env.items() if k != "GPUMESH_URL"}
+    p = gpumesh("config", "init", "--url", url, env=env_no_url)
+    assert p.returncode == 0 and secret not in p.stderr
+    assert stat.S_IMODE(cfg.stat().st_mode) == 0o600
+    assert gpumesh("config", "init", "--url", url, env=env_no_url).returncode == 2  # no silent overwrite
+    shown = json.loads(gpumesh("config", "show", "--json", env=env_no_url).stdout)
+    assert shown["url"] == f"redis://:***@127.0.0.1:{redis_server.port}/0" and shown["lease_ttl"] == 2.0
+    # flag > environment > config file > defaults
+    monkeypatch.delenv("GPUMESH_URL")
+    assert Settings.load().url == url
+    monkeypatch.setenv("GPUMESH_URL", "redis://127.0.0.1:1/0")
+    assert Settings.load().url == "redis://127.0.0.1:1/0"
+    assert Settings.load(url="redis://127.0.0.1:2/0").url == "redis://127.0.0.1:2/0"
+    cfg.write_text("tiers = 5\nlease_ttl = 60\n")
+    assert Settings.load().tiers == 5  # from the file
+    assert Settings.load().lease_ttl == 2.0  # GPUMESH_LEASE_TTL beats the file
+    assert Settings.load().heartbeat_interval == 0.4 and Settings.load(tiers=2).tiers == 2
+    cfg.write_text('tiers = "many"\n')
+    with pytest.raises(UsageError, match="invalid setting tiers"):
+        Settings.load()
+
+
+def test_logs_follow_stops_when_the_task_ends(env, workers: Workers, tmp_path: Path):
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import time\nfor i in range(5):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)\nprint('{}')\n"
+    )
+    workers.start()
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout.strip()
+    p = gpumesh("logs", "-f", job, env=env, timeout=60)
+    assert p.returncode == 0
+    lines = [line.split("] ", 1)[1] for line in p.stdout.splitlines()]
+    assert lines == [f"line {i}" for i in range(5)] + ["{}"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch):
+    buf = io.StringIO()
+    monkeypatch.setattr(render, "err", Console(file=buf, force_terminal=True, width=150, highlight=False))
+    now = datetime.now(UTC)
+    states = iter(
+        [
+            JobStatus(
+                job_id="j1",
+                name="",
+                status="running",
+                tasks=TaskCounts(total=4, queued=2, running=2),
+                created_at=now,
+                finished_at=None,
+            ),
+            JobStatus(
+                job_id="j1",
+                name="",
+                status="running",
+                tasks=TaskCounts(total=4, running=2, done=1, failed=1),
+                created_at=now,
+                finished_at=None,
+            ),
+            JobStatus(
+                job_id="j1",
+                name="",
+                status="failed",
+                tasks=TaskCounts(total=4, done=3, failed=1),
+                created_at=now,
+                finished_at=now,
+            ),
+        ]
+    )
+    st = render.follow(lambda: next(states), quiet=False, interval=0.01)
+    assert st.status == "failed"
+    text = buf.getvalue()
+    assert "3/4 done" in text and "1 failed" in text and "ETA" in text and "/s" in text
+    assert text.strip().endswith("j1 failed: 3/4 done, 0 running, 0 queued, 1 failed")
+
+
+def test_every_command_has_help(env):
+    out = subprocess.run([sys.executable, "-m", "gpumesh", "--help"], capture_output=True, text=True).stdout
+    commands = ["serve", "worker", "join", "submit", "run", "status", "jobs", "workers", "top", "results", "logs",
+                "cancel", "retry", "bench", "config"]  # fmt: skip
+    for name in commands:
+        assert f"  {name} " in out, name
+        p = gpumesh(name, "--help", env=env)
+        assert p.returncode == 0 and p.stdout.startswith(f"Usage: gpumesh {name}"), name

@@ -1,0 +1,190 @@
+"""`gpumesh serve` and `gpumesh run --local`, started for real."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from .conftest import ROOT, free_port, gpumesh, wait_until
+
+EXAMPLE = str(ROOT / "examples/grid_search.py")
+PAYLOADS = str(ROOT / "examples/payloads.json")
+
+
+class Serve:
+    def __init__(self, env: dict[str, str], data_dir: Path, port: int, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        assert self.proc.stdout
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if "--wait" in line:
+                break
+        text = "\n".join(self.lines)
+        match = re.search(r"gpumesh worker '(redis://[^']+)'", text)
+        assert match, (text, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        self.url = match.group(1)
+
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, stderr = self.proc.communicate(timeout=30)
+        return self.proc.returncode, stderr
+
+
+def test_serve_prints_join_lines_secures_and_persists_the_broker(env, tmp_path: Path):
+    port, data = free_port(), tmp_path / "broker"
+    serve = Serve(env, data, port)
+    try:
+        assert serve.url.startswith("redis://:") and serve.url.endswith(f"@127.0.0.1:{port}/0")
+        password = serve.url.split(":")[2].split("@")[0]
+        assert len(password) >= 32
+        assert any(f"--url '{serve.url}' --wait" in line for line in serve.lines)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        r = redis.Redis.from_url(serve.url, decode_responses=True)
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("bind")["bind"] == "127.0.0.1"
+        for name in ("password", "redis.conf"):
+            assert stat.S_IMODE((data / name).stat().st_mode) == 0o600
+        p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", serve.url, "--json", env=env)
+        job = json.loads(p.stdout)["job_id"]
+        r.close()
+    finally:
+        code, stderr = serve.stop()
+    assert code == 0, stderr
+    assert "stopping the broker" in stderr
+    wait_until(lambda: _port_free(port), what="the broker to stop")
+
+    again = Serve(env, data, port)  # same data dir: same password, same jobs
+    try:
+        assert again.url == serve.url
+        st = json.loads(gpumesh("status", job, "--url", again.url, "--json", env=env).stdout)
+        assert st["tasks"]["total"] == 6 and st["status"] == "queued"
+    finally:
+        again.stop(signal.SIGTERM)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_serve_refuses_a_taken_port_with_one_line(env, tmp_path: Path, redis_server):
+    p = gpumesh("serve", "--port", str(redis_server.port), "--data-dir", str(tmp_path / "b"), env=env)
+    assert p.returncode == 2
+    assert p.stderr == f"error: port {redis_server.port} on 127.0.0.1 is already in use; pick another with --port\n"
+
+
+def test_serve_public_without_pyngrok_names_the_extra(env, tmp_path: Path):
+    if _has("pyngrok"):  # the test extra leaves pyngrok out on purpose
+        pytest.skip("pyngrok is installed; this checks the message shown without it")
+    p = gpumesh("serve", "--public", "--port", str(free_port()), "--data-dir", str(tmp_path / "b"), env=env)
+    assert p.returncode == 2 and "pip install 'gpumesh[tunnel]'" in p.stderr
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_serve_on_all_interfaces_warns_loudly(env, tmp_path: Path):
+    serve = Serve(env, tmp_path / "b", free_port(), "--host", "0.0.0.0")
+    code, stderr = serve.stop()
+    assert code == 0
+    assert "WARNING: the broker listens on 0.0.0.0" in stderr and "run code on every worker" in stderr
+
+
+def test_join_with_token_runs_a_worker(env, tmp_path: Path):
+    port = free_port()
+    serve = Serve(env, tmp_path / "b", port)
+    try:
+        job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", serve.url, env=env).stdout.strip()
+        token = serve.url.split(":")[2].split("@")[0]
+        p = gpumesh("join", f"127.0.0.1:{port}", "--token", token, "--burst", "--score", "3", env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        st = json.loads(gpumesh("status", job, "--url", serve.url, "--json", env=env).stdout)
+        assert st["status"] == "done"
+        assert token not in p.stderr, "the worker's log masks the password"
+    finally:
+        serve.stop()
+
+
+def _leftovers(parent_pid: int) -> list[psutil.Process]:
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if f"--exit-with-parent {parent_pid}" in cmd or ("gpumesh-local-" in cmd and "redis" in cmd):
+            out.append(proc)
+    return out
+
+
+def test_run_local_prints_results_and_stops_everything(env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "run", EXAMPLE, "--payloads", PAYLOADS, "--local", "2", "--json"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["index"] for r in rows] == list(range(6)) and all(r["status"] == "done" for r in rows)
+    assert len({r["worker"] for r in rows}) <= 2
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "gpumesh-local-" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_run_local_exits_1_when_the_job_fails(env, tmp_path: Path):
+    script = tmp_path / "bad.py"
+    script.write_text("import sys\nsys.exit(4)\n")
+    p = gpumesh("run", str(script), "--payloads", "-", "--local", "1", "--max-attempts", "1", "--format", "csv",
+                env=env, input='[{"a": 1}]', timeout=120)  # fmt: skip
+    assert p.returncode == 1
+    assert p.stdout.splitlines()[1].startswith("0,") and "exit code 4" in p.stdout
+
+
+def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
+    script = tmp_path / "slow.py"
+    script.write_text(f"import os, time\nopen({str(tmp_path / 'started')!r}, 'w').close()\ntime.sleep(300)\n")
+    (tmp_path / "p.json").write_text("[{}]")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "run", str(script), "--payloads", str(tmp_path / "p.json"), "--local", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_until(lambda: (tmp_path / "started").exists(), timeout=60, what="the task to start")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "stopping the local mesh" in stderr
+    wait_until(lambda: not _leftovers(proc.pid), timeout=15, what="workers and broker to stop")
+
+
+def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path):
+    script = tmp_path / "slow.py"
+    script.write_text(f"import time\nopen({str(tmp_path / 'started')!r}, 'w').close()\ntime.sleep(300)\n")
+    workers.start()
+    (tmp_path / "p.json").write_text("[{}]")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "submit", str(script), "--payloads", str(tmp_path / "p.json"), "--wait"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_until(lambda: (tmp_path / "started").exists(), what="the task to start")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    job = re.search(r"submitted job (\w+)", stderr).group(1)
+    assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
+    assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
+    assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
