@@ -140,7 +140,7 @@ def test_results_formats_and_logs(env, workers: Workers):
     csv_out = gpumesh("results", job, "--format", "csv", env=env).stdout.splitlines()
     assert csv_out[0] == "index,task_id,status,result,error,attempts,worker,duration_s" and len(csv_out) == 7
     logs = gpumesh("logs", keys.task_id(job, 0), env=env)
-    assert "lr=0.3 epochs=400 on " in logs.stderr
+    assert "lr=0.5 epochs=80 on " in logs.stderr
     assert '"loss"' in logs.stdout
 
 
