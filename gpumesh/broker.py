@@ -69,6 +69,11 @@ def translate(exc: redis.RedisError, url: str) -> BrokerError:
     text = str(exc).replace(urlsplit(url).password or "\0", "***")
     if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text:
         return BrokerError(f"the broker at {mask_url(url)} refused the credentials ({text}); check the URL's password")
+    if "OOM" in text or isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return BrokerError(
+            f"the broker at {mask_url(url)} is out of memory (maxmemory reached, noeviction) and refused the write; "
+            "nothing was written. Free memory (finished jobs) or raise maxmemory"
+        )
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return BrokerError(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
     return BrokerError(f"the broker at {mask_url(url)} answered an error: {text}")
@@ -104,6 +109,26 @@ class Broker:
         self.r.close()
         self.rq.close()
 
+    def epoch(self) -> str:
+        """The id of this broker's data, created by whoever comes first; it changes only if the data is lost."""
+        with self.r.pipeline(transaction=True) as p:
+            p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+            p.get(keys.EPOCH)
+            return p.execute()[1]
+
+    def eviction_warning(self) -> str | None:
+        """A warning when Redis may evict keys (and so lose queued work), None when it cannot or we cannot tell."""
+        try:
+            policy = self.r.config_get("maxmemory-policy").get("maxmemory-policy")
+        except redis.ResponseError:  # CONFIG refused (ACL or a managed Redis): nothing to check against
+            return None
+        if policy and policy != "noeviction":
+            return (
+                f"the broker's maxmemory-policy is {policy}: under memory pressure Redis may evict queue data "
+                "and lose tasks; set it to noeviction (CONFIG SET maxmemory-policy noeviction)"
+            )
+        return None
+
     # -- scheduling reads ------------------------------------------------------------------------
 
     def server_ms(self) -> int:
@@ -124,72 +149,112 @@ class Broker:
     # -- submit ----------------------------------------------------------------------------------
 
     def submit(
-        self, source: str, script_name: str, payloads: list[dict[str, Any]], options: JobOptions
+        self,
+        source: str,
+        script_name: str,
+        payloads: list[dict[str, Any]],
+        options: JobOptions,
+        idempotency_key: str | None = None,
     ) -> SubmitResult:
-        """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all."""
+        """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all.
+
+        With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
+        returns the job the first one created instead of a second job (WATCH makes the race safe)."""
         if not payloads:
             raise UsageError("a job needs at least one payload")
         sha = hashlib.sha256(source.encode()).hexdigest()
-        job_id = uuid.uuid4().hex[:12]
-        k = self.settings.tiers
+        request = hashlib.sha256(
+            json.dumps([sha, script_name, payloads, options.model_dump()], sort_keys=True).encode()
+        )
+        if idempotency_key:
+            job_id = hashlib.sha256(f"gpumesh-idempotency:{idempotency_key}".encode()).hexdigest()[:12]
+        else:
+            job_id = uuid.uuid4().hex[:12]
         costs = [payload_cost(p) for p in payloads]
         try:
-            capacity = scheduling.tier_capacity(self.live_scores(), k)
-            tiers = scheduling.assign_task_tiers(costs, capacity)
+            tiers = scheduling.assign_task_tiers(
+                costs, scheduling.tier_capacity(self.live_scores(), self.settings.tiers)
+            )
             created = self.server_ms() / 1000
-            task_ids = [keys.task_id(job_id, i) for i in range(len(payloads))]
-            per_tier: dict[int, int] = {}
-            for t in tiers:
-                per_tier[t] = per_tier.get(t, 0) + 1
+            per_tier: dict[str, int] = {}
+            for t in sorted(tiers):
+                per_tier[str(t)] = per_tier.get(str(t), 0) + 1
             with self.r.pipeline(transaction=True) as p:
-                p.set(keys.script(sha), source, nx=True)
-                p.hset(
-                    keys.job(job_id),
-                    mapping={
-                        "id": job_id,
-                        "name": options.name,
-                        "script_sha": sha,
-                        "script_name": script_name,
-                        "timeout": options.timeout,
-                        "max_attempts": options.max_attempts,
-                        "status": "queued",
-                        "total": len(payloads),
-                        "queued": len(payloads),
-                        "running": 0,
-                        "done": 0,
-                        "failed": 0,
-                        "cancelled": 0,
-                        "created_at": f"{created:.3f}",
-                        "tiers": json.dumps({str(t): n for t, n in sorted(per_tier.items())}),
-                    },
-                )
-                for start in range(0, len(task_ids), 5000):
-                    p.rpush(keys.job_tasks(job_id), *task_ids[start : start + 5000])
-                p.zadd(keys.JOBS, {job_id: created})
-                for start in range(0, len(task_ids), 5000):
-                    p.zadd(keys.QUEUED, {tid: int(created * 1000) for tid in task_ids[start : start + 5000]})
-                for i, (tid, payload) in enumerate(zip(task_ids, payloads)):
-                    p.hset(
-                        keys.task(tid),
-                        mapping={
-                            "job": job_id,
-                            "index": i,
-                            "payload": json.dumps(payload),
-                            "cost": costs[i],
-                            "tier": tiers[i],
-                            "status": "queued",
-                            "attempts": 0,
-                            "deliveries": 1,
-                            "max_attempts": options.max_attempts,
-                        },
-                    )
-                order = sorted(range(len(payloads)), key=lambda i: (-costs[i], i))  # heaviest first in each tier
-                self.enqueue(p, ((task_ids[i], tiers[i], 1) for i in order), timeout=options.timeout)
-                p.xadd(keys.EVENTS, {"kind": "job", "id": job_id, "status": "queued"}, maxlen=10000, approximate=True)
+                if idempotency_key:
+                    p.watch(keys.job(job_id))
+                    existing = p.hmget(keys.job(job_id), "request", "total", "tiers")
+                    if existing[0] is not None:
+                        return self._same_request(job_id, existing, request.hexdigest(), idempotency_key)
+                    p.multi()
+                self._write_job(p, job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
+                p.hset(keys.job(job_id), "request", request.hexdigest())
                 p.execute()
+        except redis.WatchError:  # the same key won a concurrent race: that job is ours
+            existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
+            return self._same_request(job_id, existing, request.hexdigest(), idempotency_key or "")
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
-        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers={str(t): n for t, n in sorted(per_tier.items())})
+        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier)
+
+    @staticmethod
+    def _same_request(job_id: str, existing: list[Any], request: str, key: str) -> SubmitResult:
+        if existing[0] != request:
+            raise UsageError(
+                f"idempotency key {key!r} was already used for job {job_id} with a different script, payloads or "
+                "options; use a new key for a new job"
+            )
+        return SubmitResult(job_id=job_id, tasks=int(existing[1]), tiers=json.loads(existing[2]))
+
+    def _write_job(
+        self, p: Any, job_id: str, sha: str, source: str, script_name: str, payloads: list[dict[str, Any]],
+        costs: list[float], tiers: list[int], options: JobOptions, created: float, per_tier: dict[str, int],
+    ) -> None:  # fmt: skip
+        task_ids = [keys.task_id(job_id, i) for i in range(len(payloads))]
+        p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+        p.set(keys.script(sha), source, nx=True)
+        p.hset(
+            keys.job(job_id),
+            mapping={
+                "id": job_id,
+                "name": options.name,
+                "script_sha": sha,
+                "script_name": script_name,
+                "timeout": options.timeout,
+                "max_attempts": options.max_attempts,
+                "status": "queued",
+                "total": len(payloads),
+                "queued": len(payloads),
+                "running": 0,
+                "done": 0,
+                "failed": 0,
+                "cancelled": 0,
+                "created_at": f"{created:.3f}",
+                "tiers": json.dumps(per_tier),
+            },
+        )
+        for start in range(0, len(task_ids), 5000):
+            chunk = task_ids[start : start + 5000]
+            p.rpush(keys.job_tasks(job_id), *chunk)
+            p.zadd(keys.QUEUED, {tid: int(created * 1000) for tid in chunk})
+        p.zadd(keys.JOBS, {job_id: created})
+        for i, (tid, payload) in enumerate(zip(task_ids, payloads)):
+            p.hset(
+                keys.task(tid),
+                mapping={
+                    "job": job_id,
+                    "index": i,
+                    "payload": json.dumps(payload),
+                    "cost": costs[i],
+                    "tier": tiers[i],
+                    "status": "queued",
+                    "attempts": 0,
+                    "deliveries": 1,
+                    "max_attempts": options.max_attempts,
+                },
+            )
+        order = sorted(range(len(payloads)), key=lambda i: (-costs[i], i))  # heaviest first in each tier
+        self.enqueue(p, ((task_ids[i], tiers[i], 1) for i in order), timeout=options.timeout)
+        p.xadd(keys.EVENTS, {"kind": "job", "id": job_id, "status": "queued"}, maxlen=10000, approximate=True)
 
     def enqueue(self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None) -> None:
         """Add RQ jobs (task id, tier, delivery) to ``pipe``; the id is deterministic, so a repeat is harmless."""

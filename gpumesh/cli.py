@@ -22,7 +22,7 @@ import redis
 
 from . import __version__, render
 from .broker import Broker, mask_url, translate
-from .errors import GpumeshError, UsageError
+from .errors import BrokerError, GpumeshError, UsageError
 from .models import JobOptions, JobStatus, parse_payloads
 from .settings import Settings, config_path
 
@@ -129,6 +129,11 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
         parent_pid=opts["exit_with_parent"],
     )  # fmt: skip
     w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
+    if w.broker_lost:
+        raise BrokerError(
+            "the broker lost its data (it restarted empty?); this worker stopped without reporting its task. "
+            "Start it again to join the broker as it is now"
+        )
 
 
 @main.command()
@@ -345,12 +350,16 @@ def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobSt
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
 @click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
+@click.option(
+    "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
+)
 @url_option
 @json_option
 @click.pass_context
 def submit(
-    ctx: click.Context, script: str, payloads_spec: str, wait: bool, url: str | None, as_json: bool, **opts: Any
-) -> None:
+    ctx: click.Context, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None, url: str | None,
+    as_json: bool, **opts: Any,
+) -> None:  # fmt: skip
     """Submit SCRIPT with one task per payload; print the job id.
 
     The script reads its payload as JSON on stdin and prints its result as the last stdout line
@@ -359,7 +368,7 @@ def submit(
     """
     source, payloads, options = _job_input(script, payloads_spec, opts)
     broker = connect(ctx, url)
-    res = broker.submit(source, Path(script).name, payloads, options)
+    res = broker.submit(source, Path(script).name, payloads, options, idempotency_key=idempotency_key)
     if not wait:
         if as_json:
             emit_json(res.model_dump())

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpumesh.worker")
 
-LOG_STREAM_MAXLEN = 10_000
 ERROR_TAIL_CHARS = 2000
+UNREPORTED = ("lease lost", "broker lost")  # stop reasons after which the attempt's outcome is not ours to report
 
 
 @dataclass
@@ -102,15 +103,11 @@ class Executor:
             source = self._script(lease.script_sha)
         except LookupError as exc:
             return self._fail(running, str(exc), 0.0)
-        logbuf: list[tuple[str, str]] = [("gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")]
-        last_flush = time.monotonic()
+        ship = self.w.logs.put
+        ship(lease.task_id, "gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")
 
         def on_line(stream: str, line: str) -> None:
-            nonlocal last_flush
-            logbuf.append((stream, line))
-            if len(logbuf) >= 200 or time.monotonic() - last_flush > 0.25:
-                self._flush_log(lease.task_id, logbuf)
-                last_flush = time.monotonic()
+            ship(lease.task_id, stream, line)
 
         def should_stop() -> str | None:
             if running.stop_reason:
@@ -133,17 +130,14 @@ class Executor:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
         limits = self.w.limits(lease.timeout)
         out = sandbox.run(source, lease.script_name, lease.payload, env, limits, on_line, should_stop)
-        self._flush_log(lease.task_id, logbuf)
+        self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
 
-        if out.killed and out.killed.startswith("lease lost"):
+        if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
             return "lost"
         if out.killed == "cancelled":
             log.info("%s: cancelled; the attempt was killed", lease.task_id)
             return "cancelled"
-        if out.killed == "shutdown":
-            self._finish_quietly(running, "", release=True, duration=out.duration)
-            return "released"
         if out.returncode == 0 and not out.killed:
             if out.result_too_large:
                 return self._fail(running, f"result line is over the {limits.result_bytes}-byte cap", out.duration)
@@ -171,16 +165,21 @@ class Executor:
 
     def _fail(self, running: Running, error: str, duration: float) -> str:
         lease = running.lease
-        res = scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration)
+        res = self._patiently(
+            lambda: scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration)
+        )
         if not res.accepted:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         if res.status == "queued":
             self.broker.deliver([(lease.task_id, res.tier, res.delivery)])
+        self.w.logs.put(lease.task_id, "gpumesh", f"attempt {lease.attempt} failed: {error.splitlines()[0]}")
         log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
         return res.status
 
     def _finish_quietly(self, running: Running, error: str, release: bool, duration: float = 0.0) -> None:
+        if running.stop_reason and running.stop_reason.startswith(UNREPORTED):
+            return
         try:
             res = scripts.fail(
                 self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release
@@ -190,19 +189,18 @@ class Executor:
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
             log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
 
-    def _flush_log(self, task_id: str, buf: list[tuple[str, str]]) -> None:
-        if not buf:
-            return
-        try:
-            with self.broker.r.pipeline(transaction=False) as p:
-                for stream, line in buf:
-                    p.xadd(
-                        keys.task_log(task_id),
-                        {"stream": stream, "line": line},
-                        maxlen=LOG_STREAM_MAXLEN,
-                        approximate=True,
-                    )
-                p.execute()
-        except redis.RedisError as exc:
-            log.warning("%s: %d log lines lost (%s)", task_id, len(buf), exc)
-        buf.clear()
+    def _patiently(self, call: Callable[[], scripts.Outcome]) -> scripts.Outcome:
+        """Report an outcome through a broker restart or a short network cut: retry for up to a lease TTL.
+
+        Past that the lease has lapsed and the task may be someone else's; fencing makes a late call harmless."""
+        deadline = time.monotonic() + self.settings.lease_ttl
+        delay = 0.2
+        while True:
+            try:
+                return call()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("broker unreachable while reporting (%s); retrying in %.1fs", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)

@@ -11,6 +11,7 @@ LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
 QUEUED = PREFIX + "queued"  # zset: queued task id -> ms its delivery was last enqueued or checked (the audit)
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
+EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 
 QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>
 

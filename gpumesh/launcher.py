@@ -156,8 +156,9 @@ def main(argv: list[str]) -> None:
         except InterruptedError:
             continue
     if status is not None and os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        sig = os.WTERMSIG(status)  # end the way the script did, so the worker can name the signal
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled, nor reset
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     sys.exit(os.WEXITSTATUS(status) if status is not None else 70)
 

@@ -105,17 +105,24 @@ def fail(
     return Outcome(True, r[1], int(r[2]), int(r[3]))
 
 
+@dataclass(frozen=True)
+class Beat:
+    registered: bool
+    lease: str  # 'none' | 'ok' | 'lost' | 'cancelled'
+    server_ms: int
+    epoch_ok: bool
+
+
 def heartbeat(
-    s: Scripts, client: Any, worker_id: str, worker_ttl_ms: int, lease: Lease | None, lease_ms: int
-) -> tuple[bool, str, int]:
-    """Returns (registered, lease state, server time ms)."""
+    s: Scripts, client: Any, worker_id: str, worker_ttl_ms: int, lease: Lease | None, lease_ms: int, epoch: str
+) -> Beat:
     task_id = lease.task_id if lease else ""
     r = s["heartbeat"](
-        keys=[keys.worker(worker_id), keys.WORKERS, keys.lease(task_id), keys.LEASES, keys.task(task_id)],
-        args=[worker_id, worker_ttl_ms, lease.token if lease else "", lease_ms, task_id],
+        keys=[keys.worker(worker_id), keys.WORKERS, keys.lease(task_id), keys.LEASES, keys.task(task_id), keys.EPOCH],
+        args=[worker_id, worker_ttl_ms, lease.token if lease else "", lease_ms, task_id, epoch],
         client=client,
     )
-    return bool(int(r[0])), r[1], int(r[2])
+    return Beat(bool(int(r[0])), r[1], int(r[2]), bool(int(r[3])))
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:

@@ -26,6 +26,7 @@ from rq.worker import SimpleWorker
 
 from . import __version__, executor, keys, scheduling, scripts
 from .broker import EXECUTOR, Broker
+from .logship import LogShipper
 from .models import Capability
 from .sandbox import Limits
 
@@ -78,6 +79,9 @@ class MeshWorker(SimpleWorker):
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
+        self.epoch = ""
+        self.broker_lost = False
+        self.logs = LogShipper(broker.r)
         super().__init__(
             [q.name for q in broker.queues],
             name=self.worker_id,
@@ -109,10 +113,32 @@ class MeshWorker(SimpleWorker):
             log.error("RQ job %s from %s %s", job.id, queue.name, why)
             self.handle_job_failure(job, queue, exc_string=why)
             return
-        super().execute_job(job, queue)
+        try:
+            super().execute_job(job, queue)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # RQ's own bookkeeping lost the broker: keep the worker alive (RQ would quit) and wait for it.
+            # gpumesh's state is safe: the task was reported, or its lease lapses and it is re-queued.
+            log.warning("broker unreachable during RQ bookkeeping for %s (%s); waiting for it", job.id, exc)
+            self._wait_for_broker()
+
+    def _wait_for_broker(self) -> None:
+        delay = 0.5
+        while not self._stop_requested:
+            try:
+                self.connection.ping()
+                log.info("broker reachable again")
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         executor.bind(self)
+        self.epoch = self.broker.epoch()
+        warning = self.broker.eviction_warning()
+        if warning:
+            log.warning(warning)
+        self.logs.start()
         self._register()
         self._beat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
@@ -196,31 +222,37 @@ class MeshWorker(SimpleWorker):
         s = self.settings
         running = self.executor.current
         sent_at = time.monotonic()
-        registered, state, _now = scripts.heartbeat(
+        beat = scripts.heartbeat(
             self.broker.scripts,
             self.broker.r,
             self.worker_id,
             int(s.worker_ttl * 1000),
             running.lease if running else None,
             int(s.lease_ttl * 1000),
+            self.epoch,
         )
+        if not beat.epoch_ok:
+            self._broker_lost()
+            return
         if running is not None:
-            if state == "ok":
+            if beat.lease == "ok":
                 running.last_renewal = sent_at
-            elif state == "cancelled":
+            elif beat.lease == "cancelled":
                 running.stop("cancelled")
-            elif state == "lost":
+            elif beat.lease == "lost":
                 running.stop("lease lost: the task was leased again elsewhere")
-        if not registered:
+        if not beat.registered:
             log.warning("registration had expired (paused or cut off?); registering again")
             self._register()
-            scripts.heartbeat(self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0)
+            scripts.heartbeat(
+                self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0, self.epoch
+            )
         scores = self.broker.live_scores()
         scores.setdefault(self.worker_id, self.capability.score_gflops)
         tiers = scheduling.worker_tiers(scores, s.tiers)
         order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
         self._order = order
-        if order != self._published or not registered:
+        if order != self._published or not beat.registered:
             self._published = order
             self.broker.r.hset(
                 keys.worker(self.worker_id),
@@ -231,6 +263,18 @@ class MeshWorker(SimpleWorker):
             report = self.broker.reap_once()
             if any(report.values()):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
+
+    def _broker_lost(self) -> None:
+        """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""
+        if self.broker_lost:
+            return
+        self.broker_lost = True
+        log.error("the broker lost its data (restarted empty?): killing the current task and stopping")
+        running = self.executor.current
+        if running is not None:
+            running.stop("broker lost its data")
+        self._hb_stop.set()
+        os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: no new work
 
     def _reaper_turn(self) -> bool:
         """One reaper at a time across the mesh (an optimisation: reaping twice is harmless)."""

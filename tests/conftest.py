@@ -117,8 +117,12 @@ class Workers:
         self.env, self.r, self.tmp = env, r, tmp
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *args: str, score: float = 10, wait: bool = True, **extra_env: str) -> subprocess.Popen[bytes]:
-        before = self.r.zcard("gpumesh:workers")
+    def start(
+        self, *args: str, score: float = 10, wait: bool = True, client: redis.Redis | None = None, **extra_env: str
+    ) -> subprocess.Popen[bytes]:
+        """Start a worker; wait until it registers on ``client`` (the test Redis unless given)."""
+        r = client or self.r
+        before = r.zcard("gpumesh:workers")
         with open(self.tmp / f"worker-{len(self.procs)}.log", "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), *args],
@@ -127,7 +131,7 @@ class Workers:
         self.procs.append(proc)
         if wait:
             deadline = time.monotonic() + 20
-            while self.r.zcard("gpumesh:workers") <= before:
+            while r.zcard("gpumesh:workers") <= before:
                 assert proc.poll() is None, self.log(len(self.procs) - 1)
                 assert time.monotonic() < deadline, "worker did not register"
                 time.sleep(0.05)

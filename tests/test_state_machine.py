@@ -71,8 +71,8 @@ def test_stale_worker_after_reap_and_re_lease_changes_nothing(broker: Broker, r:
     assert isinstance(new, scripts.Lease) and new.attempt == 2
     assert not scripts.complete(broker.scripts, r, old, "old", '"late"', 1).accepted
     assert not scripts.fail(broker.scripts, r, old, "old", "late failure", 1).accepted
-    hb = scripts.heartbeat(broker.scripts, r, "old", 5000, old, LEASE_MS)
-    assert hb[1] == "lost"
+    hb = scripts.heartbeat(broker.scripts, r, "old", 5000, old, LEASE_MS, broker.epoch())
+    assert hb.lease == "lost"
     assert scripts.complete(broker.scripts, r, new, "new", '"fresh"', 1).accepted
     task = r.hgetall(keys.task(tid))
     assert task["result"] == '"fresh"' and task["attempts"] == "2" and task["worker"] == "new"
@@ -124,7 +124,7 @@ def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w", 60)
     r.zadd(keys.LEASES, {tid: 0})  # deadline in the past, but the lease key is alive
-    scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS)
+    scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS, broker.epoch())
     assert broker.reap_once()["requeued"] == 0
     assert r.hget(keys.task(tid), "status") == "running"
 
@@ -162,7 +162,7 @@ def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: B
     st = broker.cancel(job)
     assert st.status == "cancelled"
     assert (st.tasks.cancelled, st.tasks.done, st.tasks.queued, st.tasks.running) == (2, 1, 0, 0)
-    assert scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS)[1] == "cancelled"
+    assert scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS, broker.epoch()).lease == "cancelled"
     assert scripts.acquire(broker.scripts, r, tids[2], "w", LEASE_MS) == "cancelled"
     assert not scripts.complete(broker.scripts, r, lease, "w", "1", 0).accepted
     assert_counters_match_tasks(r, job)
@@ -171,10 +171,21 @@ def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: B
 def test_heartbeat_renews_the_lease_and_says_when_registration_expired(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w", 200)
-    registered, state, now_ms = scripts.heartbeat(broker.scripts, r, "w", 5000, lease, 10_000)
-    assert (registered, state) == (False, "ok")
+    beat = scripts.heartbeat(broker.scripts, r, "w", 5000, lease, 10_000, broker.epoch())
+    assert (beat.registered, beat.lease, beat.epoch_ok) == (False, "ok", True)
     assert r.pttl(keys.lease(tid)) > 5000
-    assert abs(now_ms / 1000 - time.time()) < 5
+    assert abs(beat.server_ms / 1000 - time.time()) < 5
+
+
+def test_heartbeat_against_a_broker_that_lost_its_data_touches_nothing(broker: Broker, r: redis.Redis):
+    _, (tid,) = submit(broker)
+    epoch = broker.epoch()
+    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    r.flushall()  # the broker restarted empty
+    beat = scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS, epoch)
+    assert not beat.epoch_ok
+    assert r.dbsize() == 0, "no phantom lease or registration is written"
+    assert broker.epoch() != epoch
 
 
 def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redis):

@@ -1,10 +1,14 @@
 -- heartbeat: renew the worker's registration and, if it holds one, its lease; report cancellation.
 -- KEYS[1] worker hash   KEYS[2] workers zset  KEYS[3] lease key     KEYS[4] leases zset
--- KEYS[5] task hash (unused when idle)
+-- KEYS[5] task hash (unused when idle)                KEYS[6] epoch string
 -- ARGV[1] worker id     ARGV[2] worker TTL (ms)  ARGV[3] lease token or ''  ARGV[4] lease TTL (ms)
--- ARGV[5] task id or ''
--- Returns {registered 0|1, lease state 'none'|'ok'|'lost'|'cancelled', server time ms}
+-- ARGV[5] task id or '' ARGV[6] the epoch the worker joined
+-- Returns {registered 0|1, lease state 'none'|'ok'|'lost'|'cancelled', server time ms, epoch matches 0|1}
+-- A different or missing epoch means the broker lost its data: nothing else is touched.
 local ms = now_ms()
+if redis.call('GET', KEYS[6]) ~= ARGV[6] then
+  return {0, 'none', ms, 0}
+end
 local registered = redis.call('EXISTS', KEYS[1])
 if registered == 1 then
   redis.call('HSET', KEYS[1], 'last_heartbeat', secs(ms))
@@ -25,4 +29,4 @@ if ARGV[3] ~= '' then
     lease = 'lost'
   end
 end
-return {registered, lease, ms}
+return {registered, lease, ms, 1}

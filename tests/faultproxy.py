@@ -1,0 +1,68 @@
+"""A small TCP proxy for network faults between one worker and Redis, on loopback only.
+
+``partition()`` stops moving bytes in both directions (as a cut link does: TCP keeps the connection
+and the bytes, nothing arrives); ``heal()`` lets them flow again. Bounded: it stops with ``close()``.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+
+
+class FaultProxy:
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.partitioned = threading.Event()
+        self.closed = threading.Event()
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def partition(self) -> None:
+        self.partitioned.set()
+
+    def heal(self) -> None:
+        self.partitioned.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join(timeout=5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.sel.close()
+
+    def _loop(self) -> None:
+        while not self.closed.is_set():
+            if self.partitioned.is_set():
+                self.closed.wait(0.02)
+                continue
+            for key, _ in self.sel.select(timeout=0.05):
+                if key.data is None:
+                    client, _ = self.listener.accept()
+                    try:
+                        upstream = socket.create_connection(self.target, timeout=2)
+                    except OSError:
+                        client.close()
+                        continue
+                    self.sel.register(client, selectors.EVENT_READ, upstream)
+                    self.sel.register(upstream, selectors.EVENT_READ, client)
+                    continue
+                src, dst = key.fileobj, key.data
+                try:
+                    data = src.recv(65536)  # type: ignore[union-attr]
+                    if data:
+                        dst.sendall(data)
+                        continue
+                except OSError:
+                    pass
+                for s in (src, dst):
+                    try:
+                        self.sel.unregister(s)
+                    except (KeyError, ValueError):
+                        pass
+                    s.close()  # type: ignore[union-attr]

@@ -1,0 +1,274 @@
+"""Reliability under faults, each with real processes, a real Redis and real signals (issue: faults).
+
+Every scenario checks that nothing is lost and nothing is accepted twice; the figures they measure
+(seconds from a fault to the task running elsewhere) are printed with `pytest -s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from gpumesh import keys
+
+from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until
+from .faultproxy import FaultProxy
+
+SLOW_THEN_FAST = """
+import json, os, sys, time
+attempt = os.environ["GPUMESH_ATTEMPT"]
+open(os.path.join({tmp!r}, "pid-" + attempt), "w").write(str(os.getpid()))
+if attempt == "1":
+    time.sleep({first})
+print(json.dumps({{"attempt": int(attempt), "worker": os.environ["GPUMESH_WORKER_ID"]}}))
+"""
+
+
+def script(tmp: Path, first: float = 120) -> Path:
+    path = tmp / "task.py"
+    path.write_text(textwrap.dedent(SLOW_THEN_FAST.format(tmp=str(tmp), first=first)))
+    return path
+
+
+def submit_one(env: dict[str, str], path: Path) -> tuple[str, str]:
+    p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 1}]')
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    return job, keys.task_id(job, 0)
+
+
+def done_events(r: redis.Redis, tid: str) -> int:
+    return sum(1 for _, f in r.xrange(keys.EVENTS) if f["id"] == tid and f["status"] == "done")
+
+
+def running_attempt(r: redis.Redis, tid: str, attempt: int) -> bool:
+    t = r.hgetall(keys.task(tid))
+    return t.get("status") in ("running", "done") and int(t.get("attempts", 0)) >= attempt
+
+
+def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, workers: Workers, r: redis.Redis, tmp_path):
+    a = workers.start()
+    job, tid = submit_one(env, script(tmp_path))
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    b = workers.start()
+    sandbox = int((tmp_path / "pid-1").read_text())
+    t0 = time.monotonic()
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait()
+    wait_until(lambda: (tmp_path / "pid-2").exists(), timeout=30, what="attempt 2 elsewhere")
+    relet = time.monotonic() - t0
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", what="the task to finish")
+    print(f"\nSIGKILL of the worker -> task running elsewhere: {relet:.2f} s (lease TTL 2 s, heartbeat 0.4 s)")
+    assert not pid_alive(sandbox)
+    assert r.hget(keys.task(tid), "attempts") == "2" and done_events(r, tid) == 1
+    assert relet <= 2 + 2 * 0.4 + 1.5  # TTL + a reaper pass (one heartbeat) + start-up slack on a busy 2-core box
+    assert b.poll() is None
+
+
+def test_sandbox_killed_alone_fails_the_attempt_at_once_and_retries(env, workers: Workers, r: redis.Redis, tmp_path):
+    slow = {"GPUMESH_LEASE_TTL": "20", "GPUMESH_HEARTBEAT_INTERVAL": "1"}
+    workers.start(**slow)
+    job, tid = submit_one({**env, **slow}, script(tmp_path))
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    t0 = time.monotonic()
+    os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=15, what="the retry to finish")
+    elapsed = time.monotonic() - t0
+    print(f"\nsandbox SIGKILL -> retried and done: {elapsed:.2f} s (lease TTL 20 s)")
+    assert elapsed < 10, "retried at once, not after the 20 s lease"
+    assert r.hget(keys.task(tid), "attempts") == "2"
+    assert "--- attempt 1 failed: killed by SIGKILL ---" in gpumesh("logs", tid, env=env).stderr
+
+
+def test_sandbox_over_its_memory_cap_fails_the_attempt_with_the_reason(env, workers: Workers, r: redis.Redis, tmp_path):
+    path = tmp_path / "hog.py"
+    path.write_text(
+        "import os, time\nif os.environ['GPUMESH_ATTEMPT'] == '1':\n    b = bytearray(400 << 20)\n    time.sleep(60)\nprint('{}')\n"
+    )
+    workers.start(GPUMESH_TASK_MEMORY_MB="150")
+    job, tid = submit_one(env, path)
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=30, what="the retry to finish")
+    assert r.hget(keys.task(tid), "attempts") == "2"
+    assert "--- attempt 1 failed: killed: over its memory cap ---" in gpumesh("logs", tid, env=env).stderr
+
+
+@pytest.fixture
+def proxy(redis_server):
+    p = FaultProxy(redis_server.port)
+    yield p
+    p.close()
+
+
+def _partition_scenario(env, workers: Workers, tmp_path: Path, proxy: FaultProxy, cut: float, first: float):
+    """Worker A reaches Redis through the proxy and holds the task; worker B is direct. Cut A off for `cut` s."""
+    ttl = {"GPUMESH_LEASE_TTL": "3", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
+    a = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0", **ttl)
+    job, tid = submit_one(env, script(tmp_path, first=first))
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1 on the proxied worker")
+    workers.start(**ttl)
+    sandbox = int((tmp_path / "pid-1").read_text())
+    proxy.partition()
+    t0 = time.monotonic()
+    time.sleep(cut)
+    proxy.heal()
+    return a, tid, sandbox, t0
+
+
+def test_partition_longer_than_the_lease_moves_the_task_and_rejects_the_late_worker(env, workers, r, tmp_path, proxy):
+    a, tid, sandbox, t0 = _partition_scenario(env, workers, tmp_path, proxy, cut=6, first=9)
+    # while cut off, the old worker killed its own attempt once its lease could have lapsed
+    assert not pid_alive(sandbox)
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=20, what="the task to finish elsewhere")
+    task = r.hgetall(keys.task(tid))
+    assert task["attempts"] == "2" and json.loads(task["result"])["attempt"] == 2
+    assert done_events(r, tid) == 1
+    time.sleep(2)  # the healed worker reports nothing for the lost attempt
+    assert done_events(r, tid) == 1 and r.hget(keys.task(tid), "attempts") == "2"
+    assert "is not reported" in workers.log(0)
+    assert a.poll() is None, "the partitioned worker survives and keeps working"
+
+
+def test_partition_shorter_than_the_lease_changes_nothing(env, workers, r, tmp_path, proxy):
+    a, tid, sandbox, t0 = _partition_scenario(env, workers, tmp_path, proxy, cut=1.0, first=3)
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=20, what="the task to finish")
+    task = r.hgetall(keys.task(tid))
+    assert task["attempts"] == "1" and json.loads(task["result"])["attempt"] == 1
+    assert not (tmp_path / "pid-2").exists()
+
+
+def test_worker_paused_past_the_lease_then_resumed_loses_the_task_cleanly(env, workers: Workers, r, tmp_path):
+    a = workers.start()
+    job, tid = submit_one(env, script(tmp_path, first=6))
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    workers.start()
+    sandbox = int((tmp_path / "pid-1").read_text())
+    frozen = [psutil.Process(a.pid), *psutil.Process(a.pid).children(recursive=True)]
+    for p in frozen:  # a laptop lid closing: the worker and its task stop together
+        p.suspend()
+    wait_until(lambda: (tmp_path / "pid-2").exists(), timeout=20, what="attempt 2 elsewhere")
+    time.sleep(0.5)
+    for p in frozen:
+        p.resume()
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=20, what="the task to finish")
+    wait_until(lambda: not pid_alive(sandbox), timeout=10, what="the resumed worker to kill its stale attempt")
+    time.sleep(1.5)
+    task = r.hgetall(keys.task(tid))
+    assert task["attempts"] == "2" and json.loads(task["result"])["attempt"] == 2 and done_events(r, tid) == 1
+    assert a.poll() is None
+
+
+def test_redis_restart_with_aof_mid_job_loses_nothing(env, workers: Workers, tmp_path: Path):
+    (tmp_path / "aof").mkdir()
+    server = RedisServer(tmp_path / "aof").start(appendonly=True)
+    try:
+        e = {**env, "GPUMESH_URL": server.url, "GPUMESH_LEASE_TTL": "4", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
+        r2 = server.client()
+        path = tmp_path / "t.py"
+        path.write_text("import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(0.3)\nprint(json.dumps(p))\n")
+        for _ in range(2):
+            workers.start(client=r2, GPUMESH_URL=server.url, GPUMESH_LEASE_TTL="4", GPUMESH_HEARTBEAT_INTERVAL="0.5")
+        job = gpumesh(
+            "submit", str(path), "--payloads", "-", env=e, input=json.dumps([{"i": i} for i in range(30)])
+        ).stdout.strip()
+        wait_until(lambda: int(r2.hget(keys.job(job), "done") or 0) >= 5, what="the job to be under way")
+        r2.close()
+        server.stop()
+        time.sleep(1.0)
+        server.start(appendonly=True)
+        r2 = server.client()
+        p = gpumesh("status", job, "--watch", "--json", env=e, timeout=120)
+        st = json.loads(p.stdout)
+        assert st["status"] == "done" and st["tasks"]["done"] == 30, st
+        rows = json.loads(gpumesh("results", job, "--format", "json", env=e).stdout)
+        assert [row["result"]["i"] for row in rows] == list(range(30))
+        dones = [f["id"] for _, f in r2.xrange(keys.EVENTS) if f["status"] == "done" and f["kind"] == "task"]
+        assert len(dones) == len(set(dones)) == 30, "each task's result accepted once"
+        logs = workers.log(0) + workers.log(1)
+        assert "NOSCRIPT" not in logs and "Traceback" not in logs
+        assert all(p.poll() is None for p in workers.procs)
+        r2.close()
+    finally:
+        server.stop()
+
+
+def test_redis_restarted_empty_makes_workers_stop_without_phantom_results(env, workers: Workers, tmp_path: Path):
+    (tmp_path / "r").mkdir()
+    server = RedisServer(tmp_path / "r").start()
+    try:
+        client = server.client()
+        w = workers.start(client=client, GPUMESH_URL=server.url)
+        e = {**env, "GPUMESH_URL": server.url}
+        job, tid = submit_one(e, script(tmp_path, first=60))
+        wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+        sandbox = int((tmp_path / "pid-1").read_text())
+        server.stop()
+        server.start()  # no persistence: the broker comes back empty
+        assert w.wait(timeout=30) == 3
+        assert "the broker lost its data" in workers.log(0)
+        assert not pid_alive(sandbox)
+        client = server.client()
+        assert not client.keys("gpumesh:task:*") and not client.keys("gpumesh:job:*"), "no phantom results"
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_broker_out_of_memory_fails_submit_cleanly(env, tmp_path: Path):
+    (tmp_path / "r").mkdir()
+    server = RedisServer(tmp_path / "r").start()
+    try:
+        client = server.client()
+        client.config_set("maxmemory", 3 * 1024 * 1024)
+        e = {**env, "GPUMESH_URL": server.url}
+        before = client.dbsize()
+        payloads = json.dumps([{"blob": "x" * 2000, "i": i} for i in range(4000)])
+        p = gpumesh(
+            "submit",
+            str(Path(__file__).parent.parent / "examples/grid_search.py"),
+            "--payloads",
+            "-",
+            env=e,
+            input=payloads,
+        )
+        assert p.returncode == 3, p.stderr
+        assert "out of memory" in p.stderr and "nothing was written" in p.stderr and p.stderr.count("\n") == 1
+        assert client.dbsize() == before and not client.keys("gpumesh:job:*")
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_worker_warns_when_the_broker_may_evict_queue_data(env, workers: Workers, r: redis.Redis):
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        workers.start()
+        wait_until(lambda: "maxmemory-policy is allkeys-lru" in workers.log(0), what="the warning")
+    finally:
+        r.config_set("maxmemory-policy", "noeviction")
+
+
+def test_submit_retried_with_the_same_idempotency_key_creates_one_job(env, r: redis.Redis, tmp_path: Path):
+    path = script(tmp_path)
+    args = ["submit", str(path), "--payloads", "-", "--idempotency-key", "ci-run-42", "--json"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(5)
+    ]
+    outs = [json.loads(p.communicate('[{"n": 1}, {"n": 2}]', timeout=60)[0]) for p in procs]
+    assert len({o["job_id"] for o in outs}) == 1 and all(o["tasks"] == 2 for o in outs)
+    assert r.zcard(keys.JOBS) == 1 and r.llen(keys.job_tasks(outs[0]["job_id"])) == 2
+    assert sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3)) == 2, "no duplicate deliveries"
+    p = gpumesh(*args, env=env, input='[{"n": 3}]')
+    assert p.returncode == 2 and "was already used for job" in p.stderr
