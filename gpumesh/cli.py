@@ -27,7 +27,6 @@ from .models import JobOptions, JobStatus, parse_payloads
 from .settings import Settings, config_path
 
 err = render.err
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class Group(click.Group):
@@ -96,6 +95,12 @@ def main(ctx: click.Context, debug: bool) -> None:
 # -- running a mesh --------------------------------------------------------------------------------
 
 
+log_format_option = click.option(
+    "--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+    help="json: one JSON object per line, for containers and journals.",
+)  # fmt: skip
+
+
 def worker_options(f: Any) -> Any:
     for option in reversed(
         [
@@ -108,6 +113,13 @@ def worker_options(f: Any) -> Any:
             click.option(
                 "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"])
             ),
+            log_format_option,
+            click.option(
+                "--gpus",
+                metavar="all|none|0,1",
+                help="One worker process per GPU, each pinned with CUDA_VISIBLE_DEVICES, under a supervisor "
+                "that restarts a crashed one. none: one CPU-only worker.",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -116,13 +128,14 @@ def worker_options(f: Any) -> Any:
 
 
 def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
-    from . import capability
+    from . import capability, logfmt
     from .worker import MeshWorker
 
-    level = opts["log_level"]
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
-    logging.getLogger("rq").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+    logfmt.setup(opts["log_level"], opts["log_format"])
     broker = connect(ctx, url)
+    if opts["gpus"] is not None:
+        _supervise(ctx, broker, opts)
+        return
     cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
     w = MeshWorker(
         broker, cap, name=opts["name"], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -134,6 +147,20 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
             "the broker lost its data (it restarted empty?); this worker stopped without reporting its task. "
             "Start it again to join the broker as it is now"
         )
+
+
+def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
+    import socket
+
+    from .supervisor import Supervisor, parse_gpus
+
+    gpus = parse_gpus(opts["gpus"])
+    args = [broker.url, "--log-level", opts["log_level"], "--log-format", opts["log_format"]]
+    args += ["--score", str(opts["score"])] if opts["score"] else []
+    args += ["--rebench"] if opts["rebench"] else []
+    args += ["--burst"] if opts["burst"] else []
+    sup = Supervisor(gpus, args, opts["name"] or socket.gethostname(), restart=not opts["burst"])
+    ctx.exit(sup.run())
 
 
 @main.command()
@@ -181,17 +208,28 @@ def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
     help="Jobs, password and logs [~/.local/share/gpumesh/broker].",
 )
 @click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh[tunnel]').")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), help="Also export Prometheus metrics on 127.0.0.1:PORT.")
+@log_format_option
 @click.pass_context
-def serve(ctx: click.Context, host: str, port: int, data_dir: Path | None, public: bool) -> None:
+def serve(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    data_dir: Path | None,
+    public: bool,
+    metrics_port: int | None,
+    log_format: str,
+) -> None:
     """Start a broker for the mesh: Redis with a generated password, kept across restarts.
 
     It listens on 127.0.0.1 unless --host says otherwise, persists jobs in an append-only file,
     never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
     Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
     """
+    from . import logfmt
     from .server import BrokerServer, broker_url, default_data_dir, is_loopback, lan_address
 
-    logging.basicConfig(level="INFO", format=LOG_FORMAT, stream=sys.stderr)
+    logfmt.setup("INFO", log_format)
     tunnel_url = None
     if public:
         try:
@@ -205,6 +243,12 @@ def serve(ctx: click.Context, host: str, port: int, data_dir: Path | None, publi
     try:
         settings = Settings.load(url=server.url)
         broker = Broker(settings).ping()
+        broker.epoch()
+        if metrics_port:
+            from .metrics import serve_metrics
+
+            serve_metrics(broker, metrics_port)
+            logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
         join_host = lan_address() if host in ("0.0.0.0", "::") else ("127.0.0.1" if host == "localhost" else host)
         lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
         if not is_loopback(host):
@@ -547,6 +591,25 @@ def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json:
         click.echo(render.status_line(st))
     if wait:
         exit_for(ctx, st)
+
+
+@main.command()
+@click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@url_option
+@click.pass_context
+def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
+    """Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device,
+    task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."""
+    from .metrics import serve_metrics
+
+    broker = connect(ctx, url)
+    serve_metrics(broker, port, host)
+    err.print(f"metrics on http://{host}:{port}/metrics for {broker.url_masked}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
 
 
 @main.command()

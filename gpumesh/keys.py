@@ -11,6 +11,8 @@ LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
 QUEUED = PREFIX + "queued"  # zset: queued task id -> ms its delivery was last enqueued or checked (the audit)
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
+STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
+STATS_DURATION = PREFIX + "stats:duration"  # hash: task duration histogram (per-bucket counts, sum, count)
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 
 QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>

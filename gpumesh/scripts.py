@@ -85,7 +85,7 @@ def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int
 
 def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float) -> Outcome:
     r = s["complete"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id)),
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION),
         args=[lease.task_id, lease.token, result_json, f"{duration:.3f}"],
         client=client,
     )
@@ -96,7 +96,7 @@ def fail(
     s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False
 ) -> Outcome:
     r = s["fail"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.QUEUED),
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.QUEUED, keys.STATS),
         args=[lease.task_id, lease.token, error, f"{duration:.3f}", "release" if release else "fail"],
         client=client,
     )
@@ -126,7 +126,7 @@ def heartbeat(
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:
-    return s["reap"](keys=_task_keys(task_id, keys.QUEUED), args=[task_id], client=client)
+    return s["reap"](keys=_task_keys(task_id, keys.QUEUED, keys.STATS), args=[task_id], client=client)
 
 
 def reap_outcome(r: list[Any]) -> Outcome:

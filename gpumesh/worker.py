@@ -139,6 +139,8 @@ class MeshWorker(SimpleWorker):
         if warning:
             log.warning(warning)
         self.logs.start()
+        # List every tier queue in RQ's registry so `rq info` and rq-dashboard show the empty ones too.
+        self.connection.sadd(self.queue_class.redis_queues_keys, *[q.key for q in self.queues])
         self._register()
         self._beat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)

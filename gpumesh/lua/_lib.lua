@@ -42,7 +42,7 @@ end
 -- remain, else 'failed'.
 -- Returns {'queued', delivery number, tier} or {'failed', attempts, tier}.
 -- refund: the attempt does not count (a worker handing its task back on shutdown).
-local function end_attempt(task_key, job_key, events_key, queued_key, task_id, err, duration, refund, ms)
+local function end_attempt(task_key, job_key, events_key, queued_key, stats_key, task_id, err, duration, refund, ms)
   local t = redis.call('HMGET', task_key, 'attempts', 'max_attempts', 'tier', 'job')
   local attempts, max_attempts = tonumber(t[1]), tonumber(t[2])
   if refund then
@@ -57,14 +57,34 @@ local function end_attempt(task_key, job_key, events_key, queued_key, task_id, e
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
     redis.call('ZADD', queued_key, ms, task_id)
     move(job_key, 'running', 'queued')
+    if not refund then
+      redis.call('HINCRBY', stats_key, 'retried', 1)
+    end
     emit(events_key, 'task', task_id, 'queued')
     return {'queued', delivery, tonumber(t[3])}
   end
   redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(ms), 'duration', duration)
   move(job_key, 'running', 'failed')
+  redis.call('HINCRBY', stats_key, 'failed', 1)
   emit(events_key, 'task', task_id, 'failed')
   maybe_finish(job_key, events_key, t[4], ms)
   return {'failed', attempts, tonumber(t[3])}
+end
+
+-- Upper bounds (s) of the task duration histogram; gpumesh/metrics.py reads the same list.
+local DURATION_BUCKETS = {0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600}
+
+local function observe_duration(hist_key, seconds)
+  local label = '+Inf'
+  for _, le in ipairs(DURATION_BUCKETS) do
+    if seconds <= le then
+      label = tostring(le)
+      break
+    end
+  end
+  redis.call('HINCRBY', hist_key, label, 1)
+  redis.call('HINCRBYFLOAT', hist_key, 'sum', seconds)
+  redis.call('HINCRBY', hist_key, 'count', 1)
 end
 
 local function clear_current(worker_key, task_id)

@@ -1,6 +1,6 @@
 -- complete: running -> done, fenced by the lease token: a stale holder changes nothing.
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] worker hash
+-- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] stats hash    KEYS[8] duration histogram hash
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] result (JSON) ARGV[4] duration (s)
 -- Returns {1, 'done'} or {0, why}: why = the task's status, 'missing' or 'stale' (another lease holds it).
 local t = redis.call('HMGET', KEYS[1], 'status', 'lease', 'job')
@@ -19,6 +19,8 @@ redis.call('HSET', KEYS[1], 'status', 'done', 'result', ARGV[3], 'lease', '', 'e
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 move(KEYS[4], 'running', 'done')
+redis.call('HINCRBY', KEYS[7], 'done', 1)
+observe_duration(KEYS[8], tonumber(ARGV[4]))
 clear_current(KEYS[6], ARGV[1])
 emit(KEYS[5], 'task', ARGV[1], 'done')
 maybe_finish(KEYS[4], KEYS[5], t[3], ms)

@@ -1,6 +1,6 @@
 -- fail: running -> queued (attempts left) or failed; fenced by the lease token.
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] queued zset
+-- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] queued zset      KEYS[8] stats hash
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] error text    ARGV[4] duration (s)
 -- ARGV[5] 'fail', or 'release' to hand the task back without spending an attempt
 -- Returns {1, 'queued', delivery, tier} | {1, 'failed', attempts, tier} | {0, why} as complete.lua.
@@ -18,5 +18,5 @@ local ms = now_ms()
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 clear_current(KEYS[6], ARGV[1])
-local r = end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[7], ARGV[1], ARGV[3], ARGV[4], ARGV[5] == 'release', ms)
+local r = end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[7], KEYS[8], ARGV[1], ARGV[3], ARGV[4], ARGV[5] == 'release', ms)
 return {1, r[1], r[2], r[3]}

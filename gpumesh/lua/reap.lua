@@ -1,6 +1,6 @@
 -- reap: a running task whose lease key has lapsed goes back to queued (or failed at max_attempts).
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] queued zset
+-- KEYS[5] events stream KEYS[6] queued zset     KEYS[7] stats hash
 -- ARGV[1] task id
 -- Returns {'renewed'} (lease still alive), {'gone'} (not running), or end_attempt's {'queued'|'failed', n, tier}
 local t = redis.call('HMGET', KEYS[1], 'status', 'worker')
@@ -17,4 +17,5 @@ end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 local err = 'lease expired: worker ' .. (t[2] or '?') .. ' stopped heartbeating'
-return end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[6], ARGV[1], err, '', false, ms)
+redis.call('HINCRBY', KEYS[7], 'lease_expired', 1)
+return end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[6], KEYS[7], ARGV[1], err, '', false, ms)

@@ -1,0 +1,83 @@
+"""Prometheus metrics, read from Redis at scrape time (``gpumesh metrics`` or ``gpumesh serve --metrics-port``).
+
+Counters and the duration histogram are kept by the Lua transitions themselves (``gpumesh:stats*``),
+so every exporter, on any machine, reports the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from . import keys
+from .broker import Broker
+from .errors import UsageError
+
+DURATION_BUCKETS = ("0.1", "0.5", "1", "5", "10", "30", "60", "300", "1800", "3600")  # as in lua/_lib.lua
+
+
+def _prometheus() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        raise UsageError("metrics need prometheus-client: pip install 'gpumesh[metrics]'") from None
+    return prometheus_client
+
+
+class MeshCollector:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        b = self.broker
+        t0 = time.perf_counter()
+        b.r.ping()
+        rtt = time.perf_counter() - t0
+        with b.r.pipeline(transaction=False) as p:
+            for q in b.queues:
+                p.llen(q.key)
+            p.hgetall(keys.STATS)
+            p.hgetall(keys.STATS_DURATION)
+            res = p.execute()
+        depths, stats, hist = res[: len(b.queues)], res[-2], res[-1]
+
+        g = GaugeMetricFamily("gpumesh_queue_depth", "RQ deliveries waiting in each tier queue", labels=["tier"])
+        for tier, depth in enumerate(depths):
+            g.add_metric([str(tier)], depth)
+        yield g
+
+        live = Counter((str(w.tier), w.device) for w in b.workers())
+        g = GaugeMetricFamily("gpumesh_workers", "Live workers by tier and device", labels=["tier", "device"])
+        for (tier, device), n in sorted(live.items()):
+            g.add_metric([tier, device], n)
+        yield g
+
+        c = CounterMetricFamily("gpumesh_tasks", "Task attempts by outcome", labels=["outcome"])
+        for outcome in ("done", "failed", "retried", "lease_expired"):
+            c.add_metric([outcome], int(stats.get(outcome, 0)))
+        yield c
+
+        buckets, cumulative = [], 0
+        for le in (*DURATION_BUCKETS, "+Inf"):
+            cumulative += int(hist.get(le, 0))
+            buckets.append((le, cumulative))
+        h = HistogramMetricFamily("gpumesh_task_duration_seconds", "Duration of successful task attempts")
+        h.add_metric([], buckets, sum_value=float(hist.get("sum", 0)))
+        yield h
+
+        g = GaugeMetricFamily("gpumesh_broker_rtt_seconds", "Round trip of a PING to the broker, at scrape time")
+        g.add_metric([], rtt)
+        yield g
+
+
+def serve_metrics(broker: Broker, port: int, host: str = "127.0.0.1") -> Any:
+    """Start the exporter's HTTP server in a thread; returns the server."""
+    prom = _prometheus()
+    registry = prom.CollectorRegistry()
+    registry.register(MeshCollector(broker))
+    server, _thread = prom.start_http_server(port, addr=host, registry=registry)
+    return server
