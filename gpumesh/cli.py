@@ -22,7 +22,7 @@ import redis
 
 from . import __version__, render
 from .broker import Broker, mask_url, translate
-from .errors import BrokerError, GpumeshError, UsageError
+from .errors import BrokerError, GpumeshError, NotFound, UsageError
 from .models import JobOptions, JobStatus, parse_payloads
 from .settings import Settings, config_path
 
@@ -142,11 +142,8 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
         parent_pid=opts["exit_with_parent"],
     )  # fmt: skip
     w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
-    if w.broker_lost:
-        raise BrokerError(
-            "the broker lost its data (it restarted empty?); this worker stopped without reporting its task. "
-            "Start it again to join the broker as it is now"
-        )
+    if w.fatal:
+        raise BrokerError(w.fatal)
 
 
 def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
@@ -180,7 +177,11 @@ def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: 
 
 @main.command()
 @click.argument("address", metavar="HOST:PORT")
-@click.option("--token", required=True, help="The broker's password, as `gpumesh serve` printed it.")
+@click.option(
+    "--token",
+    required=True,
+    help="The worker credential: PASSWORD (user `worker`) or USER:PASSWORD (from `gpumesh access add`).",
+)
 @worker_options
 @click.pass_context
 def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
@@ -194,7 +195,8 @@ def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
     hostport = urlsplit(f"//{rest}").netloc.rsplit("@", 1)[-1]
     if not hostport:
         raise UsageError(f"join needs HOST:PORT, got {address!r}")
-    _run_worker(ctx, f"{scheme}://:{quote(token, safe='')}@{hostport}/0", opts)
+    user, _, password = token.rpartition(":")
+    _run_worker(ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0", opts)
 
 
 @main.command()
@@ -227,7 +229,7 @@ def serve(
     Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
     """
     from . import logfmt
-    from .server import BrokerServer, broker_url, default_data_dir, is_loopback, lan_address
+    from .server import BrokerServer, default_data_dir, is_loopback, lan_address
 
     logfmt.setup("INFO", log_format)
     tunnel_url = None
@@ -256,11 +258,13 @@ def serve(
                 f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
                 "password can run code on every worker. Keep the password secret; prefer a VPN or TLS.[/]"
             )
-        join = broker_url(server.password, join_host, port)
+        join = server.url_for("worker", join_host)
+        submit_url = server.url_for("submitter", join_host)
         if public:
             tunnel = ngrok.connect(port, "tcp")
             public_host, public_port = urlsplit(tunnel.public_url).netloc.rsplit(":", 1)
-            tunnel_url = broker_url(server.password, public_host, int(public_port))
+            tunnel_url = server.url_for("worker", public_host, int(public_port))
+            submit_url = server.url_for("submitter", public_host, int(public_port))
             err.print(
                 "[bold red]WARNING: the broker is now reachable from the whole internet at "
                 f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
@@ -271,7 +275,10 @@ def serve(
             "Join a worker on another machine:",
             f"  gpumesh worker '{tunnel_url or join}'",
             "Submit a job:",
-            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json --url '{tunnel_url or join}' --wait",
+            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json --url '{submit_url}' --wait",
+            "",
+            "A credential per person (revocable): gpumesh access add NAME",
+            f"Admin URL: in {server.data_dir / 'credentials.json'} (mode 0600)",
         ]
         if tunnel_url:
             lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'"]
@@ -591,6 +598,80 @@ def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json:
         click.echo(render.status_line(st))
     if wait:
         exit_for(ctx, st)
+
+
+def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
+    from .server import default_data_dir
+
+    if url is None:
+        d = data_dir or default_data_dir()
+        try:
+            creds = json.loads((d / "credentials.json").read_text())
+            conf = dict(line.split(" ", 1) for line in (d / "redis.conf").read_text().splitlines() if " " in line)
+        except FileNotFoundError:
+            raise UsageError(f"no broker data in {d}; pass --data-dir (as given to serve) or --url ADMIN_URL") from None
+        host = conf["bind"] if conf["bind"] not in ("0.0.0.0", "::") else "127.0.0.1"
+        url = f"redis://admin:{quote(creds['admin'], safe='')}@{host}:{conf['port']}/0"
+    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise translate(exc, url) from None
+    return client
+
+
+@main.group()
+def access() -> None:
+    """Per-person worker credentials on a broker that `gpumesh serve` runs (run it on that machine)."""
+
+
+access_options = [
+    click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), help="serve's data dir [default]."),
+    click.option("--url", metavar="ADMIN_URL", help="The admin URL instead of reading it from the data dir."),
+]
+
+
+def _access_opts(f: Any) -> Any:
+    for option in reversed(access_options):
+        f = option(f)
+    return f
+
+
+@access.command("add")
+@click.argument("name")
+@click.option("--host", help="Address workers reach the broker at (default: the admin URL's).")
+@_access_opts
+def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
+    """Create (or rotate) the worker credential of NAME and print their join line."""
+    from .server import add_worker, broker_url, worker_user
+
+    admin = _admin(data_dir, url)
+    password = add_worker(admin, name)
+    kw = admin.connection_pool.connection_kwargs
+    click.echo(f"gpumesh worker '{broker_url(password, host or kw['host'], kw['port'], user=worker_user(name))}'")
+    err.print(f"revoke with: gpumesh access revoke {name}")
+
+
+@access.command("revoke")
+@click.argument("name")
+@_access_opts
+def access_revoke(name: str, data_dir: Path | None, url: str | None) -> None:
+    """Delete NAME's worker credential; their connected workers are disconnected at once."""
+    from .server import revoke_worker
+
+    if not revoke_worker(_admin(data_dir, url), name):
+        raise NotFound(f"no worker credential named {name!r}; `gpumesh access list` shows them")
+    err.print(f"revoked {name}: their workers are disconnected and cannot reconnect")
+
+
+@access.command("list")
+@_access_opts
+def access_list(data_dir: Path | None, url: str | None) -> None:
+    """List the per-person worker credentials."""
+    from .server import list_workers
+
+    for name in list_workers(_admin(data_dir, url)):
+        click.echo(name)
 
 
 @main.command()

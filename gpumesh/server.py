@@ -10,7 +10,9 @@ never on a command line that ``ps`` shows, so a restart on the same directory ke
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -32,6 +34,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Least privilege per role (Redis ACL). Both roles reach only gpumesh's and RQ's keys, and never the
+# admin or dangerous commands (CONFIG, MODULE, DEBUG, REPLICAOF, FLUSHALL, KEYS, SHUTDOWN, ACL, ...).
+# RQ needs INFO (server version) and CLIENT SETNAME/INFO (its worker's name and address) back.
+_COMMON = "resetkeys ~gpumesh:* ~rq:* -@all +@read +@write +@keyspace +@hash +@list +@set +@sortedset +@stream +@string +@scripting +@transaction +@connection +@fast -@admin -@dangerous -acl +info +client|setname +client|info +client|getname"
+ROLES = {
+    "submitter": f"{_COMMON} resetchannels -@blocking -@pubsub",
+    "worker": f"{_COMMON} resetchannels &rq:* +@blocking +@pubsub",
+}
+USERS = ("admin", "submitter", "worker")
 
 
 def default_data_dir() -> Path:
@@ -57,6 +70,7 @@ def find_binary() -> str:
 def port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Redis does: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError:
@@ -74,8 +88,36 @@ def lan_address() -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def broker_url(password: str, host: str, port: int) -> str:
-    return f"redis://:{quote(password, safe='')}@{host}:{port}/0"
+def broker_url(password: str, host: str, port: int, user: str = "") -> str:
+    return f"redis://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/0"
+
+
+def worker_user(person: str) -> str:
+    return f"worker-{person}"
+
+
+def add_worker(admin: redis.Redis, person: str) -> str:
+    """Create (or rotate) a per-person worker credential; returns its password."""
+    if not person.replace("-", "").replace("_", "").isalnum():
+        raise UsageError(f"a worker name is letters, digits, - and _; got {person!r}")
+    password = secrets.token_urlsafe(32)
+    admin.execute_command(
+        "ACL", "SETUSER", worker_user(person), "reset", "on", f">{password}", *ROLES["worker"].split()
+    )
+    admin.execute_command("ACL", "SAVE")
+    return password
+
+
+def revoke_worker(admin: redis.Redis, person: str) -> bool:
+    """Delete a per-person credential; Redis closes the connections that used it."""
+    removed = int(admin.execute_command("ACL", "DELUSER", worker_user(person)))
+    admin.execute_command("ACL", "SAVE")
+    return removed == 1
+
+
+def list_workers(admin: redis.Redis) -> list[str]:
+    users = [u.decode() if isinstance(u, bytes) else u for u in admin.execute_command("ACL", "USERS")]
+    return sorted(u.removeprefix("worker-") for u in users if u.startswith("worker-"))
 
 
 class BrokerServer:
@@ -87,23 +129,54 @@ class BrokerServer:
         self.port = port
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
-        self.password = ""
+        self.passwords: dict[str, str] = {}
+
+    @property
+    def password(self) -> str:
+        return self.passwords.get("admin", "")
+
+    def url_for(self, user: str = "admin", host: str | None = None, port: int | None = None) -> str:
+        """A URL with ``user``'s credentials; by default for clients on this machine."""
+        if host is None:
+            host = self.host if self.host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"
+        return broker_url(self.passwords[user], host, port or self.port, user=user)
 
     @property
     def url(self) -> str:
-        """The URL for clients on this machine."""
-        host = self.host if self.host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"
-        return broker_url(self.password, host, self.port)
+        return self.url_for("admin")
 
-    def _password(self) -> str:
-        path = self.data_dir / "password"
+    def _credentials(self) -> dict[str, str]:
+        """One generated password per role, kept in a 0600 file so a restart keeps them."""
+        path = self.data_dir / "credentials.json"
         if path.is_file():
-            return path.read_text().strip()
-        pw = secrets.token_urlsafe(32)
+            return json.loads(path.read_text())
+        creds = {user: secrets.token_urlsafe(32) for user in USERS}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(pw + "\n")
-        return pw
+            json.dump(creds, f)
+        return creds
+
+    def _acl_file(self) -> Path:
+        """The users: admin, submitter, worker (and per-person workers, which `ACL SAVE` adds).
+
+        The ``default`` user is not switched off: Redis 7.0-7.2 and Valkey before the fix replay
+        MULTI/EXEC from the append-only file as ``default`` and re-check its ACL, so with ``default``
+        off every transaction is dropped on restart (redis/redis#14541, valkey-io/valkey#3983): all of
+        gpumesh's jobs would vanish. Instead ``default`` gets, at every start, the hash of a random
+        secret that is thrown away: no client can ever authenticate as it, and the loader still can
+        replay."""
+        path = self.data_dir / "users.acl"
+        unusable = hashlib.sha256(secrets.token_bytes(32)).hexdigest()
+        lines = [f"user default on #{unusable} ~* &* +@all"]
+        if path.is_file():
+            lines += [line for line in path.read_text().splitlines() if line and not line.startswith("user default ")]
+        else:
+            lines.append(f"user admin on >{self.passwords['admin']} ~* &* +@all")
+            lines += [f"user {role} on >{self.passwords[role]} {rules}" for role, rules in ROLES.items()]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
 
     def _config(self) -> Path:
         conf = self.data_dir / "redis.conf"
@@ -111,7 +184,7 @@ class BrokerServer:
             f"bind {self.host}",
             f"port {self.port}",
             f"dir {self.data_dir}",
-            f'requirepass "{self.password}"',
+            f"aclfile {self._acl_file()}",
             "protected-mode yes",
             "maxmemory-policy noeviction",  # evicting a queue's keys would lose work
             f"appendonly {'yes' if self.persist else 'no'}",
@@ -131,7 +204,7 @@ class BrokerServer:
             raise UsageError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.password = self._password()
+        self.passwords = self._credentials()
         conf = self._config()
         self.proc = subprocess.Popen(
             [binary, str(conf)],

@@ -80,7 +80,7 @@ class MeshWorker(SimpleWorker):
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
         self.epoch = ""
-        self.broker_lost = False
+        self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.logs = LogShipper(broker.r)
         super().__init__(
             [q.name for q in broker.queues],
@@ -213,6 +213,8 @@ class MeshWorker(SimpleWorker):
                 if self._hb_failing:
                     log.info("broker reachable again")
                 self._hb_failing = False
+            except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
+                self._stop_for_good("the broker refused this worker's credentials (revoked?)", exc)
             except redis.RedisError as exc:
                 if not self._hb_failing:
                     log.warning("heartbeat failed (%s); retrying every %.1fs", exc, self.settings.heartbeat_interval)
@@ -268,13 +270,19 @@ class MeshWorker(SimpleWorker):
 
     def _broker_lost(self) -> None:
         """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""
-        if self.broker_lost:
+        self._stop_for_good(
+            "the broker lost its data (it restarted empty?); this worker stopped without reporting its task. "
+            "Start it again to join the broker as it is now"
+        )
+
+    def _stop_for_good(self, why: str, exc: Exception | None = None) -> None:
+        if self.fatal:
             return
-        self.broker_lost = True
-        log.error("the broker lost its data (restarted empty?): killing the current task and stopping")
+        self.fatal = why
+        log.error("%s%s: killing the current task and stopping", why, f" ({exc})" if exc else "")
         running = self.executor.current
         if running is not None:
-            running.stop("broker lost its data")
+            running.stop("broker lost: " + why)
         self._hb_stop.set()
         os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: no new work
 

@@ -47,19 +47,20 @@ def test_serve_prints_join_lines_secures_and_persists_the_broker(env, tmp_path: 
     port, data = free_port(), tmp_path / "broker"
     serve = Serve(env, data, port)
     try:
-        assert serve.url.startswith("redis://:") and serve.url.endswith(f"@127.0.0.1:{port}/0")
+        assert serve.url.startswith("redis://worker:") and serve.url.endswith(f"@127.0.0.1:{port}/0")
         password = serve.url.split(":")[2].split("@")[0]
         assert len(password) >= 32
-        assert any(f"--url '{serve.url}' --wait" in line for line in serve.lines)
+        submit_url = re.search(r"--url '(redis://submitter:[^']+)' --wait", "\n".join(serve.lines)).group(1)
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
-        r = redis.Redis.from_url(serve.url, decode_responses=True)
+        admin = json.loads((data / "credentials.json").read_text())["admin"]
+        r = redis.Redis.from_url(f"redis://admin:{admin}@127.0.0.1:{port}/0", decode_responses=True)
         assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert r.config_get("appendonly") == {"appendonly": "yes"}
         assert r.config_get("bind")["bind"] == "127.0.0.1"
-        for name in ("password", "redis.conf"):
+        for name in ("credentials.json", "users.acl", "redis.conf"):
             assert stat.S_IMODE((data / name).stat().st_mode) == 0o600
-        p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", serve.url, "--json", env=env)
+        p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", submit_url, "--json", env=env)
         job = json.loads(p.stdout)["job_id"]
         r.close()
     finally:
@@ -71,7 +72,9 @@ def test_serve_prints_join_lines_secures_and_persists_the_broker(env, tmp_path: 
     again = Serve(env, data, port)  # same data dir: same password, same jobs
     try:
         assert again.url == serve.url
-        st = json.loads(gpumesh("status", job, "--url", again.url, "--json", env=env).stdout)
+        p = gpumesh("status", job, "--url", again.url, "--json", env=env)
+        assert p.returncode == 0, p.stderr + (data / "redis.log").read_text()[-2000:]
+        st = json.loads(p.stdout)
         assert st["tasks"]["total"] == 6 and st["status"] == "queued"
     finally:
         again.stop(signal.SIGTERM)
