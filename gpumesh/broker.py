@@ -155,6 +155,8 @@ class Broker:
         payloads: list[dict[str, Any]],
         options: JobOptions,
         idempotency_key: str | None = None,
+        signer: Any = None,
+        expires_in: float = 7 * 86400,
     ) -> SubmitResult:
         """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all.
 
@@ -187,6 +189,8 @@ class Broker:
                         return self._same_request(job_id, existing, request.hexdigest(), idempotency_key)
                     p.multi()
                 self._write_job(p, job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
+                if signer is not None:
+                    self._sign(p, signer, job_id, sha, payloads, options, created + expires_in)
                 p.hset(keys.job(job_id), "request", request.hexdigest())
                 p.execute()
         except redis.WatchError:  # the same key won a concurrent race: that job is ours
@@ -195,6 +199,19 @@ class Broker:
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
         return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier)
+
+    @staticmethod
+    def _sign(
+        p: Any, signer: Any, job_id: str, sha: str, payloads: list[dict[str, Any]], options: JobOptions, expires: float
+    ) -> None:
+        from .signing import message
+
+        p.hset(keys.job(job_id), mapping={"key_id": signer.key_id, "expires_at": f"{expires:.3f}"})
+        for i, payload in enumerate(payloads):
+            msg = message(
+                job_id, i, sha, json.dumps(payload), options.timeout, options.max_attempts, float(f"{expires:.3f}")
+            )
+            p.hset(keys.task(keys.task_id(job_id, i)), "sig", signer.sign(msg))
 
     @staticmethod
     def _same_request(job_id: str, existing: list[Any], request: str, key: str) -> SubmitResult:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -120,6 +121,19 @@ def worker_options(f: Any) -> Any:
                 help="One worker process per GPU, each pinned with CUDA_VISIBLE_DEVICES, under a supervisor "
                 "that restarts a crashed one. none: one CPU-only worker.",
             ),
+            click.option(
+                "--trust",
+                "trust",
+                multiple=True,
+                type=click.Path(dir_okay=False, path_type=Path),
+                help="Run only tasks signed by this public key (repeatable; also GPUMESH_TRUSTED_KEYS).",
+            ),
+            click.option(
+                "--sandbox-user",
+                metavar="USER",
+                help="Run tasks as this user (the worker must run as root), out of reach of the worker's "
+                "environment, command line and files.",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -136,14 +150,49 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
     if opts["gpus"] is not None:
         _supervise(ctx, broker, opts)
         return
+    trusted = [*opts["trust"], *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
+    verifier = None
+    if trusted:
+        from .signing import Verifier
+
+        verifier = Verifier(trusted)
+    sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
     cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
     w = MeshWorker(
         broker, cap, name=opts["name"], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-        parent_pid=opts["exit_with_parent"],
+        parent_pid=opts["exit_with_parent"], verifier=verifier, sandbox_user=sandbox_user,
     )  # fmt: skip
     w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
     if w.fatal:
         raise BrokerError(w.fatal)
+
+
+def _sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
+    if not name:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise UsageError(f"--sandbox-user: no user named {name!r} on this machine") from None
+    if os.geteuid() != 0:
+        raise UsageError("--sandbox-user needs the worker to run as root (it switches to that user for each task)")
+    if entry.pw_uid == 0:
+        raise UsageError("--sandbox-user must not be root")
+    try:
+        ok = subprocess.run(
+            [python, "-c", "import json, ctypes, resource"], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[],
+            capture_output=True, cwd="/",
+        ).returncode == 0  # fmt: skip
+    except OSError:
+        ok = False
+    if not ok:
+        raise UsageError(
+            f"--sandbox-user {name} cannot run {python} (it must be able to read the interpreter and its "
+            "libraries); install Python where that user can read it and set GPUMESH_SANDBOX_PYTHON"
+        )
+    return entry.pw_uid, entry.pw_gid
 
 
 def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
@@ -156,6 +205,8 @@ def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None
     args += ["--score", str(opts["score"])] if opts["score"] else []
     args += ["--rebench"] if opts["rebench"] else []
     args += ["--burst"] if opts["burst"] else []
+    args += [a for path in opts["trust"] for a in ("--trust", str(path))]
+    args += ["--sandbox-user", opts["sandbox_user"]] if opts["sandbox_user"] else []
     sup = Supervisor(gpus, args, opts["name"] or socket.gethostname(), restart=not opts["burst"])
     ctx.exit(sup.run())
 
@@ -404,12 +455,23 @@ def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobSt
 @click.option(
     "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
 )
+@click.option(
+    "--sign-key", type=click.Path(dir_okay=False, path_type=Path),
+    help="Sign every task with this Ed25519 key (also GPUMESH_SIGNING_KEY).",
+)  # fmt: skip
+@click.option(
+    "--expires",
+    type=click.FloatRange(min=1),
+    default=7 * 86400,
+    show_default=True,
+    help="Seconds a signed job stays valid.",
+)
 @url_option
 @json_option
 @click.pass_context
 def submit(
-    ctx: click.Context, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None, url: str | None,
-    as_json: bool, **opts: Any,
+    ctx: click.Context, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None,
+    sign_key: Path | None, expires: float, url: str | None, as_json: bool, **opts: Any,
 ) -> None:  # fmt: skip
     """Submit SCRIPT with one task per payload; print the job id.
 
@@ -419,7 +481,15 @@ def submit(
     """
     source, payloads, options = _job_input(script, payloads_spec, opts)
     broker = connect(ctx, url)
-    res = broker.submit(source, Path(script).name, payloads, options, idempotency_key=idempotency_key)
+    key = sign_key or (Path(broker.settings.signing_key) if broker.settings.signing_key else None)
+    signer = None
+    if key is not None:
+        from .signing import Signer
+
+        signer = Signer(key)
+    res = broker.submit(
+        source, Path(script).name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires
+    )
     if not wait:
         if as_json:
             emit_json(res.model_dump())
@@ -618,6 +688,23 @@ def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
     except redis.RedisError as exc:
         raise translate(exc, url) from None
     return client
+
+
+@main.group()
+def keys() -> None:
+    """Ed25519 keys for signed jobs: submitters sign, workers started with --trust verify."""
+
+
+@keys.command("generate")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True)
+@click.option("--name", default="gpumesh-signing", show_default=True)
+def keys_generate(directory: Path, name: str) -> None:
+    """Write NAME.key (private, mode 0600: keep it with the submitters) and NAME.pub (for the workers)."""
+    from .signing import generate
+
+    priv, pub = generate(directory, name)
+    click.echo(f"{priv}\n{pub}")
+    err.print(f"submit with --sign-key {priv}; start workers with --trust {pub}")
 
 
 @main.group()

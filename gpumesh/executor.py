@@ -7,6 +7,7 @@ alive, then completes or fails the task with its fenced token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -103,6 +104,10 @@ class Executor:
             source = self._script(lease.script_sha)
         except LookupError as exc:
             return self._fail(running, str(exc), 0.0)
+        refusal = self._refusal(lease, source)
+        if refusal:
+            log.error("%s refused: %s", lease.task_id, refusal)
+            return self._fail(running, refusal, 0.0, reject=True)
         ship = self.w.logs.put
         ship(lease.task_id, "gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")
 
@@ -163,10 +168,36 @@ class Executor:
         error = out.describe_exit() + (f"\n{tail}" if tail else "")
         return self._fail(running, error, out.duration)
 
-    def _fail(self, running: Running, error: str, duration: float) -> str:
+    def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
+        """Why this task must not run here: its script is not what its hash says, or (on a worker that
+        trusts keys) its signature is missing, wrong, from an untrusted key, or expired."""
+        if hashlib.sha256(source.encode()).hexdigest() != lease.script_sha:
+            return "the script in the broker does not match its hash (tampered)"
+        verifier = self.w.verifier
+        if verifier is None:
+            return None
+        from .signing import message
+
+        msg = message(
+            lease.job_id,
+            lease.index,
+            lease.script_sha,
+            lease.payload,
+            lease.timeout,
+            lease.max_attempts,
+            lease.expires_at,
+        )
+        why = verifier.verify(lease.key_id, lease.signature, msg)
+        if why is None and lease.server_ms / 1000 > lease.expires_at:
+            why = "signature: the job expired before it ran (a replay, or it waited too long)"
+        return why
+
+    def _fail(self, running: Running, error: str, duration: float, reject: bool = False) -> str:
         lease = running.lease
         res = self._patiently(
-            lambda: scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration)
+            lambda: scripts.fail(
+                self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, reject=reject
+            )
         )
         if not res.accepted:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)

@@ -1,4 +1,4 @@
-"""The sandbox's first process: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S``.
+"""The sandbox's first process: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID``.
 
 It makes the task die with its worker (PR_SET_PDEATHSIG), adopts every orphan of the task
 (PR_SET_CHILD_SUBREAPER, so a grandchild that called setsid is still found), sets the rlimits, then
@@ -94,12 +94,8 @@ def _has_children() -> bool:
 
 
 def main(argv: list[str]) -> None:
-    parent, script, cpu, fsize, nofile, grace = argv
+    parent, script, cpu, fsize, nofile, grace, uid, gid = argv
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the worker died before prctl took effect
-        sys.exit(70)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for limit, value in (
         (resource.RLIMIT_CPU, int(cpu)),
@@ -110,6 +106,15 @@ def main(argv: list[str]) -> None:
             _soft, hard = resource.getrlimit(limit)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
+    if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
+        os.setgroups([])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
+    # After the credential change, which clears it: die with the worker.
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the worker died before prctl took effect
+        sys.exit(70)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     terminating = False
 

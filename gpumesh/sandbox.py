@@ -45,6 +45,8 @@ class Limits:
     grace: float = 3.0  # between TERM and KILL
     log_bytes: int = 1_000_000
     result_bytes: int = 1_000_000
+    user: tuple[int, int] | None = None  # (uid, gid) to run the task as; the worker must be root
+    python: str = ""  # the interpreter for the task; default: the worker's
 
 
 @dataclass
@@ -81,6 +83,19 @@ def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def _launcher(limits: Limits, workdir: str) -> list[str]:
+    """How to start the launcher: as a module of the worker's own interpreter, or, for another
+    interpreter or user (which may not see the worker's site-packages), as a copy in the task's dir."""
+    python = limits.python or sys.executable
+    if python == sys.executable and limits.user is None:
+        return [python, "-u", "-m", "gpumesh.launcher"]
+    copy = os.path.join(workdir, "_gpumesh_launcher.py")
+    shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
+    if limits.user is not None:
+        os.chown(copy, *limits.user)
+    return [python, "-u", copy]
 
 
 def tree_rss(pid: int) -> int:
@@ -136,12 +151,19 @@ def run(
         output_dir = os.path.join(workdir, "output")
         os.mkdir(output_dir)
         full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
+        if limits.user is not None:  # the task's user owns its directory and nothing of the worker's
+            for path in (workdir, script, output_dir):
+                os.chown(path, *limits.user)
+            for name in ("USER", "LOGNAME"):
+                full_env.pop(name, None)
+            full_env["HOME"] = workdir
         with tempfile.TemporaryFile() as stdin:
             stdin.write(payload.encode())
             stdin.seek(0)
             cmd = [
-                sys.executable, "-u", "-m", "gpumesh.launcher", str(os.getpid()), script,
+                *_launcher(limits, workdir), str(os.getpid()), script,
                 str(limits.cpu_seconds), str(limits.file_bytes), str(limits.open_files), str(limits.grace),
+                *(map(str, limits.user) if limits.user else ("-", "-")),
             ]  # fmt: skip
             proc = subprocess.Popen(
                 cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -48,6 +48,11 @@ class Lease:
     script_sha: str
     script_name: str
     timeout: float
+    max_attempts: int = 0
+    signature: str = ""
+    key_id: str = ""
+    expires_at: float = 0.0
+    server_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,22 @@ def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int
     )
     if int(r[0]) != 1:
         return r[1]
-    return Lease(task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]))
+    return Lease(
+        task_id,
+        r[1],
+        int(r[2]),
+        r[3],
+        int(r[4]),
+        r[5],
+        r[6],
+        r[7],
+        float(r[8]),
+        int(r[9]),
+        r[10],
+        r[11],
+        float(r[12]),
+        int(r[13]),
+    )
 
 
 def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float) -> Outcome:
@@ -93,11 +113,13 @@ def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json:
 
 
 def fail(
-    s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False
-) -> Outcome:
+    s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False,
+    reject: bool = False,
+) -> Outcome:  # fmt: skip
+    mode = "reject" if reject else ("release" if release else "fail")
     r = s["fail"](
         keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.QUEUED, keys.STATS),
-        args=[lease.task_id, lease.token, error, f"{duration:.3f}", "release" if release else "fail"],
+        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode],
         client=client,
     )
     if int(r[0]) != 1:

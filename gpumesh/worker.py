@@ -65,12 +65,16 @@ class MeshWorker(SimpleWorker):
         name: str | None = None,
         cuda_visible_devices: str | None = None,
         parent_pid: int | None = None,
+        verifier: Any = None,
+        sandbox_user: tuple[int, int] | None = None,
     ) -> None:
         self.broker = broker
         self.settings = broker.settings
         self.capability = capability
         self.cuda_visible_devices = cuda_visible_devices
         self.parent_pid = parent_pid
+        self.verifier = verifier  # signing.Verifier when this worker runs only signed tasks
+        self.sandbox_user = sandbox_user  # (uid, gid) tasks run as, when the worker runs as root
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.executor = executor.Executor(self)
@@ -169,6 +173,8 @@ class MeshWorker(SimpleWorker):
             cpu_seconds=math.ceil(timeout * cpus) + 10,
             log_bytes=self.settings.log_max_bytes,
             result_bytes=self.settings.result_max_bytes,
+            user=self.sandbox_user,
+            python=self.settings.sandbox_python,
         )
 
     def _register(self) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,215 @@ def test_a_revoked_person_s_worker_is_disconnected_and_stops(served, env, tmp_pa
         if worker.poll() is None:
             worker.send_signal(signal.SIGKILL)
             worker.wait()
+
+
+# -- signed jobs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def signing_keys(env, tmp_path: Path) -> tuple[Path, Path]:
+    p = gpumesh("keys", "generate", "--dir", str(tmp_path / "keys"), env=env)
+    assert p.returncode == 0, p.stderr
+    priv, pub = (Path(line) for line in p.stdout.split())
+    assert oct(priv.stat().st_mode & 0o777) == "0o600"
+    return priv, pub
+
+
+def _marker_script(tmp_path: Path) -> Path:
+    path = tmp_path / "touch.py"
+    path.write_text(
+        f"import json, os, sys\np = json.load(sys.stdin)\nopen(os.path.join({str(tmp_path)!r}, 'ran-%s' % p['i']), 'w').close()\nprint(json.dumps(p))\n"
+    )
+    return path
+
+
+def test_a_worker_that_trusts_keys_runs_only_validly_signed_tasks(env, signing_keys, tmp_path: Path, r: redis.Redis):
+    from gpumesh import keys as k
+
+    priv, pub = signing_keys
+    script = _marker_script(tmp_path)
+    signed = gpumesh(
+        "submit",
+        str(script),
+        "--payloads",
+        "-",
+        "--sign-key",
+        str(priv),
+        env=env,
+        input='[{"i": "ok"}, {"i": "tampered"}]',
+    ).stdout.strip()
+    unsigned = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": "unsigned"}]').stdout.strip()
+    expired = gpumesh("submit", str(script), "--payloads", "-", "--sign-key", str(priv), "--expires", "1", env=env,
+                      input='[{"i": "expired"}]').stdout.strip()  # fmt: skip
+    # someone with write access edits a signed payload, and copies a signature into another job
+    r.hset(k.task(k.task_id(signed, 1)), "payload", '{"i": "evil"}')
+    copied = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": "ok"}]').stdout.strip()
+    r.hset(k.task(k.task_id(copied, 0)), mapping={"sig": r.hget(k.task(k.task_id(signed, 0)), "sig")})
+    r.hset(k.job(copied), mapping={f: r.hget(k.job(signed), f) for f in ("key_id", "expires_at")})
+    time.sleep(1.2)  # the expired job's validity ends
+    w = gpumesh("worker", "--burst", "--score", "2", "--trust", str(pub), env=env, timeout=120)
+    assert w.returncode == 0, w.stderr
+    ran = sorted(p.name for p in tmp_path.glob("ran-*"))
+    assert ran == ["ran-ok"], ran
+
+    def error(job: str, i: int = 0) -> dict:
+        return json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)[i]
+
+    assert error(signed, 0)["status"] == "done"
+    for job, i, why in [
+        (signed, 1, "signature: does not match the task"),
+        (unsigned, 0, "signature: the task is not signed"),
+        (expired, 0, "signature: the job expired"),
+        (copied, 0, "signature: does not match the task"),
+    ]:
+        row = error(job, i)
+        assert row["status"] == "failed" and row["error"].startswith(why) and row["attempts"] == 1, row
+
+
+def test_a_tampered_script_never_runs_even_without_signing(env, workers, r: redis.Redis, tmp_path: Path):
+    from gpumesh import keys as k
+
+    script = _marker_script(tmp_path)
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": 1}]').stdout.strip()
+    sha = r.hget(k.job(job), "script_sha")
+    r.set(k.script(sha), "import os\nos.system('touch /tmp/pwned-by-gpumesh-test')\n")
+    workers.start()
+    wait_until(lambda: r.hget(k.task(k.task_id(job, 0)), "status") == "failed", what="the refusal")
+    assert r.hget(k.task(k.task_id(job, 0)), "error") == "the script in the broker does not match its hash (tampered)"
+    assert not list(tmp_path.glob("ran-*"))
+
+
+# -- the sandbox cannot read the broker's credentials --------------------------------------------
+
+PEEK = """
+import json, os
+def ppid(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+worker = ppid(os.getppid())  # script -> launcher -> worker
+seen = {"uid": os.getuid(), "env": sorted(k for k in os.environ if "URL" in k or "PASS" in k)}
+for name, path in [("worker_environ", f"/proc/{worker}/environ"), ("config", os.environ.get("PEEK_CONFIG", ""))]:
+    try:
+        seen[name] = "secret" in open(path, "rb").read().decode(errors="replace")
+    except (PermissionError, FileNotFoundError) as exc:
+        seen[name] = type(exc).__name__
+seen["worker_cmdline_has_secret"] = "secret" in open(f"/proc/{worker}/cmdline").read()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+    reason="--sandbox-user needs a root worker and a Python the task user can read; CI here runs as root",
+)
+def test_sandbox_user_keeps_the_worker_s_secrets_out_of_reach(env, workers, r: redis.Redis, tmp_path: Path):
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('url = "redis://:secret@127.0.0.1:1/0"\n')
+    cfg.chmod(0o600)
+    script = tmp_path / "peek.py"
+    script.write_text(PEEK)
+    extra = {"GPUMESH_WORKER_SECRET_MARKER": "secret"}  # stands in for a URL with a password in the environment
+    # The task user must be able to read its interpreter: this machine's venv lives under /root (0700).
+    extra["GPUMESH_SANDBOX_PYTHON"] = "/usr/bin/python3"
+    workers.start("--sandbox-user", "nobody", **extra)
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout.strip()
+    wait_until(lambda: json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] in ("done", "failed"))
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["status"] == "done", row
+    seen = row["result"]
+    assert seen["uid"] == nobody.pw_uid and seen["env"] == []
+    assert seen["worker_environ"] == "PermissionError" and seen["worker_cmdline_has_secret"] is False
+
+
+def test_without_a_sandbox_user_a_same_user_script_can_read_the_worker_s_environment(env, workers, tmp_path: Path):
+    """What SECURITY.md warns about: the task's own environment is clean, /proc/<worker>/environ is not."""
+    script = tmp_path / "peek.py"
+    script.write_text(PEEK)
+    workers.start(GPUMESH_WORKER_SECRET_MARKER="secret")
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout.strip()
+    wait_until(lambda: json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "done")
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["result"]["env"] == [] and row["result"]["worker_environ"] is True
+
+
+def test_sandbox_user_must_exist_and_not_be_root(env):
+    assert "no user named" in gpumesh("worker", "--sandbox-user", "no-such-user-xyz", env=env).stderr
+    assert "must not be root" in gpumesh("worker", "--sandbox-user", "root", env=env).stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a root worker")
+def test_sandbox_user_that_cannot_read_the_interpreter_is_refused_at_start(env):
+    unreadable = "/root/.pyenv/versions/3.11.7/bin/python3.11"  # this machine's (and CI's): /root is 0700
+    if not os.path.exists(unreadable):
+        pytest.skip(f"{unreadable} is not on this machine")
+    p = gpumesh("worker", "--sandbox-user", "nobody", env={**env, "GPUMESH_SANDBOX_PYTHON": unreadable})
+    assert p.returncode == 2, p.stderr
+    assert "cannot run" in p.stderr and "GPUMESH_SANDBOX_PYTHON" in p.stderr
+
+
+# -- TLS -------------------------------------------------------------------------------------------
+
+
+def _make_tls(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA made at test time and a server certificate for 127.0.0.1 that it signs."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpumesh test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = tmp / "ca.pem", tmp / "server.pem", tmp / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+def test_rediss_end_to_end_with_a_ca_made_at_test_time(env, tmp_path: Path):
+    from gpumesh.server import find_binary
+
+    ca, cert, key = _make_tls(tmp_path)
+    port = free_port()
+    server = subprocess.Popen(
+        [find_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+         "--tls-auth-clients", "no", "--requirepass", "tls-secret", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        url = f"rediss://:tls-secret@127.0.0.1:{port}/0?ssl_ca_certs={ca}"
+        e = {**env, "GPUMESH_URL": url}
+        wait_until(lambda: gpumesh("jobs", env=e).returncode == 0, timeout=15, what="the TLS broker")
+        job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, env=e).stdout.strip()
+        w = gpumesh("worker", "--burst", "--score", "2", env=e, timeout=120)
+        assert w.returncode == 0, w.stderr
+        assert json.loads(gpumesh("status", job, "--json", env=e).stdout)["status"] == "done"
+        plain = gpumesh("jobs", "--url", f"redis://:tls-secret@127.0.0.1:{port}/0", env=env)
+        assert plain.returncode == 3  # the port speaks only TLS
+        untrusted = gpumesh("jobs", "--url", f"rediss://:tls-secret@127.0.0.1:{port}/0", env=env)
+        assert untrusted.returncode == 3 and "certificate" in untrusted.stderr.lower()
+    finally:
+        server.terminate()
+        server.wait()

@@ -42,7 +42,8 @@ end
 -- remain, else 'failed'.
 -- Returns {'queued', delivery number, tier} or {'failed', attempts, tier}.
 -- refund: the attempt does not count (a worker handing its task back on shutdown).
-local function end_attempt(task_key, job_key, events_key, queued_key, stats_key, task_id, err, duration, refund, ms)
+-- final: fail for good whatever attempts remain.
+local function end_attempt(task_key, job_key, events_key, queued_key, stats_key, task_id, err, duration, refund, ms, final)
   local t = redis.call('HMGET', task_key, 'attempts', 'max_attempts', 'tier', 'job')
   local attempts, max_attempts = tonumber(t[1]), tonumber(t[2])
   if refund then
@@ -51,7 +52,7 @@ local function end_attempt(task_key, job_key, events_key, queued_key, stats_key,
   if err ~= '' then
     redis.call('HSET', task_key, 'error', err)
   end
-  if attempts < max_attempts then
+  if attempts < max_attempts and not final then
     -- each requeue is a new delivery with its own deterministic RQ job id (<task>_<delivery>)
     local delivery = redis.call('HINCRBY', task_key, 'deliveries', 1)
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')

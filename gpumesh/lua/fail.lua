@@ -2,7 +2,8 @@
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
 -- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] queued zset      KEYS[8] stats hash
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] error text    ARGV[4] duration (s)
--- ARGV[5] 'fail', or 'release' to hand the task back without spending an attempt
+-- ARGV[5] 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it
+--         for good whatever attempts remain (a task that must never run, such as a bad signature)
 -- Returns {1, 'queued', delivery, tier} | {1, 'failed', attempts, tier} | {0, why} as complete.lua.
 local t = redis.call('HMGET', KEYS[1], 'status', 'lease')
 if not t[1] then
@@ -18,5 +19,6 @@ local ms = now_ms()
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 clear_current(KEYS[6], ARGV[1])
-local r = end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[7], KEYS[8], ARGV[1], ARGV[3], ARGV[4], ARGV[5] == 'release', ms)
+local r = end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[7], KEYS[8], ARGV[1], ARGV[3], ARGV[4],
+  ARGV[5] == 'release', ms, ARGV[5] == 'reject')
 return {1, r[1], r[2], r[3]}
