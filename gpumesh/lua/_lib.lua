@@ -88,6 +88,22 @@ local function observe_duration(hist_key, seconds)
   redis.call('HINCRBY', hist_key, 'count', 1)
 end
 
+-- The lease fence of complete and fail: nil when `token` holds the running task, else the refusal
+-- {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
+local function fence(task_key, token)
+  local t = redis.call('HMGET', task_key, 'status', 'lease')
+  if not t[1] then
+    return {0, 'missing'}
+  end
+  if t[1] ~= 'running' then
+    return {0, t[1]}
+  end
+  if t[2] ~= token then
+    return {0, 'stale'}
+  end
+  return nil
+end
+
 local function clear_current(worker_key, task_id)
   if redis.call('HGET', worker_key, 'current_task') == task_id then
     redis.call('HSET', worker_key, 'current_task', '')

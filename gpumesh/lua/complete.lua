@@ -3,15 +3,9 @@
 -- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] stats hash    KEYS[8] duration histogram hash
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] result (JSON) ARGV[4] duration (s)
 -- Returns {1, 'done'} or {0, why}: why = the task's status, 'missing' or 'stale' (another lease holds it).
-local t = redis.call('HMGET', KEYS[1], 'status', 'lease', 'job')
-if not t[1] then
-  return {0, 'missing'}
-end
-if t[1] ~= 'running' then
-  return {0, t[1]}
-end
-if t[2] ~= ARGV[2] then
-  return {0, 'stale'}
+local refused = fence(KEYS[1], ARGV[2])
+if refused then
+  return refused
 end
 local ms = now_ms()
 redis.call('HSET', KEYS[1], 'status', 'done', 'result', ARGV[3], 'lease', '', 'error', '',
@@ -23,5 +17,5 @@ redis.call('HINCRBY', KEYS[7], 'done', 1)
 observe_duration(KEYS[8], tonumber(ARGV[4]))
 clear_current(KEYS[6], ARGV[1])
 emit(KEYS[5], 'task', ARGV[1], 'done')
-maybe_finish(KEYS[4], KEYS[5], t[3], ms)
+maybe_finish(KEYS[4], KEYS[5], redis.call('HGET', KEYS[1], 'job'), ms)
 return {1, 'done'}

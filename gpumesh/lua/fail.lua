@@ -5,15 +5,9 @@
 -- ARGV[5] 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it
 --         for good whatever attempts remain (a task that must never run, such as a bad signature)
 -- Returns {1, 'queued', delivery, tier} | {1, 'failed', attempts, tier} | {0, why} as complete.lua.
-local t = redis.call('HMGET', KEYS[1], 'status', 'lease')
-if not t[1] then
-  return {0, 'missing'}
-end
-if t[1] ~= 'running' then
-  return {0, t[1]}
-end
-if t[2] ~= ARGV[2] then
-  return {0, 'stale'}
+local refused = fence(KEYS[1], ARGV[2])
+if refused then
+  return refused
 end
 local ms = now_ms()
 redis.call('DEL', KEYS[2])

@@ -1,0 +1,186 @@
+"""``gpumesh access``, ``keys``, ``metrics``, ``bench`` and ``config``: operating a mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import click
+import redis
+
+from . import render
+from .broker import mask_url, translate
+from .cli import connect, emit_json, err, json_option, main, url_option
+from .errors import NotFound, UsageError
+from .settings import Settings, config_path
+
+
+def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
+    from .server import default_data_dir
+
+    if url is None:
+        d = data_dir or default_data_dir()
+        try:
+            creds = json.loads((d / "credentials.json").read_text())
+            conf = dict(line.split(" ", 1) for line in (d / "redis.conf").read_text().splitlines() if " " in line)
+        except FileNotFoundError:
+            raise UsageError(f"no broker data in {d}; pass --data-dir (as given to serve) or --url ADMIN_URL") from None
+        host = conf["bind"] if conf["bind"] not in ("0.0.0.0", "::") else "127.0.0.1"
+        url = f"redis://admin:{quote(creds['admin'], safe='')}@{host}:{conf['port']}/0"
+    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise translate(exc, url) from None
+    return client
+
+
+@main.group()
+def keys() -> None:
+    """Ed25519 keys for signed jobs: submitters sign, workers started with --trust verify."""
+
+
+@keys.command("generate")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True)
+@click.option("--name", default="gpumesh-signing", show_default=True)
+def keys_generate(directory: Path, name: str) -> None:
+    """Write NAME.key (private, mode 0600: keep it with the submitters) and NAME.pub (for the workers)."""
+    from .signing import generate
+
+    priv, pub = generate(directory, name)
+    click.echo(f"{priv}\n{pub}")
+    err.print(f"submit with --sign-key {priv}; start workers with --trust {pub}")
+
+
+@main.group()
+def access() -> None:
+    """Per-person worker credentials on a broker that `gpumesh serve` runs (run it on that machine)."""
+
+
+access_options = [
+    click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), help="serve's data dir [default]."),
+    click.option("--url", metavar="ADMIN_URL", help="The admin URL instead of reading it from the data dir."),
+]
+
+
+def _access_opts(f: Any) -> Any:
+    for option in reversed(access_options):
+        f = option(f)
+    return f
+
+
+@access.command("add")
+@click.argument("name")
+@click.option("--host", help="Address workers reach the broker at (default: the admin URL's).")
+@_access_opts
+def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
+    """Create (or rotate) the worker credential of NAME and print their join line."""
+    from .server import add_worker, broker_url, worker_user
+
+    admin = _admin(data_dir, url)
+    password = add_worker(admin, name)
+    kw = admin.connection_pool.connection_kwargs
+    click.echo(f"gpumesh worker '{broker_url(password, host or kw['host'], kw['port'], user=worker_user(name))}'")
+    err.print(f"revoke with: gpumesh access revoke {name}")
+
+
+@access.command("revoke")
+@click.argument("name")
+@_access_opts
+def access_revoke(name: str, data_dir: Path | None, url: str | None) -> None:
+    """Delete NAME's worker credential; their connected workers are disconnected at once."""
+    from .server import revoke_worker
+
+    if not revoke_worker(_admin(data_dir, url), name):
+        raise NotFound(f"no worker credential named {name!r}; `gpumesh access list` shows them")
+    err.print(f"revoked {name}: their workers are disconnected and cannot reconnect")
+
+
+@access.command("list")
+@_access_opts
+def access_list(data_dir: Path | None, url: str | None) -> None:
+    """List the per-person worker credentials."""
+    from .server import list_workers
+
+    for name in list_workers(_admin(data_dir, url)):
+        click.echo(name)
+
+
+@main.command()
+@click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@url_option
+@click.pass_context
+def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
+    """Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device,
+    task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."""
+    from .metrics import serve_metrics
+
+    broker = connect(ctx, url)
+    serve_metrics(broker, port, host)
+    err.print(f"metrics on http://{host}:{port}/metrics for {broker.url_masked}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+@main.command()
+@json_option
+def bench(as_json: bool) -> None:
+    """Probe and benchmark this machine (in a child process) and cache the score workers use."""
+    from . import capability
+
+    settings = Settings.load()
+    if not as_json:
+        err.print("benchmarking (matmul, about a second)…")
+    cap = capability.probe(settings.cache_dir, refresh=True)
+    if as_json:
+        emit_json(cap.model_dump())
+    else:
+        render.out().print(render.capability_table(cap))
+
+
+@main.group()
+def config() -> None:
+    """Write or show the config file that every command reads (mode 0600)."""
+
+
+@config.command("init")
+@click.option("--url", help="The broker URL to store (asked for on a terminal when omitted).")
+@click.option("--force", is_flag=True, help="Overwrite an existing config file.")
+def config_init(url: str | None, force: bool) -> None:
+    """Store the broker URL so commands need no --url or GPUMESH_URL."""
+    path = config_path()
+    if path.exists() and not force:
+        raise UsageError(f"{path} already exists; pass --force to overwrite it")
+    if url is None:
+        if not sys.stdin.isatty():
+            raise UsageError("config init needs --url when not run on a terminal")
+        url = click.prompt("Broker URL (redis://:PASSWORD@HOST:PORT/0)", hide_input=True)
+    Settings.load(url=url)  # validates it
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# gpumesh settings; keys as in `gpumesh config show`\nurl = {json.dumps(url)}\n")
+    os.chmod(path, 0o600)
+    err.print(f"wrote {path} (mode 0600) for {mask_url(url)}")
+
+
+@config.command("show")
+@json_option
+def config_show(as_json: bool) -> None:
+    """Print the settings in effect (flags aside), with the password masked."""
+    s = Settings.load()
+    data = {**s.model_dump(mode="json"), "url": mask_url(s.url), "config_file": str(config_path())}
+    if as_json:
+        emit_json(data)
+    else:
+        for k, v in data.items():
+            click.echo(f"{k} = {v}")

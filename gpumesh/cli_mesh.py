@@ -1,0 +1,321 @@
+"""``gpumesh worker``, ``join``, ``serve`` and ``run``: the commands that start parts of a mesh."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import click
+import redis
+
+from . import render
+from .broker import Broker, translate
+from .cli import _job_input, connect, err, exit_for, json_option, main, url_option
+from .errors import BrokerError, UsageError
+from .settings import Settings
+
+# -- running a mesh --------------------------------------------------------------------------------
+
+
+log_format_option = click.option(
+    "--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+    help="json: one JSON object per line, for containers and journals.",
+)  # fmt: skip
+
+
+def worker_options(f: Any) -> Any:
+    for option in reversed(
+        [
+            click.option("--name", help="Name shown in `gpumesh workers` (default: the hostname)."),
+            click.option(
+                "--score", type=click.FloatRange(min=0, min_open=True), help="Skip the benchmark; use this GFLOP/s."
+            ),
+            click.option("--rebench", is_flag=True, help="Benchmark again instead of using the cached score."),
+            click.option("--burst", is_flag=True, help="Exit when the queues are empty instead of waiting for work."),
+            click.option(
+                "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"])
+            ),
+            log_format_option,
+            click.option(
+                "--gpus",
+                metavar="all|none|0,1",
+                help="One worker process per GPU, each pinned with CUDA_VISIBLE_DEVICES, under a supervisor "
+                "that restarts a crashed one. none: one CPU-only worker.",
+            ),
+            click.option(
+                "--trust",
+                "trust",
+                multiple=True,
+                type=click.Path(dir_okay=False, path_type=Path),
+                help="Run only tasks signed by this public key (repeatable; also GPUMESH_TRUSTED_KEYS).",
+            ),
+            click.option(
+                "--sandbox-user",
+                metavar="USER",
+                help="Run tasks as this user (the worker must run as root), out of reach of the worker's "
+                "environment, command line and files.",
+            ),
+            click.option("--exit-with-parent", type=int, hidden=True),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
+    from . import capability, logfmt
+    from .worker import MeshWorker
+
+    logfmt.setup(opts["log_level"], opts["log_format"])
+    broker = connect(ctx, url)
+    if opts["gpus"] is not None:
+        _supervise(ctx, broker, opts)
+        return
+    trusted = [*opts["trust"], *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
+    verifier = None
+    if trusted:
+        from .signing import Verifier
+
+        verifier = Verifier(trusted)
+    sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
+    cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
+    w = MeshWorker(
+        broker, cap, name=opts["name"], cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        parent_pid=opts["exit_with_parent"], verifier=verifier, sandbox_user=sandbox_user,
+    )  # fmt: skip
+    w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
+    if w.fatal:
+        raise BrokerError(w.fatal)
+
+
+def _sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
+    if not name:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise UsageError(f"--sandbox-user: no user named {name!r} on this machine") from None
+    if os.geteuid() != 0:
+        raise UsageError("--sandbox-user needs the worker to run as root (it switches to that user for each task)")
+    if entry.pw_uid == 0:
+        raise UsageError("--sandbox-user must not be root")
+    try:
+        ok = subprocess.run(
+            [python, "-c", "import json, ctypes, resource"], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[],
+            capture_output=True, cwd="/",
+        ).returncode == 0  # fmt: skip
+    except OSError:
+        ok = False
+    if not ok:
+        raise UsageError(
+            f"--sandbox-user {name} cannot run {python} (it must be able to read the interpreter and its "
+            "libraries); install Python where that user can read it and set GPUMESH_SANDBOX_PYTHON"
+        )
+    return entry.pw_uid, entry.pw_gid
+
+
+def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
+    import socket
+
+    from .supervisor import Supervisor, parse_gpus
+
+    gpus = parse_gpus(opts["gpus"])
+    args = [broker.url, "--log-level", opts["log_level"], "--log-format", opts["log_format"]]
+    args += ["--score", str(opts["score"])] if opts["score"] else []
+    args += ["--rebench"] if opts["rebench"] else []
+    args += ["--burst"] if opts["burst"] else []
+    args += [a for path in opts["trust"] for a in ("--trust", str(path))]
+    args += ["--sandbox-user", opts["sandbox_user"]] if opts["sandbox_user"] else []
+    sup = Supervisor(gpus, args, opts["name"] or socket.gethostname(), restart=not opts["burst"])
+    ctx.exit(sup.run())
+
+
+@main.command()
+@click.argument("broker_url", metavar="[URL]", required=False)
+@worker_options
+@url_option
+@click.pass_context
+def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: Any) -> None:
+    """Benchmark this machine, join the mesh at URL and run tasks until stopped.
+
+    The benchmark runs once per machine and is cached; --score skips it. SIGTERM or Ctrl-C
+    finishes the current task and exits; a second one hands the task back to the queue at once.
+    Tuning: GPUMESH_LEASE_TTL (30 s), GPUMESH_HEARTBEAT_INTERVAL (5 s), GPUMESH_TIERS (3).
+    """
+    _run_worker(ctx, broker_url or url, opts)
+
+
+@main.command()
+@click.argument("address", metavar="HOST:PORT")
+@click.option(
+    "--token",
+    required=True,
+    help="The worker credential: PASSWORD (user `worker`) or USER:PASSWORD (from `gpumesh access add`).",
+)
+@worker_options
+@click.pass_context
+def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
+    """Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form.
+
+    Same as `gpumesh worker redis://:TOKEN@HOST:PORT/0`; a redis:// or rediss:// ADDRESS keeps its scheme.
+    """
+    scheme, rest = ("redis", address)
+    if "://" in address:
+        scheme, rest = address.split("://", 1)
+    hostport = urlsplit(f"//{rest}").netloc.rsplit("@", 1)[-1]
+    if not hostport:
+        raise UsageError(f"join needs HOST:PORT, got {address!r}")
+    user, _, password = token.rpartition(":")
+    _run_worker(ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0", opts)
+
+
+@main.command()
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface."
+)
+@click.option("--port", default=6390, show_default=True, type=click.IntRange(1, 65535))
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Jobs, password and logs [~/.local/share/gpumesh/broker].",
+)
+@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh[tunnel]').")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), help="Also export Prometheus metrics on 127.0.0.1:PORT.")
+@log_format_option
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    data_dir: Path | None,
+    public: bool,
+    metrics_port: int | None,
+    log_format: str,
+) -> None:
+    """Start a broker for the mesh: Redis with a generated password, kept across restarts.
+
+    It listens on 127.0.0.1 unless --host says otherwise, persists jobs in an append-only file,
+    never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
+    Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
+    """
+    from . import logfmt
+    from .server import BrokerServer, default_data_dir, is_loopback, lan_address
+
+    logfmt.setup("INFO", log_format)
+    tunnel_url = None
+    if public:
+        try:
+            from pyngrok import ngrok
+        except ImportError:
+            raise UsageError("--public needs pyngrok: pip install 'gpumesh[tunnel]'") from None
+    server = BrokerServer(data_dir or default_data_dir(), host=host, port=port).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        settings = Settings.load(url=server.url)
+        broker = Broker(settings).ping()
+        broker.epoch()
+        if metrics_port:
+            from .metrics import serve_metrics
+
+            serve_metrics(broker, metrics_port)
+            logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
+        join_host = lan_address() if host in ("0.0.0.0", "::") else ("127.0.0.1" if host == "localhost" else host)
+        lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
+        if not is_loopback(host):
+            err.print(
+                f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
+                "password can run code on every worker. Keep the password secret; prefer a VPN or TLS.[/]"
+            )
+        join = server.url_for("worker", join_host)
+        submit_url = server.url_for("submitter", join_host)
+        if public:
+            tunnel = ngrok.connect(port, "tcp")
+            public_host, public_port = urlsplit(tunnel.public_url).netloc.rsplit(":", 1)
+            tunnel_url = server.url_for("worker", public_host, int(public_port))
+            submit_url = server.url_for("submitter", public_host, int(public_port))
+            err.print(
+                "[bold red]WARNING: the broker is now reachable from the whole internet at "
+                f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
+                "Redis traffic through the tunnel is not encrypted; use TLS (rediss://) for anything private.[/]"
+            )
+        lines += [
+            "",
+            "Join a worker on another machine:",
+            f"  gpumesh worker '{tunnel_url or join}'",
+            "Submit a job:",
+            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json --url '{submit_url}' --wait",
+            "",
+            "A credential per person (revocable): gpumesh access add NAME",
+            f"Admin URL: in {server.data_dir / 'credentials.json'} (mode 0600)",
+        ]
+        if tunnel_url:
+            lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'"]
+        click.echo("\n".join(lines), nl=True)
+        sys.stdout.flush()
+        while not stop.wait(settings.heartbeat_interval):
+            try:
+                report = broker.reap_once()
+                if any(report.values()):
+                    logging.getLogger("gpumesh.serve").info("reaper: %s", report)
+            except redis.RedisError as exc:
+                logging.getLogger("gpumesh.serve").warning("reaper: %s", translate(exc, server.url))
+        err.print("stopping the broker (append-only file flushed)")
+        broker.close()
+    finally:
+        if tunnel_url:
+            ngrok.kill()
+        server.stop()
+
+
+@main.command()
+@click.argument("script")
+@click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
+@click.option(
+    "--local", "workers", default=2, show_default=True, type=click.IntRange(1, 64), help="Local workers to start."
+)
+@click.option("--name", default="", help="A name for the job.")
+@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
+@click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True
+)
+@json_option
+@click.pass_context
+def run(
+    ctx: click.Context, script: str, payloads_spec: str, workers: int, fmt: str, as_json: bool, **opts: Any
+) -> None:
+    """Run SCRIPT on a private local mesh: a broker and N workers on this machine, one command.
+
+    Prints the results and exits with the job's code (0 done, 1 failed or cancelled). Everything it
+    started is stopped on the way out.
+    """
+    from .local import LocalMesh
+
+    source, payloads, options = _job_input(script, payloads_spec, opts)
+    fmt = "json" if as_json else fmt
+    with LocalMesh(workers, Settings.load()) as mesh:
+        assert mesh.broker is not None
+        err.print(f"local mesh: private broker and {workers} worker(s) up")
+        res = mesh.broker.submit(source, Path(script).name, payloads, options)
+        try:
+            st = render.follow(lambda: mesh.broker.job_status(res.job_id), quiet=as_json)  # type: ignore[union-attr]
+        except KeyboardInterrupt:
+            err.print("interrupted: stopping the local mesh")
+            ctx.exit(130)
+        rows = mesh.broker.results(res.job_id)
+    if fmt == "table":
+        render.out().print(render.results_table(rows))
+    else:
+        click.echo(render.results_text(rows, fmt), nl=False)
+    exit_for(ctx, st)
