@@ -27,13 +27,15 @@ python3 -m gpumesh.capability | tee "$OUT/capability.json"
 PORT=6390
 redis-server --port $PORT --bind 127.0.0.1 --save "" --daemonize yes --logfile /tmp/broker.log
 export GPUMESH_URL=redis://127.0.0.1:$PORT/0
-python3 -m gpumesh worker > "$OUT/worker.log" 2>&1 &
-WPID=$!
+python3 -m gpumesh worker --gpus all --log-format json > "$OUT/worker.log" 2>&1 &
+SUP=$!
 for _ in $(seq 120); do
   python3 -m gpumesh workers --json > "$OUT/workers.json" 2>/dev/null && grep -q '"id"' "$OUT/workers.json" && break
   sleep 0.5
 done
 cat "$OUT/workers.json"
+WPID=$(pgrep -P $SUP -f "gpumesh worker" | head -1)
+echo "== supervisor $SUP, GPU worker $WPID with CUDA_VISIBLE_DEVICES=$(tr '\0' '\n' < /proc/$WPID/environ | grep ^CUDA_VISIBLE_DEVICES)"
 echo "== worker process maps libcuda: $(grep -c libcuda /proc/$WPID/maps) (0 = it never initialised CUDA)"
 start=$(date +%s.%N)
 python3 -m gpumesh submit examples/torch_regression.py --payloads examples/torch_payloads.json --wait --json > "$OUT/status.json"
@@ -45,7 +47,13 @@ import json
 for r in json.load(open('$OUT/results.json')):
     print(r['index'], r['status'], r['result'])"
 echo "== worker process maps libcuda after the job: $(grep -c libcuda /proc/$WPID/maps)"
-kill -TERM $WPID; wait $WPID; echo "worker exit $?"
+kill -TERM $SUP; wait $SUP; echo "supervisor exit $? (0 = workers stopped cleanly)"
 
-echo "== test suite against $(redis-server --version | cut -d' ' -f1-3), torch present"
-timeout 330 python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest.txt"
+echo "== gpumesh run --local 1 (private broker and worker), torch example"
+start=$(date +%s.%N)
+python3 -m gpumesh run examples/torch_regression.py --payloads examples/torch_payloads.json --local 1 --json > "$OUT/run-local.json"
+echo "run --local exit $? in $(python3 -c "print(round($(date +%s.%N) - $start, 2))") s"
+python3 -c "import json; print(sorted({r['result']['device'] for r in json.load(open('$OUT/run-local.json'))}))"
+
+echo "== GPU-relevant tests against $(redis-server --version | cut -d' ' -f1-3), torch present"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_torch_example.py tests/test_deploy.py -k "torch or gpus" 2>&1 | tail -8 | tee "$OUT/pytest.txt"
