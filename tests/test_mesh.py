@@ -182,3 +182,30 @@ def test_heavy_tasks_land_on_the_strong_worker(env, workers: Workers, r: redis.R
     res = json.loads(gpumesh("results", sub["job_id"], "--format", "json", env=env).stdout)
     heavy = {row["result"].rsplit("-", 1)[0] for row in res[:3]}
     assert heavy == {"strong"}
+
+
+def test_second_sigterm_hands_the_task_back_at_once_without_spending_an_attempt(
+    env, workers: Workers, r: redis.Redis, tmp_path
+):
+    script = write_script(tmp_path, f"""
+        import json, os, time
+        open(os.path.join({str(tmp_path)!r}, "pid-%s" % os.environ["GPUMESH_ATTEMPT"]), "w").write(str(os.getpid()))
+        time.sleep(120)
+        print("{{}}")
+        """)  # fmt: skip
+    w = workers.start()
+    job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout)
+    tid = keys.task_id(job, 0)
+    wait_until(lambda: (tmp_path / "pid-1").exists(), what="the task to start")
+    sandbox = int((tmp_path / "pid-1").read_text())
+    w.send_signal(signal.SIGTERM)
+    time.sleep(1.5)  # RQ ignores a second signal within a second of the first
+    assert w.poll() is None, "the first SIGTERM waits for the task"
+    w.send_signal(signal.SIGTERM)
+    w.wait(timeout=20)
+    wait_until(lambda: not pid_alive(sandbox), timeout=10, what="the task to be killed")
+    task = r.hgetall(keys.task(tid))
+    assert task["status"] == "queued" and task["attempts"] == "0", task
+    assert sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3)) == 1, (
+        "a new delivery waits for another worker"
+    )
