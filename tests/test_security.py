@@ -322,3 +322,26 @@ def test_rediss_end_to_end_with_a_ca_made_at_test_time(env, tmp_path: Path):
     finally:
         server.terminate()
         server.wait()
+
+
+def test_a_job_written_with_a_worker_credential_never_runs_on_a_trusting_worker(
+    served, env, signing_keys, tmp_path: Path
+):
+    """A leaked worker credential can write a job into Redis, but not sign it: trusting workers refuse it."""
+    _, urls, _, _ = served
+    priv, pub = signing_keys
+    script = _marker_script(tmp_path)
+    forged = gpumesh(
+        "submit", str(script), "--payloads", "-", "--url", urls["worker"], env=env, input='[{"i": "forged"}]'
+    )
+    assert forged.returncode == 0, forged.stderr  # the credential can write gpumesh's keys...
+    signed = gpumesh("submit", str(script), "--payloads", "-", "--url", urls["submitter"], "--sign-key", str(priv),
+                     env=env, input='[{"i": "signed"}]')  # fmt: skip
+    w = gpumesh("worker", urls["worker"], "--burst", "--score", "2", "--trust", str(pub), env=env, timeout=120)
+    assert w.returncode == 0, w.stderr
+    assert sorted(p.name for p in tmp_path.glob("ran-*")) == ["ran-signed"]  # ...but what it wrote never runs
+    row = json.loads(
+        gpumesh("results", forged.stdout.strip(), "--url", urls["submitter"], "--format", "json", env=env).stdout
+    )[0]
+    assert row["status"] == "failed" and row["error"].startswith("signature: the task is not signed")
+    assert signed.returncode == 0
