@@ -165,11 +165,12 @@ class Broker:
         if not payloads:
             raise UsageError("a job needs at least one payload")
         sha = hashlib.sha256(source.encode()).hexdigest()
-        request = hashlib.sha256(
-            json.dumps([sha, script_name, payloads, options.model_dump()], sort_keys=True).encode()
-        )
+        request = ""  # what an idempotent retry must repeat exactly; only computed when there is a key
         if idempotency_key:
             job_id = hashlib.sha256(f"gpumesh-idempotency:{idempotency_key}".encode()).hexdigest()[:12]
+            request = hashlib.sha256(
+                json.dumps([sha, script_name, payloads, options.model_dump()], sort_keys=True).encode()
+            ).hexdigest()
         else:
             job_id = uuid.uuid4().hex[:12]
         costs = [payload_cost(p) for p in payloads]
@@ -186,16 +187,17 @@ class Broker:
                     p.watch(keys.job(job_id))
                     existing = p.hmget(keys.job(job_id), "request", "total", "tiers")
                     if existing[0] is not None:
-                        return self._same_request(job_id, existing, request.hexdigest(), idempotency_key)
+                        return self._same_request(job_id, existing, request, idempotency_key)
                     p.multi()
                 self._write_job(p, job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
                 if signer is not None:
                     self._sign(p, signer, job_id, sha, payloads, options, created + expires_in)
-                p.hset(keys.job(job_id), "request", request.hexdigest())
+                if idempotency_key:
+                    p.hset(keys.job(job_id), "request", request)
                 p.execute()
         except redis.WatchError:  # the same key won a concurrent race: that job is ours
             existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
-            return self._same_request(job_id, existing, request.hexdigest(), idempotency_key or "")
+            return self._same_request(job_id, existing, request, idempotency_key or "")
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
         return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier)
