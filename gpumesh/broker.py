@@ -17,7 +17,6 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from rq import Queue
-from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from . import keys, scheduling, scripts
@@ -416,69 +415,6 @@ class Broker:
                         deliveries.append((tid, int(res[2]), int(res[1])))
         self.deliver(deliveries)
         return len(deliveries), self.job_status(job_id)
-
-    def reap_once(self, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
-        """One reaper pass. Safe to run concurrently (every change is a fenced script or idempotent):
-
-        * leases that lapsed send their tasks back to queued (or failed at max attempts);
-        * the audit re-enqueues queued tasks whose delivery was lost: never enqueued (a worker died
-          between the state change and the enqueue) or popped by a worker that died before acquiring
-          it (its tier queue is empty, yet the task waits). A duplicate delivery is harmless;
-        * workers that stopped heartbeating leave the live sets.
-        """
-        now = self.server_ms()
-        grace = int(self.settings.lease_ttl * 1000) if audit_grace_ms is None else audit_grace_ms
-        report = {"requeued": 0, "failed": 0, "redelivered": 0, "workers_dropped": 0}
-        deliveries: list[tuple[str, int, int]] = []
-        expired = self.r.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=batch)
-        if expired:
-            with self.r.pipeline(transaction=False) as p:
-                for tid in expired:
-                    scripts.reap(self.scripts, p, tid)
-                for tid, raw in zip(expired, p.execute()):
-                    out = scripts.reap_outcome(raw)
-                    if out.status == "queued":
-                        deliveries.append((tid, out.tier, out.delivery))
-                        report["requeued"] += 1
-                    elif out.status == "failed":
-                        report["failed"] += 1
-        self.deliver(deliveries)
-        report["redelivered"] = self._audit_queued(now - grace, now, batch)
-        dead = self.r.zrangebyscore(keys.WORKERS, "-inf", now - self.settings.worker_ttl * 1000)
-        if dead:
-            with self.r.pipeline(transaction=True) as p:
-                p.zrem(keys.WORKERS, *dead)
-                p.zrem(keys.SCORES, *dead)
-                p.execute()
-            report["workers_dropped"] = len(dead)
-        return report
-
-    def _audit_queued(self, older_than_ms: int, now: int, batch: int) -> int:
-        old = self.r.zrangebyscore(keys.QUEUED, "-inf", older_than_ms, start=0, num=batch)
-        if not old:
-            return 0
-        with self.r.pipeline(transaction=False) as p:
-            for q in self.queues:
-                p.llen(q.key)
-            for tid in old:
-                p.hmget(keys.task(tid), "status", "tier", "deliveries")
-            res = p.execute()
-        lengths, states = res[: len(self.queues)], res[len(self.queues) :]
-        queued = [(tid, int(t), int(d)) for tid, (st, t, d) in zip(old, states) if st == "queued"]
-        with self.r.pipeline(transaction=False) as p:
-            for tid, _tier, delivery in queued:
-                p.exists(Job.key_for(keys.rq_job_id(tid, delivery)))
-            present = p.execute()
-        lost = [q for q, there in zip(queued, present) if not there or lengths[min(q[1], len(lengths) - 1)] == 0]
-        self.deliver(lost)
-        with self.r.pipeline(transaction=True) as p:
-            stale = [tid for tid, (st, _t, _d) in zip(old, states) if st != "queued"]
-            if stale:
-                p.zrem(keys.QUEUED, *stale)
-            if queued:  # checked: look again one grace period from now (XX: never re-add an acquired task)
-                p.zadd(keys.QUEUED, {tid: now for tid, _t, _d in queued}, xx=True)
-            p.execute()
-        return len(lost)
 
     def deliver(self, deliveries: list[tuple[str, int, int]]) -> None:
         """Enqueue RQ deliveries (task id, tier, delivery number); ids are deterministic, so repeats are harmless."""

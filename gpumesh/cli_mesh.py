@@ -19,6 +19,7 @@ from . import render
 from .broker import Broker, translate
 from .cli import _job_input, connect, err, exit_for, json_option, main, url_option
 from .errors import BrokerError, UsageError
+from .reaper import reap_once
 from .settings import Settings
 
 # -- running a mesh --------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def serve(
         sys.stdout.flush()
         while not stop.wait(settings.heartbeat_interval):
             try:
-                report = broker.reap_once()
+                report = reap_once(broker)
                 if any(report.values()):
                     logging.getLogger("gpumesh.serve").info("reaper: %s", report)
             except redis.RedisError as exc:

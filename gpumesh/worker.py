@@ -24,7 +24,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from . import __version__, executor, keys, scheduling, scripts
+from . import __version__, executor, keys, reaper, scheduling, scripts
 from .broker import EXECUTOR, Broker
 from .logship import LogShipper
 from .models import Capability
@@ -270,7 +270,7 @@ class MeshWorker(SimpleWorker):
             )
         self.broker.rq.expire(self.key, self.worker_ttl + 60)
         if self._reaper_turn():
-            report = self.broker.reap_once()
+            report = reaper.reap_once(self.broker)
             if any(report.values()):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
 

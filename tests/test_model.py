@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from gpumesh import keys, scripts
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
+from gpumesh.reaper import reap_once
 from gpumesh.settings import Settings
 
 N_TASKS = 2
@@ -92,7 +93,7 @@ class Mesh(RuleBasedStateMachine):
 
     @rule()
     def reap(self):
-        self.b.reap_once(audit_grace_ms=0)
+        reap_once(self.b, audit_grace_ms=0)
 
     @rule(i=st.integers(0, N_TASKS - 1))
     def cancel(self, i):

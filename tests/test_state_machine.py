@@ -10,6 +10,7 @@ import redis
 from gpumesh import keys, scripts
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
+from gpumesh.reaper import reap_once
 
 from .conftest import RedisServer
 
@@ -65,7 +66,7 @@ def test_stale_worker_after_reap_and_re_lease_changes_nothing(broker: Broker, r:
     job, (tid,) = submit(broker)
     old = scripts.acquire(broker.scripts, r, tid, "old", 50)
     time.sleep(0.1)  # the lease lapses
-    report = broker.reap_once(audit_grace_ms=0)
+    report = reap_once(broker, audit_grace_ms=0)
     assert report["requeued"] == 1
     new = scripts.acquire(broker.scripts, r, tid, "new", LEASE_MS)
     assert isinstance(new, scripts.Lease) and new.attempt == 2
@@ -110,12 +111,12 @@ def test_reaper_requeues_then_fails_at_max_attempts(broker: Broker, r: redis.Red
     r.delete(*[f"rq:queue:{keys.queue_name(t)}" for t in range(3)])
     scripts.acquire(broker.scripts, r, tid, "w", 30)
     time.sleep(0.08)
-    assert broker.reap_once(audit_grace_ms=0)["requeued"] == 1
+    assert reap_once(broker, audit_grace_ms=0)["requeued"] == 1
     assert rq_queue_lengths() == 1  # a new RQ delivery, id <task>_2
     assert r.hget(keys.task(tid), "error").startswith("lease expired: worker w")
     scripts.acquire(broker.scripts, r, tid, "w", 30)
     time.sleep(0.08)
-    assert broker.reap_once(audit_grace_ms=0)["failed"] == 1
+    assert reap_once(broker, audit_grace_ms=0)["failed"] == 1
     assert counters(r, job)["status"] == "failed"
     assert_counters_match_tasks(r, job)
 
@@ -125,7 +126,7 @@ def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
     lease = scripts.acquire(broker.scripts, r, tid, "w", 60)
     r.zadd(keys.LEASES, {tid: 0})  # deadline in the past, but the lease key is alive
     scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS, broker.epoch())
-    assert broker.reap_once()["requeued"] == 0
+    assert reap_once(broker)["requeued"] == 0
     assert r.hget(keys.task(tid), "status") == "running"
 
 
@@ -136,10 +137,10 @@ def test_audit_enqueues_a_task_whose_worker_died_between_state_change_and_enqueu
     out = scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1)  # ... and no deliver(): the crash
     queue = f"rq:queue:{keys.queue_name(out.tier)}"
     assert r.llen(queue) == 0
-    assert broker.reap_once(audit_grace_ms=1000)["redelivered"] == 0  # not before the grace period
-    assert broker.reap_once(audit_grace_ms=0)["redelivered"] == 1
+    assert reap_once(broker, audit_grace_ms=1000)["redelivered"] == 0  # not before the grace period
+    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 1
     assert r.lrange(queue, 0, -1) == [keys.rq_job_id(tid, 2)]
-    assert broker.reap_once(audit_grace_ms=0)["redelivered"] == 0  # delivered and waiting: left alone
+    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 0  # delivered and waiting: left alone
 
 
 def test_audit_redelivers_a_task_popped_by_a_worker_that_died_before_acquiring(broker: Broker, r: redis.Redis):
@@ -148,7 +149,7 @@ def test_audit_redelivers_a_task_popped_by_a_worker_that_died_before_acquiring(b
     tier = int(r.hget(keys.task(tid), "tier"))
     queue = f"rq:queue:{keys.queue_name(tier)}"
     assert r.lpop(queue) == keys.rq_job_id(tid, 1)
-    assert broker.reap_once(audit_grace_ms=0)["redelivered"] == 1
+    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 1
     assert r.lrange(queue, 0, -1) == [keys.rq_job_id(tid, 1)]
     lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
     assert isinstance(lease, scripts.Lease) and lease.attempt == 1
@@ -193,7 +194,7 @@ def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redi
     r.script_flush()
     assert isinstance(scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS), scripts.Lease)
     r.script_flush()
-    assert broker.reap_once()["requeued"] == 0  # pipelined EVALSHA reloads too
+    assert reap_once(broker)["requeued"] == 0  # pipelined EVALSHA reloads too
 
 
 def test_redis_restart_does_not_break_the_next_call(tmp_path, env, monkeypatch):
