@@ -10,6 +10,7 @@ from rq.job import Job
 
 from . import keys, scripts
 from .broker import Broker
+from .models import TERMINAL
 
 
 def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
@@ -19,11 +20,13 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
     * the audit re-enqueues queued tasks whose delivery was lost: never enqueued (a worker died
       between the state change and the enqueue) or popped by a worker that died before acquiring
       it (its tier queue is empty, yet the task waits). A duplicate delivery is harmless;
-    * workers that stopped heartbeating leave the live sets.
+    * workers that stopped heartbeating leave the live sets;
+    * finished jobs older than the retention (``GPUMESH_JOB_RETENTION``) are deleted with their tasks
+      and logs, so a busy mesh does not fill a ``noeviction`` Redis.
     """
     now = b.server_ms()
     grace = int(b.settings.lease_ttl * 1000) if audit_grace_ms is None else audit_grace_ms
-    report = {"requeued": 0, "failed": 0, "redelivered": 0, "workers_dropped": 0}
+    report = {"requeued": 0, "failed": 0, "redelivered": 0, "workers_dropped": 0, "jobs_pruned": 0}
     deliveries: list[tuple[str, int, int]] = []
     expired = b.r.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=batch)
     if expired:
@@ -46,6 +49,7 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
             p.zrem(keys.SCORES, *dead)
             p.execute()
         report["workers_dropped"] = len(dead)
+    report["jobs_pruned"] = _prune(b, now)
     return report
 
 
@@ -75,3 +79,25 @@ def _audit_queued(b: Broker, older_than_ms: int, now: int, batch: int) -> int:
             p.zadd(keys.QUEUED, {tid: now for tid, _t, _d in queued}, xx=True)
         p.execute()
     return len(lost)
+
+
+def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
+    retention = b.settings.job_retention
+    if retention <= 0:
+        return 0
+    cutoff = now_ms / 1000 - retention
+    pruned = 0
+    for job_id in b.r.zrangebyscore(keys.JOBS, "-inf", cutoff, start=0, num=batch):  # created before the cutoff
+        status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
+        if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
+            continue  # still open, or finished within the retention
+        tids = b.r.lrange(keys.job_tasks(job_id), 0, -1)
+        with b.r.pipeline(transaction=True) as p:
+            for start in range(0, len(tids), 1000):
+                chunk = tids[start : start + 1000]
+                p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
+            p.delete(keys.job(job_id), keys.job_tasks(job_id))
+            p.zrem(keys.JOBS, job_id)
+            p.execute()
+        pruned += 1
+    return pruned

@@ -248,3 +248,19 @@ def _grab_all(url: str, tids: list[str], me: str) -> list[str]:
             assert scripts.complete(b.scripts, b.r, lease, me, '"ok"', 0).accepted
             won.append(tid)
     return won
+
+
+def test_finished_jobs_past_the_retention_are_pruned_open_ones_kept(r: redis.Redis, env):
+    from gpumesh.settings import Settings
+
+    b = Broker(Settings.load(job_retention=1))
+    done_job, done_tids = submit(b, n=2)
+    open_job, _ = submit(b, n=1)
+    b.cancel(done_job)  # terminal, finished now
+    assert reap_once(b)["jobs_pruned"] == 0  # finished within the retention
+    time.sleep(1.2)
+    assert reap_once(b)["jobs_pruned"] == 1
+    assert not r.exists(keys.job(done_job), keys.job_tasks(done_job), *[keys.task(t) for t in done_tids])
+    assert r.zscore(keys.JOBS, done_job) is None
+    assert r.hget(keys.job(open_job), "status") == "queued", "a job still open is never pruned"
+    b.close()
