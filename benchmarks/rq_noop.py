@@ -1,0 +1,15 @@
+"""The plain-RQ contender of benchmarks/core.py: one RQ job per task, each running the task script
+in a fresh `python -c` subprocess, as a user of plain RQ would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(script: str, payload: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", script], input=json.dumps(payload).encode(), capture_output=True, check=True
+    )
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
