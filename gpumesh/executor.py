@@ -156,8 +156,10 @@ class Executor:
                 json.loads(out.last_line)
             except ValueError:
                 return self._fail(running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration)
-            res = scripts.complete(
-                self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration
+            res = self._patiently(
+                lambda: scripts.complete(
+                    self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration
+                )
             )
             if not res.accepted:
                 log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
@@ -192,18 +194,24 @@ class Executor:
             why = "signature: the job expired before it ran (a replay, or it waited too long)"
         return why
 
+    def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:
+        """The fail script (fail, release or reject); a task back in queued gets its new delivery.
+
+        Only the script is retried by callers: a lost delivery is found again by the reaper's audit."""
+        res = scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, **mode)
+        if res.accepted and res.status == "queued":
+            try:
+                self.broker.deliver([(lease.task_id, res.tier, res.delivery)])
+            except redis.RedisError as exc:
+                log.warning("%s: re-queued, delivery deferred to the reaper (%s)", lease.task_id, exc)
+        return res
+
     def _fail(self, running: Running, error: str, duration: float, reject: bool = False) -> str:
         lease = running.lease
-        res = self._patiently(
-            lambda: scripts.fail(
-                self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, reject=reject
-            )
-        )
+        res = self._patiently(lambda: self._end(lease, error, duration, reject=reject))
         if not res.accepted:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
-        if res.status == "queued":
-            self.broker.deliver([(lease.task_id, res.tier, res.delivery)])
         self.w.logs.put(lease.task_id, "gpumesh", f"attempt {lease.attempt} failed: {error.splitlines()[0]}")
         log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
         return res.status
@@ -212,11 +220,7 @@ class Executor:
         if running.stop_reason and running.stop_reason.startswith(UNREPORTED):
             return
         try:
-            res = scripts.fail(
-                self.broker.scripts, self.broker.r, running.lease, self.w.worker_id, error, duration, release
-            )
-            if res.accepted and res.status == "queued":
-                self.broker.deliver([(running.lease.task_id, res.tier, res.delivery)])
+            self._end(running.lease, error, duration, release=release)
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
             log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
 
