@@ -22,8 +22,7 @@ from .models import Capability
 BENCH_SECONDS = 0.5
 
 
-def _timed(step, flops_per_step: float) -> float:
-    seconds = BENCH_SECONDS
+def _timed(step, flops_per_step: float, seconds: float) -> float:
     if seconds <= 0:  # probe only (--score given): no measurement
         return 0.0
     step()  # warm-up: allocation, kernel selection, caches
@@ -52,7 +51,7 @@ def _memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def _bench_torch() -> Capability:
+def _bench_torch(seconds: float) -> Capability:
     import torch
 
     if torch.cuda.is_available():
@@ -72,23 +71,27 @@ def _bench_torch() -> Capability:
         sync()
 
     return Capability(
-        device=device, device_name=name, memory_bytes=memory, score_gflops=_timed(step, 2 * n**3), backend="torch"
+        device=device,
+        device_name=name,
+        memory_bytes=memory,
+        score_gflops=_timed(step, 2 * n**3, seconds),
+        backend="torch",
     )
 
 
-def _bench_numpy() -> Capability:
+def _bench_numpy(seconds: float) -> Capability:
     import numpy as np
 
     n = 512
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = a.T.copy()
-    score = _timed(lambda: a @ b, 2 * n**3)
+    score = _timed(lambda: a @ b, 2 * n**3, seconds)
     return Capability(
         device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="numpy"
     )
 
 
-def _bench_python() -> Capability:
+def _bench_python(seconds: float) -> Capability:
     n = 48
     a = [[(i * j) % 7 + 0.5 for j in range(n)] for i in range(n)]
     bt = [list(col) for col in zip(*a)]
@@ -96,7 +99,7 @@ def _bench_python() -> Capability:
     def step() -> None:
         [[sum(x * y for x, y in zip(row, col)) for col in bt] for row in a]
 
-    score = _timed(step, 2 * n**3)
+    score = _timed(step, 2 * n**3, seconds)
     return Capability(
         device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="python"
     )
@@ -106,14 +109,12 @@ def benchmark(seconds: float = BENCH_SECONDS) -> Capability:
     """Probe and benchmark in this process (call it in a child: it may initialise CUDA).
 
     ``seconds=0`` probes the device without measuring (score 0)."""
-    global BENCH_SECONDS
-    BENCH_SECONDS = seconds
     for bench in (_bench_torch, _bench_numpy):
         try:
-            return bench()
+            return bench(seconds)
         except ImportError:
             continue
-    return _bench_python()
+    return _bench_python(seconds)
 
 
 def _cache_file(cache_dir: Path) -> Path:
