@@ -130,32 +130,16 @@ def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch):
     buf = io.StringIO()
     monkeypatch.setattr(render, "err", Console(file=buf, force_terminal=True, width=150, highlight=False))
     now = datetime.now(UTC)
+
+    def job(status: str, **counts: int) -> JobStatus:
+        return JobStatus(job_id="j1", name="", status=status, tasks=TaskCounts(total=4, **counts), created_at=now,
+                         finished_at=now if status == "failed" else None)  # fmt: skip
+
     states = iter(
         [
-            JobStatus(
-                job_id="j1",
-                name="",
-                status="running",
-                tasks=TaskCounts(total=4, queued=2, running=2),
-                created_at=now,
-                finished_at=None,
-            ),
-            JobStatus(
-                job_id="j1",
-                name="",
-                status="running",
-                tasks=TaskCounts(total=4, running=2, done=1, failed=1),
-                created_at=now,
-                finished_at=None,
-            ),
-            JobStatus(
-                job_id="j1",
-                name="",
-                status="failed",
-                tasks=TaskCounts(total=4, done=3, failed=1),
-                created_at=now,
-                finished_at=now,
-            ),
+            job("running", queued=2, running=2),
+            job("running", running=2, done=1, failed=1),
+            job("failed", done=3, failed=1),
         ]
     )
     st = render.follow(lambda: next(states), quiet=False, interval=0.01)

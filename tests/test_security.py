@@ -248,12 +248,12 @@ def test_sandbox_user_must_exist_and_not_be_root(env):
     assert "must not be root" in gpumesh("worker", "--sandbox-user", "root", env=env).stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs a root worker")
-def test_sandbox_user_that_cannot_read_the_interpreter_is_refused_at_start(env):
-    unreadable = "/root/.pyenv/versions/3.11.7/bin/python3.11"  # this machine's (and CI's): /root is 0700
-    if not os.path.exists(unreadable):
-        pytest.skip(f"{unreadable} is not on this machine")
-    p = gpumesh("worker", "--sandbox-user", "nobody", env={**env, "GPUMESH_SANDBOX_PYTHON": unreadable})
+@pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox-user needs a root worker; CI and this machine run as root")
+def test_sandbox_user_that_cannot_read_the_interpreter_is_refused_at_start(env, tmp_path: Path):
+    hidden = tmp_path / "private"  # 0700 and root's: nobody cannot reach the interpreter linked inside
+    hidden.mkdir(mode=0o700)
+    (hidden / "python").symlink_to(sys.executable)
+    p = gpumesh("worker", "--sandbox-user", "nobody", env={**env, "GPUMESH_SANDBOX_PYTHON": str(hidden / "python")})
     assert p.returncode == 2, p.stderr
     assert "cannot run" in p.stderr and "GPUMESH_SANDBOX_PYTHON" in p.stderr
 
