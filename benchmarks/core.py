@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,15 +30,10 @@ import redis
 
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
+from gpumesh.server import free_port
 from gpumesh.settings import Settings
 
 NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:

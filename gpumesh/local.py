@@ -19,16 +19,8 @@ from types import TracebackType
 from .broker import Broker
 from .capability import probe
 from .errors import GpumeshError
-from .server import BrokerServer
+from .server import BrokerServer, free_port
 from .settings import Settings
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalMesh:

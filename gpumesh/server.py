@@ -78,6 +78,13 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def lan_address() -> str:
     """This machine's address as others on the LAN likely see it (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

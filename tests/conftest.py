@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,11 @@ import redis
 
 from gpumesh.broker import Broker
 from gpumesh.errors import UsageError
-from gpumesh.server import find_binary
+from gpumesh.server import find_binary, free_port  # noqa: F401 - re-exported for the tests
 from gpumesh.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"GPUMESH_LEASE_TTL": "2", "GPUMESH_HEARTBEAT_INTERVAL": "0.4"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
