@@ -50,7 +50,7 @@ class Limits:
 
 
 @dataclass
-class Outcome:
+class Attempt:
     """What one attempt did."""
 
     returncode: int | None = None
@@ -138,10 +138,10 @@ def run(
     limits: Limits,
     on_line: Callable[[str, str], None],
     should_stop: Callable[[], str | None],
-) -> Outcome:
+) -> Attempt:
     """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
     ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown)."""
-    out = Outcome()
+    out = Attempt()
     workdir = tempfile.mkdtemp(prefix="gpumesh-task-")
     started = time.monotonic()
     try:
@@ -185,7 +185,7 @@ def run(
 
 def _supervise(
     proc: subprocess.Popen[bytes],
-    out: Outcome,
+    out: Attempt,
     limits: Limits,
     on_line: Callable[[str, str], None],
     should_stop: Callable[[], str | None],
