@@ -136,14 +136,18 @@ class Broker:
 
     def live_scores(self) -> dict[str, float]:
         """Score of every worker whose last heartbeat is within the worker TTL (server time)."""
+        return self._live()[1]
+
+    def _live(self) -> tuple[int, dict[str, float]]:
+        """(server time in ms, live scores), in one round trip."""
         with self.r.pipeline(transaction=False) as p:
             p.time()
             p.zrange(keys.SCORES, 0, -1, withscores=True)
             p.zrange(keys.WORKERS, 0, -1, withscores=True)
             (sec, usec), scores, beats = p.execute()
-        cutoff = sec * 1000 + usec // 1000 - self.settings.worker_ttl * 1000
-        alive = {w for w, hb in beats if hb >= cutoff}
-        return {w: s for w, s in scores if w in alive}
+        now = sec * 1000 + usec // 1000
+        alive = {w for w, hb in beats if hb >= now - self.settings.worker_ttl * 1000}
+        return now, {w: s for w, s in scores if w in alive}
 
     # -- submit ----------------------------------------------------------------------------------
 
@@ -174,10 +178,9 @@ class Broker:
             job_id = uuid.uuid4().hex[:12]
         costs = [payload_cost(p) for p in payloads]
         try:
-            tiers = scheduling.assign_task_tiers(
-                costs, scheduling.tier_capacity(self.live_scores(), self.settings.tiers)
-            )
-            created = self.server_ms() / 1000
+            now_ms, scores = self._live()
+            tiers = scheduling.assign_task_tiers(costs, scheduling.tier_capacity(scores, self.settings.tiers))
+            created = now_ms / 1000
             per_tier: dict[str, int] = {}
             for t in sorted(tiers):
                 per_tier[str(t)] = per_tier.get(str(t), 0) + 1
