@@ -134,7 +134,9 @@ class Executor:
         if self.w.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
         limits = self.w.limits(lease.timeout)
-        out = sandbox.run(source, lease.script_name, lease.payload, env, limits, on_line, should_stop)
+        out = sandbox.run(
+            source, lease.script_name, lease.payload, env, limits, on_line, should_stop, zygote=self.w.zygote
+        )
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
 
         if out.killed and out.killed.startswith(UNREPORTED):

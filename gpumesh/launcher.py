@@ -1,12 +1,17 @@
-"""The sandbox's first process: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID``.
+"""The sandbox's first process, in one of two modes.
 
-It makes the task die with its worker (PR_SET_PDEATHSIG), adopts every orphan of the task
+Fresh: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
+Warm: ``python -m gpumesh.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
+forks one supervisor per attempt that the worker asks for (see :func:`zygote`).
+
+The supervisor makes the task die with its parent (PR_SET_PDEATHSIG), adopts every orphan of the task
 (PR_SET_CHILD_SUBREAPER, so a grandchild that called setsid is still found), sets the rlimits, then
-forks: the child runs the script in this same interpreter (runpy: no second start-up), the parent
+forks: the child runs the script in this same interpreter (no second start-up), the parent
 supervises. On SIGTERM (the worker's kill, its timeout, or the worker's death) the supervisor sends
 TERM to the whole tree, KILL after the grace period, and exits the way the script did.
 
-Imports stay minimal: this runs once per task attempt.
+Standard library only, in one file: it is copied next to the task for another interpreter or user.
+Imports stay minimal: in fresh mode this runs once per task attempt.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ def _has_children() -> bool:
         return True
 
 
-def main(argv: list[str]) -> None:
-    parent, script, cpu, fsize, nofile, grace, uid, gid = argv
+def supervise(parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str) -> int:
+    """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it)."""
     libc = ctypes.CDLL(None, use_errno=True)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for limit, value in (
@@ -113,7 +118,7 @@ def main(argv: list[str]) -> None:
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):  # the worker died before prctl took effect
-        sys.exit(70)
+        return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     terminating = False
@@ -165,7 +170,141 @@ def main(argv: list[str]) -> None:
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled, nor reset
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
-    sys.exit(os.WEXITSTATUS(status) if status is not None else 70)
+    return os.WEXITSTATUS(status) if status is not None else 70
+
+
+# -- warm mode ---------------------------------------------------------------------------------------
+
+
+def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
+    """Import ``preload`` once, then fork a fresh supervisor for each attempt the worker sends.
+
+    The worker talks over ``ctrl_fd``, a SOCK_SEQPACKET socket. Each request is one JSON message
+    {script, cwd, env, limits} with four descriptors: a socket for this attempt's replies, and the
+    attempt's stdin, stdout and stderr. The zygote answers {"pid"} at once and {"status"} (as from
+    waitpid) when the supervisor ends. The zygote never runs task code and never initialises CUDA;
+    it dies with the worker, and its supervisors die with it (each takes its tree down with grace).
+    """
+    import json
+    import selectors
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit(70)
+    ctrl = socket.socket(fileno=ctrl_fd)
+    for name in preload:
+        try:
+            __import__(name)
+        except BaseException as exc:  # any failure of a user's module is a startup error, said in one line
+            ctrl.send(json.dumps({"error": f"--preload {name}: {type(exc).__name__}: {exc}"}).encode())
+            sys.exit(2)
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)():
+        ctrl.send(json.dumps({"error": "--preload initialised CUDA, which a forked task cannot use"}).encode())
+        sys.exit(2)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the preloaded modules stay shared with every task instead of being copied on write
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when tasks stop
+    replies: dict[int, socket.socket] = {}
+    sel = selectors.DefaultSelector()
+    sel.register(ctrl, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
+
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is ctrl:
+                try:
+                    msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 4)
+                except InterruptedError:
+                    continue
+                if not msg:  # the worker is gone; our supervisors get their death signal as we exit
+                    os._exit(0)
+                own = [sel.fileno(), ctrl.fileno(), wake_r, wake_w, *(s.fileno() for s in replies.values())]
+                pid = _fork_attempt(json.loads(msg), fds, own)
+                reply = socket.socket(fileno=fds[0])
+                for fd in fds[1:]:
+                    os.close(fd)
+                try:
+                    reply.send(json.dumps({"pid": pid}).encode())
+                except OSError:
+                    pass  # the worker gave up on this attempt; the status is reaped below all the same
+                replies[pid] = reply
+            else:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                while replies:
+                    try:
+                        pid, status = os.waitpid(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    reply = replies.pop(pid, None)
+                    if reply is not None:
+                        try:
+                            reply.send(json.dumps({"pid": pid, "status": status}).encode())
+                        except OSError:
+                            pass
+                        reply.close()
+
+
+def _fork_attempt(req: dict, fds: list[int], own: list[int]) -> int:
+    """Fork one attempt's supervisor: its own session, stdio, working directory and environment."""
+    zygote_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 70
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in own:
+            os.close(fd)
+        os.close(fds[0])
+        os.setsid()
+        for target, fd in enumerate(fds[1:]):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        tempfile = sys.modules.get("tempfile")
+        if tempfile is not None:
+            tempfile.tempdir = None  # read TMPDIR again: the task's own directory
+        nprandom = sys.modules.get("numpy.random")
+        if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
+            nprandom.seed()
+        code = supervise(str(zygote_pid), req["script"], *map(str, req["limits"]))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--zygote":
+        ctrl_fd, parent, preload = argv[1:]
+        zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])
+    else:
+        sys.exit(supervise(*argv))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from .warm import WarmProcess, Zygote
+
 # Variables a task may need from the worker's environment; everything else (the broker URL and
 # password included) stays out.
 PASS_ENV = (
@@ -113,7 +115,7 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def _kill_hard(proc: subprocess.Popen[bytes]) -> None:
+def _kill_hard(proc: subprocess.Popen[bytes] | WarmProcess) -> None:
     """Last resort when the launcher did not end in time: KILL it and every descendant we can see."""
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
@@ -138,9 +140,11 @@ def run(
     limits: Limits,
     on_line: Callable[[str, str], None],
     should_stop: Callable[[], str | None],
+    zygote: Zygote | None = None,
 ) -> Attempt:
     """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
-    ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown)."""
+    ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown).
+    With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter."""
     out = Attempt()
     workdir = tempfile.mkdtemp(prefix="gpumesh-task-")
     started = time.monotonic()
@@ -160,15 +164,19 @@ def run(
         with tempfile.TemporaryFile() as stdin:
             stdin.write(payload.encode())
             stdin.seek(0)
-            cmd = [
-                *_launcher(limits, workdir), str(os.getpid()), script,
-                str(limits.cpu_seconds), str(limits.file_bytes), str(limits.open_files), str(limits.grace),
-                *(map(str, limits.user) if limits.user else ("-", "-")),
+            rlimits = [
+                limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
+                *(limits.user if limits.user else ("-", "-")),
             ]  # fmt: skip
-            proc = subprocess.Popen(
-                cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=workdir, env=full_env, start_new_session=True, close_fds=True,
-            )  # fmt: skip
+            proc: subprocess.Popen[bytes] | WarmProcess
+            if zygote is not None:
+                proc = zygote.spawn(script, workdir, full_env, rlimits, stdin.fileno())
+            else:
+                proc = subprocess.Popen(
+                    [*_launcher(limits, workdir), str(os.getpid()), script, *map(str, rlimits)],
+                    stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    cwd=workdir, env=full_env, start_new_session=True, close_fds=True,
+                )  # fmt: skip
         try:
             _supervise(proc, out, limits, on_line, should_stop, started)
         except BaseException:  # the worker is going down (cold shutdown, backstop timeout): take the task with it
@@ -177,6 +185,8 @@ def run(
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()  # type: ignore[union-attr]
             raise
+        if isinstance(proc, WarmProcess) and proc.lost:
+            out.killed = out.killed or proc.lost
     finally:
         out.duration = time.monotonic() - started
         shutil.rmtree(workdir, ignore_errors=True)
@@ -184,7 +194,7 @@ def run(
 
 
 def _supervise(
-    proc: subprocess.Popen[bytes],
+    proc: subprocess.Popen[bytes] | WarmProcess,
     out: Attempt,
     limits: Limits,
     on_line: Callable[[str, str], None],

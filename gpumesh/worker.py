@@ -67,6 +67,7 @@ class MeshWorker(SimpleWorker):
         parent_pid: int | None = None,
         verifier: Any = None,
         sandbox_user: tuple[int, int] | None = None,
+        zygote: Any = None,
     ) -> None:
         self.broker = broker
         self.settings = broker.settings
@@ -75,6 +76,7 @@ class MeshWorker(SimpleWorker):
         self.parent_pid = parent_pid
         self.verifier = verifier  # signing.Verifier when this worker runs only signed tasks
         self.sandbox_user = sandbox_user  # (uid, gid) tasks run as, when the worker runs as root
+        self.zygote = zygote  # warm.Zygote in --warm mode: tasks fork from it instead of a new interpreter
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.executor = executor.Executor(self)

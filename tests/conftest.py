@@ -109,6 +109,7 @@ class Workers:
     def __init__(self, env: dict[str, str], r: redis.Redis, tmp: Path) -> None:
         self.env, self.r, self.tmp = env, r, tmp
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.mode_args: list[str] = []  # ["--warm"] to run the same test against the warm executor
 
     def start(
         self, *args: str, score: float = 10, wait: bool = True, client: redis.Redis | None = None, **extra_env: str
@@ -118,7 +119,7 @@ class Workers:
         before = r.zcard("gpumesh:workers")
         with open(self.tmp / f"worker-{len(self.procs)}.log", "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), *args],
+                [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), *self.mode_args, *args],
                 env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         self.procs.append(proc)
@@ -145,6 +146,13 @@ def workers(env: dict[str, str], r: redis.Redis, tmp_path: Path) -> Iterator[Wor
     w = Workers(env, r, tmp_path)
     yield w
     w.stop_all()
+
+
+@pytest.fixture(params=["fresh", "warm"])
+def both_modes(request: pytest.FixtureRequest, workers: Workers) -> str:
+    """Run a test against both executors: a new interpreter per task, and tasks forked from a warm zygote."""
+    workers.mode_args = ["--warm"] if request.param == "warm" else []
+    return request.param
 
 
 def gpumesh(

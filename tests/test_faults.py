@@ -56,6 +56,7 @@ def running_attempt(r: redis.Redis, tid: str, attempt: int) -> bool:
     return t.get("status") in ("running", "done") and int(t.get("attempts", 0)) >= attempt
 
 
+@pytest.mark.usefixtures("both_modes")
 def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, workers: Workers, r: redis.Redis, tmp_path):
     a = workers.start()
     job, tid = submit_one(env, script(tmp_path))
@@ -75,6 +76,7 @@ def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, work
     assert b.poll() is None
 
 
+@pytest.mark.usefixtures("both_modes")
 def test_sandbox_killed_alone_fails_the_attempt_at_once_and_retries(env, workers: Workers, r: redis.Redis, tmp_path):
     slow = {"GPUMESH_LEASE_TTL": "20", "GPUMESH_HEARTBEAT_INTERVAL": "1"}
     workers.start(**slow)
@@ -90,6 +92,7 @@ def test_sandbox_killed_alone_fails_the_attempt_at_once_and_retries(env, workers
     assert "--- attempt 1 failed: killed by SIGKILL ---" in gpumesh("logs", tid, env=env).stderr
 
 
+@pytest.mark.usefixtures("both_modes")
 def test_sandbox_over_its_memory_cap_fails_the_attempt_with_the_reason(env, workers: Workers, r: redis.Redis, tmp_path):
     path = tmp_path / "hog.py"
     path.write_text(
@@ -146,6 +149,7 @@ def test_partition_shorter_than_the_lease_changes_nothing(env, workers, r, tmp_p
     assert not (tmp_path / "pid-2").exists()
 
 
+@pytest.mark.usefixtures("both_modes")
 def test_worker_paused_past_the_lease_then_resumed_loses_the_task_cleanly(env, workers: Workers, r, tmp_path):
     a = workers.start()
     job, tid = submit_one(env, script(tmp_path, first=6))

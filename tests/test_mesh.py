@@ -1,4 +1,6 @@
-"""End to end with real `gpumesh worker` processes, a real Redis and real signals."""
+"""End to end with real `gpumesh worker` processes, a real Redis and real signals.
+
+Every test runs against both executors: fresh (a new interpreter per task) and warm (--warm)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import redis
 from rq import Queue
 from rq.job import Job
@@ -17,6 +20,8 @@ from rq.serializers import JSONSerializer
 from gpumesh import keys
 
 from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until
+
+pytestmark = pytest.mark.usefixtures("both_modes")
 
 
 def write_script(tmp: Path, body: str) -> Path:

@@ -1,4 +1,6 @@
-"""The sandbox with real processes: environment, limits, kills, output caps, cleanup."""
+"""The sandbox with real processes: environment, limits, kills, output caps, cleanup.
+
+Every test runs twice: fresh (a new interpreter per attempt) and warm (forked from a zygote)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,26 @@ from pathlib import Path
 import pytest
 
 from gpumesh import sandbox
+from gpumesh.warm import Zygote
 
 from .conftest import pid_alive, wait_until
+
+MODE: dict[str, Zygote | None] = {"zygote": None}
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    z.start()
+    yield z
+    z.close()
+
+
+@pytest.fixture(params=["fresh", "warm"], autouse=True)
+def mode(request):
+    MODE["zygote"] = request.getfixturevalue("zygote") if request.param == "warm" else None
+    yield request.param
+    MODE["zygote"] = None
 
 
 def run(source: str, payload: dict | None = None, should_stop=lambda: None, **limits):
@@ -23,7 +43,7 @@ def run(source: str, payload: dict | None = None, should_stop=lambda: None, **li
     lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
     out = sandbox.run(
         textwrap.dedent(source), "task.py", json.dumps(payload or {}), {"GPUMESH_DEVICE": "cpu"}, lim,
-        lambda s, line: lines.append((s, line)), should_stop,
+        lambda s, line: lines.append((s, line)), should_stop, zygote=MODE["zygote"],
     )  # fmt: skip
     return out, lines
 
@@ -147,7 +167,7 @@ def test_should_stop_kills_the_attempt_with_its_reason():
     assert out.duration < 5
 
 
-def test_sandbox_dies_with_its_worker(tmp_path: Path):
+def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
     """SIGKILL the process that runs the sandbox: the task and its setsid grandchild die too."""
     pidfile = tmp_path / "pids"
     host = tmp_path / "host.py"
@@ -155,7 +175,10 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path):
         textwrap.dedent(
             f"""
             import json
-            from gpumesh import sandbox
+            from gpumesh import sandbox, warm
+            zygote = warm.Zygote() if {mode!r} == "warm" else None
+            if zygote:
+                zygote.start()
             src = '''
             import os, subprocess, sys, time
             c = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
@@ -163,7 +186,7 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path):
             time.sleep(300)
             '''
             sandbox.run(src, "t.py", "{{}}", {{}}, sandbox.Limits(timeout=300, memory_bytes=0, grace=1.0),
-                        lambda s, l: None, lambda: None)
+                        lambda s, l: None, lambda: None, zygote=zygote)
             """
         )
     )

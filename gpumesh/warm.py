@@ -1,0 +1,186 @@
+"""The warm executor's worker side: a zygote process that has imported Python (and ``--preload``) once
+and forks a fresh supervisor per attempt, so a task no longer pays interpreter start-up.
+
+Every attempt still gets what the fresh mode gives it: its own session, rlimits, clean environment,
+temp directory, payload on stdin, timeout and memory cap, and death with the worker. The zygote is
+started from a clean environment (no broker URL, no credentials) and never runs task code itself.
+``sandbox.run`` drives a :class:`WarmProcess` exactly as it drives a ``subprocess.Popen``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+log = logging.getLogger("gpumesh.worker")
+
+ZYGOTE_LOST = "the warm zygote died"
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start (a --preload failed) or stopped answering."""
+
+
+def _recv_json(sock: socket.socket, timeout: float | None) -> dict[str, Any] | None:
+    """One message, or None when the other side closed; raises TimeoutError past ``timeout``."""
+    ready, _, _ = select.select([sock], [], [], timeout)
+    if not ready:
+        raise TimeoutError
+    try:
+        data = sock.recv(1 << 16)
+    except (ConnectionResetError, BrokenPipeError):
+        return None
+    return json.loads(data) if data else None
+
+
+class WarmProcess:
+    """One attempt's supervisor, forked by the zygote: the part of ``Popen`` that the sandbox uses."""
+
+    def __init__(self, pid: int, reply: socket.socket, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.pid = pid
+        self.args = f"<warm attempt {pid}>"
+        self.stdout: IO[bytes] | None = stdout
+        self.stderr: IO[bytes] | None = stderr
+        self.returncode: int | None = None
+        self.lost: str | None = None  # why the status will never come (the zygote died)
+        self._reply = reply
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            try:
+                msg = _recv_json(self._reply, timeout)
+            except TimeoutError:
+                return None
+            if msg is None:  # the zygote died: our supervisor got its death signal and is taking the tree down
+                self.lost = ZYGOTE_LOST
+                self.returncode = -signal.SIGKILL
+            else:
+                self.returncode = os.waitstatus_to_exitcode(msg["status"])
+            self._reply.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+class Zygote:
+    """The warm executor's process. Start it once; ``spawn`` one attempt at a time or several."""
+
+    def __init__(self, preload: Sequence[str] = (), python: str = "", env: Mapping[str, str] | None = None) -> None:
+        self.preload = [m.strip() for m in preload if m.strip()]
+        self.python = python or sys.executable
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ctrl: socket.socket | None = None
+        self._dir: str | None = None
+        self._lock = threading.Lock()
+        self.started = 0  # how many times it was (re)started
+
+    def _command(self) -> list[str]:
+        if self.python == sys.executable:
+            return [self.python, "-u", "-m", "gpumesh.launcher"]
+        # Another interpreter may not see gpumesh: it runs a copy of the (standard-library-only) launcher.
+        self._dir = self._dir or tempfile.mkdtemp(prefix="gpumesh-zygote-")
+        copy = os.path.join(self._dir, "_gpumesh_launcher.py")
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
+        return [self.python, "-u", copy]
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
+        from .sandbox import clean_env
+
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [*self._command(), "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=clean_env(self.env),
+                cwd=self._dir or tempfile.gettempdir(), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self._ctrl = mine
+        self.started += 1
+        try:
+            msg = _recv_json(mine, timeout)
+        except TimeoutError:
+            self.close()
+            raise ZygoteError(f"the warm zygote did not finish importing {self.preload} in {timeout:.0f}s") from None
+        if msg is None or "error" in msg:
+            self.close()
+            raise ZygoteError(msg["error"] if msg else "the warm zygote exited at start (see the log above)")
+        log.info("warm zygote %d ready%s", self.proc.pid, f", preloaded {', '.join(self.preload)}" * bool(self.preload))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, script: str, cwd: str, env: Mapping[str, str], limits: Sequence[Any], stdin: int) -> WarmProcess:
+        """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid)."""
+        with self._lock:
+            if not self.alive():
+                if self.started:
+                    log.warning("the warm zygote is gone (exit %s); starting a new one", self.proc and self.proc.poll())
+                self.close()
+                self.start()
+            assert self._ctrl is not None
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits)}
+                socket.send_fds(self._ctrl, [json.dumps(req).encode()], [theirs.fileno(), stdin, out_w, err_w])
+            except OSError as exc:
+                for fd in (out_r, err_r):
+                    os.close(fd)
+                mine.close()
+                raise ZygoteError(f"the warm zygote stopped answering ({exc})") from exc
+            finally:
+                theirs.close()
+                os.close(out_w)
+                os.close(err_w)
+            stdout, stderr = os.fdopen(out_r, "rb", 0), os.fdopen(err_r, "rb", 0)
+            try:
+                msg = _recv_json(mine, 10.0)
+            except TimeoutError:
+                msg = None
+            if msg is None:
+                mine.close()
+                stdout.close()
+                stderr.close()
+                raise ZygoteError("the warm zygote did not fork the attempt")
+            return WarmProcess(msg["pid"], mine, stdout, stderr)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the zygote. Attempts still running get TERM from their death signal and end with grace."""
+        if self._ctrl is not None:
+            self._ctrl.close()  # the zygote exits on EOF
+            self._ctrl = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

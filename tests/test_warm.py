@@ -1,0 +1,100 @@
+"""What only the warm executor can get wrong: state shared through the zygote, its own death, preloads.
+
+The behaviour both executors share (limits, kills, output, the mesh) is tested in both modes by
+test_sandbox.py, test_mesh.py and test_faults.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+from pathlib import Path
+
+import redis
+
+from gpumesh import sandbox
+from gpumesh.warm import ZYGOTE_LOST, Zygote
+
+from .conftest import gpumesh, pid_alive, wait_until
+
+
+def run(zygote: Zygote, source: str, **limits):
+    lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
+    return sandbox.run(textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, zygote)
+
+
+def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Path):
+    z = Zygote(["json", "decimal"])
+    z.start()
+    try:
+        src = """
+            import json, os, random, sys
+            seen = "leaked_by_an_earlier_task" in sys.modules
+            sys.modules["leaked_by_an_earlier_task"] = sys
+            print(json.dumps({"seen": seen, "preloaded": "decimal" in sys.modules,
+                              "rand": random.random(), "pid": os.getpid(), "tmp": os.environ["TMPDIR"],
+                              "tempdir": __import__("tempfile").gettempdir()}))
+        """
+        first, second = (json.loads(run(z, src).last_line) for _ in range(2))
+    finally:
+        z.close()
+    assert not first["seen"] and not second["seen"], "a task must not see what an earlier one imported"
+    assert first["preloaded"] and second["preloaded"], "--preload modules are already imported"
+    assert first["rand"] != second["rand"], "each task gets its own random seed"
+    assert first["pid"] != second["pid"]
+    assert first["tempdir"] == first["tmp"] and second["tempdir"] == second["tmp"] != first["tmp"]
+
+
+def test_the_zygote_holds_no_credentials(monkeypatch):
+    monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
+    monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
+    z = Zygote()
+    z.start()
+    try:
+        assert z.proc is not None
+        environ = Path(f"/proc/{z.proc.pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{z.proc.pid}/cmdline").read_bytes()
+    finally:
+        z.close()
+    assert b"hunter2" not in environ and b"GPUMESH_URL" not in environ
+    assert b"hunter2" not in cmdline
+
+
+def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path):
+    pidfile = tmp_path / "pid"
+    z = Zygote()
+    z.start()
+    try:
+        result: list[sandbox.Attempt] = []
+        src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)"
+        t = threading.Thread(target=lambda: result.append(run(z, src)))
+        t.start()
+        wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the task to start")
+        task = int(pidfile.read_text())
+        assert z.proc is not None
+        os.kill(z.proc.pid, signal.SIGKILL)
+        t.join(timeout=15)
+        assert not t.is_alive()
+        assert result[0].killed == ZYGOTE_LOST
+        wait_until(lambda: not pid_alive(task), timeout=8, what="the task to die with its zygote")
+        again = run(z, "print('{\"ok\": 1}')")
+        assert again.returncode == 0 and again.last_line == '{"ok": 1}'
+        assert z.started == 2
+    finally:
+        z.close()
+
+
+def test_bad_preload_is_a_one_line_startup_error_and_joins_nothing(env, r: redis.Redis):
+    p = gpumesh("worker", "--score", "5", "--warm", "--preload", "json,no_such_module_xyz", env=env)
+    assert p.returncode == 2
+    assert (
+        p.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --preload no_such_module_xyz: ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    )
+    assert r.zcard("gpumesh:workers") == 0 and r.zcard("gpumesh:scores") == 0
+
+    p = gpumesh("worker", "--score", "5", "--preload", "json", env=env)
+    assert p.returncode == 2 and "--preload needs --warm" in p.stderr
