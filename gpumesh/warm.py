@@ -67,8 +67,12 @@ class WarmProcess:
                 self.returncode = -signal.SIGKILL
             else:
                 self.returncode = os.waitstatus_to_exitcode(msg["status"])
-            self._reply.close()
         return self.returncode
+
+    @property
+    def exit_fd(self) -> socket.socket:
+        """Readable when the attempt has ended (its status arrived) or the zygote died."""
+        return self._reply
 
     def poll(self) -> int | None:
         return self._status(0)
@@ -78,6 +82,9 @@ class WarmProcess:
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return code
+
+    def close(self) -> None:
+        self._reply.close()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

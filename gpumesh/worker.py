@@ -88,6 +88,7 @@ class MeshWorker(SimpleWorker):
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.logs = LogShipper(broker.r)
+        self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         super().__init__(
             [q.name for q in broker.queues],
             name=self.worker_id,
@@ -167,7 +168,7 @@ class MeshWorker(SimpleWorker):
     # -- gpumesh ---------------------------------------------------------------------------------
 
     def limits(self, timeout: float) -> Limits:
-        mem = self.settings.task_memory_mb << 20 or int(psutil.virtual_memory().total * 0.9)
+        mem = self.settings.task_memory_mb << 20 or self._default_task_memory
         cpus = os.cpu_count() or 1
         return Limits(
             timeout=timeout,
