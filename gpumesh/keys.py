@@ -5,6 +5,9 @@ from __future__ import annotations
 PREFIX = "gpumesh:"
 
 JOBS = PREFIX + "jobs"  # zset: job id -> created_at
+STAGING = (
+    PREFIX + "staging"
+)  # zset: job id -> created_at ms, for a large job whose tasks are written but not yet visible
 WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (ms, server time)
 SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)

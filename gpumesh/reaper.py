@@ -12,6 +12,8 @@ from . import keys, scripts
 from .broker import Broker
 from .models import TERMINAL
 
+ABANDONED_STAGING_MS = 3_600_000  # a staged job not made visible within an hour was abandoned by its submitter
+
 
 def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
     """One reaper pass. Safe to run concurrently (every change is a fenced script or idempotent):
@@ -22,7 +24,8 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
       it (its tier queue is empty, yet the task waits). A duplicate delivery is harmless;
     * workers that stopped heartbeating leave the live sets;
     * finished jobs older than the retention (``GPUMESH_JOB_RETENTION``) are deleted with their tasks
-      and logs, so a busy mesh does not fill a ``noeviction`` Redis.
+      and logs, so a busy mesh does not fill a ``noeviction`` Redis; so are the staged tasks of a large
+      submit whose submitter died before making its job visible.
     """
     now = b.server_ms()
     grace = int(b.settings.lease_ttl * 1000) if audit_grace_ms is None else audit_grace_ms
@@ -49,7 +52,7 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
             p.zrem(keys.SCORES, *dead)
             p.execute()
         report["workers_dropped"] = len(dead)
-    report["jobs_pruned"] = _prune(b, now)
+    report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
     return report
 
 
@@ -91,13 +94,29 @@ def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
         status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
         if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
             continue  # still open, or finished within the retention
-        tids = b.r.lrange(keys.job_tasks(job_id), 0, -1)
-        with b.r.pipeline(transaction=True) as p:
-            for start in range(0, len(tids), 1000):
-                chunk = tids[start : start + 1000]
-                p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
-            p.delete(keys.job(job_id), keys.job_tasks(job_id))
-            p.zrem(keys.JOBS, job_id)
-            p.execute()
+        _delete_job(b, job_id, keys.JOBS)
         pruned += 1
     return pruned
+
+
+def _prune_abandoned_staging(b: Broker, now_ms: int, batch: int = 50) -> int:
+    """A large submit stages its tasks before the job becomes visible; a submitter that died there left them."""
+    pruned = 0
+    for job_id in b.r.zrangebyscore(keys.STAGING, "-inf", now_ms - ABANDONED_STAGING_MS, start=0, num=batch):
+        if not b.r.exists(keys.job(job_id)):
+            _delete_job(b, job_id, keys.STAGING)
+            pruned += 1
+        else:
+            b.r.zrem(keys.STAGING, job_id)
+    return pruned
+
+
+def _delete_job(b: Broker, job_id: str, index: str) -> None:
+    tids = b.r.lrange(keys.job_tasks(job_id), 0, -1)
+    with b.r.pipeline(transaction=True) as p:
+        for start in range(0, len(tids), 1000):
+            chunk = tids[start : start + 1000]
+            p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
+        p.delete(keys.job(job_id), keys.job_tasks(job_id))
+        p.zrem(index, job_id)
+        p.execute()
