@@ -309,6 +309,7 @@ class Broker:
                 "cancelled": 0,
                 "created_at": f"{job.created:.3f}",
                 "tiers": json.dumps(job.per_tier),
+                "speculate": int(options.speculate),
             },
         )
         created_ms = int(job.created * 1000)

@@ -121,7 +121,12 @@ def _job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[s
     source = _read_script(script)
     payloads = _read_payloads(payloads_spec)
     try:
-        options = JobOptions(name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"])
+        options = JobOptions(
+            name=opts["name"],
+            timeout=opts["timeout"],
+            max_attempts=opts["max_attempts"],
+            speculate=opts.get("speculate", False),
+        )
     except ValueError as exc:
         first = exc.errors()[0]  # type: ignore[attr-defined]
         raise UsageError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
@@ -145,6 +150,12 @@ def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobSt
 @click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
 @click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
+@click.option(
+    "--speculate",
+    is_flag=True,
+    help="Once nothing is left queued, let an idle worker at least twice as strong run a backup copy of a "
+    "straggler; the first result wins and the other copy is killed.",
+)
 @click.option(
     "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
 )

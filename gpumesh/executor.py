@@ -85,9 +85,14 @@ class Executor:
         if isinstance(lease, str):
             log.info("skip %s: task is %s (duplicate or stale delivery)", task_id, lease)
             return {"task_id": task_id, "skipped": lease}
+        return self.run_lease(lease)
+
+    def run_lease(self, lease: scripts.Lease) -> dict[str, Any]:
+        """Run an acquired task, or a backup copy of a straggler (``lease.backup``), to its reported end."""
+        task_id = lease.task_id
         running = Running(lease)
         self.current = running
-        log.info("run %s attempt %d", task_id, lease.attempt)
+        log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
         try:
             status = self._attempt(running)
         except BaseException:
@@ -109,7 +114,8 @@ class Executor:
             log.error("%s refused: %s", lease.task_id, refusal)
             return self._fail(running, refusal, 0.0, reject=True)
         ship = self.w.logs.put
-        ship(lease.task_id, "gpumesh", f"attempt {lease.attempt} on {self.w.worker_id}")
+        copy = "backup copy of attempt" if lease.backup else "attempt"
+        ship(lease.task_id, "gpumesh", f"{copy} {lease.attempt} on {self.w.worker_id}")
 
         def on_line(stream: str, line: str) -> None:
             ship(lease.task_id, stream, line)
@@ -166,7 +172,7 @@ class Executor:
             if not res.accepted:
                 log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
                 return f"rejected:{res.status}"
-            log.info("done %s in %.2fs", lease.task_id, out.duration)
+            log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
             return "done"
         tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
         error = out.describe_exit() + (f"\n{tail}" if tail else "")
@@ -214,7 +220,8 @@ class Executor:
         if not res.accepted:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
-        self.w.logs.put(lease.task_id, "gpumesh", f"attempt {lease.attempt} failed: {error.splitlines()[0]}")
+        copy = "backup copy of attempt" if lease.backup else "attempt"
+        self.w.logs.put(lease.task_id, "gpumesh", f"{copy} {lease.attempt} failed: {error.splitlines()[0]}")
         log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
         return res.status
 

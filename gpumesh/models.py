@@ -71,6 +71,7 @@ class JobOptions(BaseModel):
     name: str = Field("", max_length=200)
     timeout: float = Field(3600.0, gt=0, description="wall-clock seconds per attempt")
     max_attempts: int = Field(3, ge=1, le=100)
+    speculate: bool = Field(False, description="back up a straggler on a stronger idle worker at the job's end")
 
 
 class TaskCounts(BaseModel):

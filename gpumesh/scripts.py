@@ -16,7 +16,7 @@ from redis.commands.core import Script
 
 from . import keys
 
-NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry")
+NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry", "speculate")
 
 
 @cache
@@ -53,6 +53,7 @@ class Lease:
     key_id: str = ""
     expires_at: float = 0.0
     server_ms: int = 0
+    backup: bool = False  # a speculative copy of a task another worker runs (speculate.lua)
 
 
 @dataclass(frozen=True)
@@ -83,24 +84,28 @@ def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int
         args=[task_id, worker_id, lease_ms],
         client=client,
     )
+    return _lease(task_id, r)
+
+
+def speculate(
+    s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int, score: float, speedup: float
+) -> Lease | str:
+    """Start a backup copy of a running straggler; a string says why not."""
+    r = s["speculate"](
+        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.worker(worker_id), keys.SCORES, keys.STATS],
+        args=[task_id, worker_id, lease_ms, score, speedup],
+        client=client,
+    )
+    return _lease(task_id, r, backup=True)
+
+
+def _lease(task_id: str, r: list[Any], backup: bool = False) -> Lease | str:
     if int(r[0]) != 1:
         return r[1]
     return Lease(
-        task_id,
-        r[1],
-        int(r[2]),
-        r[3],
-        int(r[4]),
-        r[5],
-        r[6],
-        r[7],
-        float(r[8]),
-        int(r[9]),
-        r[10],
-        r[11],
-        float(r[12]),
-        int(r[13]),
-    )
+        task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]), int(r[9]), r[10], r[11],
+        float(r[12]), int(r[13]), backup,
+    )  # fmt: skip
 
 
 def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float) -> Outcome:

@@ -22,7 +22,7 @@ import psutil
 import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
 from . import __version__, executor, keys, reaper, scheduling, scripts
 from .broker import EXECUTOR, Broker
@@ -31,6 +31,8 @@ from .models import Capability
 from .sandbox import Limits
 
 log = logging.getLogger("gpumesh.worker")
+
+SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
 
 
 def refusal(job: Job) -> str | None:
@@ -85,6 +87,8 @@ class MeshWorker(SimpleWorker):
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
+        self._idle_checks = 0
+        self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.logs = LogShipper(broker.r)
@@ -113,6 +117,48 @@ class MeshWorker(SimpleWorker):
     @_ordered_queues.setter
     def _ordered_queues(self, _value: list[Any]) -> None:
         pass  # the order is the scheduler's, not RQ's dequeue strategy
+
+    def set_state(self, state: Any, *args: Any, **kwargs: Any) -> None:
+        self._idle_checks = 0
+        super().set_state(state, *args, **kwargs)
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> None:
+        # RQ calls this before every blocking pop: a second call in the same idle spell means a pop timed
+        # out with every queue empty, the moment to back up a straggler (submit --speculate).
+        super().heartbeat(*args, **kwargs)
+        if self.get_state() == WorkerStatus.IDLE:
+            self._idle_checks += 1
+            if self._idle_checks >= 2 and not self._stop_requested and not self.fatal:
+                self._speculate()
+
+    def _speculate(self) -> None:
+        """Run a backup copy of the running task this worker would most likely finish first, if any."""
+        r, me, mine = self.broker.r, self.worker_id, self.capability.score_gflops
+        tids = r.zrange(keys.LEASES, 0, 199)
+        if not tids:
+            return
+        with r.pipeline(transaction=False) as p:
+            for tid in tids:
+                p.hmget(keys.task(tid), "status", "worker", "backup", "job", "started_at")
+            rows = [(tid, *row) for tid, row in zip(tids, p.execute()) if row[0] == "running" and row[1] != me]
+        jobs = sorted({row[4] for row in rows if row[4]})
+        with r.pipeline(transaction=False) as p:
+            for job in jobs:
+                p.hmget(keys.job(job), "speculate", "queued")
+            open_jobs = {job for job, (flag, queued) in zip(jobs, p.execute()) if flag == "1" and queued == "0"}
+        scores = self._scores
+        candidates = sorted(
+            (scores.get(row[2], 0.0), float(row[5] or 0), row[0])
+            for row in rows
+            if row[4] in open_jobs and not row[3] and scores.get(row[2], 0.0) * SPECULATION_SPEEDUP <= mine
+        )
+        for _score, _started, tid in candidates[:3]:
+            lease = scripts.speculate(
+                self.broker.scripts, r, tid, me, int(self.settings.lease_ttl * 1000), mine, SPECULATION_SPEEDUP
+            )
+            if isinstance(lease, scripts.Lease):
+                self.executor.run_lease(lease)
+                return
 
     def execute_job(self, job: Job, queue: Any) -> None:
         why = refusal(job)
@@ -262,6 +308,9 @@ class MeshWorker(SimpleWorker):
             )
         scores = self.broker.live_scores()
         scores.setdefault(self.worker_id, self.capability.score_gflops)
+        self._scores = scores
+        if running is not None and running.lease.backup and self._work_waiting():
+            running.stop("the backup copy yielded to queued work")
         tiers = scheduling.worker_tiers(scores, s.tiers)
         order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
         self._order = order
@@ -276,6 +325,12 @@ class MeshWorker(SimpleWorker):
             report = reaper.reap_once(self.broker)
             if any(report.values()):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
+
+    def _work_waiting(self) -> bool:
+        with self.broker.r.pipeline(transaction=False) as p:
+            for q in self.queues:
+                p.llen(q.key)
+            return any(p.execute())
 
     def _broker_lost(self) -> None:
         """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""

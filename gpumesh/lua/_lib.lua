@@ -88,20 +88,43 @@ local function observe_duration(hist_key, seconds)
   redis.call('HINCRBY', hist_key, 'count', 1)
 end
 
--- The lease fence of complete and fail: nil when `token` holds the running task, else the refusal
--- {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
-local function fence(task_key, token)
-  local t = redis.call('HMGET', task_key, 'status', 'lease')
+-- Speculation: a running task may have one backup copy on a stronger idle worker (speculate.lua).
+-- The lease fence of complete and fail: which copy `token` holds, 'primary' or 'backup'; or nil and
+-- the refusal {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
+local function holder(task_key, token)
+  local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup')
   if not t[1] then
-    return {0, 'missing'}
+    return nil, {0, 'missing'}
   end
   if t[1] ~= 'running' then
-    return {0, t[1]}
+    return nil, {0, t[1]}
   end
-  if t[2] ~= token then
-    return {0, 'stale'}
+  if t[2] == token then
+    return 'primary'
   end
-  return nil
+  if t[3] and t[3] ~= '' and t[3] == token then
+    return 'backup'
+  end
+  return nil, {0, 'stale'}
+end
+
+local function clear_backup(task_key)
+  redis.call('HSET', task_key, 'backup', '', 'backup_worker', '', 'backup_until', 0)
+end
+
+-- The primary copy ended without a result (failed, handed back, or its lease lapsed): a live backup
+-- becomes the primary, with the rest of its lease, and the task keeps running. Returns true if so.
+local function promote_backup(task_key, lease_key, leases_key, task_id, ms)
+  local b = redis.call('HMGET', task_key, 'backup', 'backup_worker', 'backup_until')
+  local until_ms = tonumber(b[3] or 0) or 0
+  if not b[1] or b[1] == '' or until_ms <= ms then
+    return false
+  end
+  redis.call('HSET', task_key, 'lease', b[1], 'worker', b[2])
+  clear_backup(task_key)
+  redis.call('SET', lease_key, b[1], 'PX', until_ms - ms)
+  redis.call('ZADD', leases_key, until_ms, task_id)
+  return true
 end
 
 local function clear_current(worker_key, task_id)

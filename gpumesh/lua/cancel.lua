@@ -9,6 +9,7 @@ if status ~= 'queued' and status ~= 'running' then
 end
 local ms = now_ms()
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'lease', '', 'finished_at', secs(ms))
+clear_backup(KEYS[1])
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[6], ARGV[1])

@@ -1,13 +1,18 @@
--- complete: running -> done, fenced by the lease token: a stale holder changes nothing.
+-- complete: running -> done, fenced by the lease token: a stale holder changes nothing. The token may
+-- be the primary's or a backup copy's (speculation): the first fenced completion wins.
 -- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
 -- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] stats hash    KEYS[8] duration histogram hash
 -- ARGV[1] task id       ARGV[2] lease token   ARGV[3] result (JSON) ARGV[4] duration (s)
 -- Returns {1, 'done'} or {0, why}: why = the task's status, 'missing' or 'stale' (another lease holds it).
-local refused = fence(KEYS[1], ARGV[2])
-if refused then
+local copy, refused = holder(KEYS[1], ARGV[2])
+if not copy then
   return refused
 end
 local ms = now_ms()
+if copy == 'backup' then
+  redis.call('HINCRBY', KEYS[7], 'speculative_wins', 1)
+end
+clear_backup(KEYS[1])
 redis.call('HSET', KEYS[1], 'status', 'done', 'result', ARGV[3], 'lease', '', 'error', '',
   'finished_at', secs(ms), 'duration', ARGV[4])
 redis.call('DEL', KEYS[2])

@@ -17,13 +17,16 @@ if registered == 1 then
 end
 local lease = 'none'
 if ARGV[3] ~= '' then
-  local t = redis.call('HMGET', KEYS[5], 'status', 'lease')
+  local t = redis.call('HMGET', KEYS[5], 'status', 'lease', 'backup')
   if t[1] == 'cancelled' then
     lease = 'cancelled'
   elseif t[1] == 'running' and t[2] == ARGV[3] then
     local ttl = tonumber(ARGV[4])
     redis.call('SET', KEYS[3], ARGV[3], 'PX', ttl)
     redis.call('ZADD', KEYS[4], ms + ttl, ARGV[5])
+    lease = 'ok'
+  elseif t[1] == 'running' and t[3] == ARGV[3] then
+    redis.call('HSET', KEYS[5], 'backup_until', ms + tonumber(ARGV[4]))  -- a backup copy's lease
     lease = 'ok'
   else
     lease = 'lost'

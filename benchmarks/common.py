@@ -1,0 +1,108 @@
+"""Shared by the benchmark scripts: a private redis-server, Markdown tables, and docs/benchmarks.md sections."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from gpumesh.server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+class PrivateRedis:
+    """A redis-server on a free loopback port, in a temp dir, never the machine's own."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(tmp), "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+
+    def db(self, n: int) -> str:
+        return self.url[: -1] + str(n)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def start_worker(url: str, score: float, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--log-level", "WARNING", *args],
+        env={**os.environ, **(env or {}), "GPUMESH_URL": url}, start_new_session=True,
+    )  # fmt: skip
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], sig: int = signal.SIGKILL) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def rounds(xs: Sequence[float], fmt: str = "{:.2f}") -> str:
+    return ", ".join(fmt.format(x) for x in xs)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()} {platform.release()}"
+
+
+def publish(name: str, title: str, body: str, command: str) -> None:
+    """Print the section and write it into docs/benchmarks.md between its markers (other sections kept)."""
+    section = (
+        f"<!-- {name}:begin -->\n## {title}\n\n{body}\n\nReproduce: `{command}`  \n"
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine()}.\n<!-- {name}:end -->"
+    )
+    print(section)
+    DOC.parent.mkdir(exist_ok=True)
+    text = DOC.read_text() if DOC.exists() else "# gpumesh benchmarks\n\nEach section is written by the script it names.\n"
+    pattern = re.compile(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->", re.S)
+    text = pattern.sub(lambda _m: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    DOC.write_text(text)
