@@ -43,7 +43,7 @@ class PrivateRedis:
         client.close()
 
     def db(self, n: int) -> str:
-        return self.url[: -1] + str(n)
+        return self.url[:-1] + str(n)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -91,7 +91,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
 
 
 def publish(name: str, title: str, body: str, command: str) -> None:
@@ -102,7 +104,9 @@ def publish(name: str, title: str, body: str, command: str) -> None:
     )
     print(section)
     DOC.parent.mkdir(exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# gpumesh benchmarks\n\nEach section is written by the script it names.\n"
+    text = (
+        DOC.read_text() if DOC.exists() else "# gpumesh benchmarks\n\nEach section is written by the script it names.\n"
+    )
     pattern = re.compile(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->", re.S)
     text = pattern.sub(lambda _m: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
     DOC.write_text(text)

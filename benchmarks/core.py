@@ -122,7 +122,9 @@ def main() -> None:
             + "\n\n"
             + table(["ratio", "value"], ratios)
         )
-        cmd = f"python benchmarks/core.py --shards {args.shards} --warm-shards {args.warm_shards} --repeat {args.repeat}"
+        cmd = (
+            f"python benchmarks/core.py --shards {args.shards} --warm-shards {args.warm_shards} --repeat {args.repeat}"
+        )
         publish("core", "Throughput per worker", body, cmd)
     finally:
         stop(procs)

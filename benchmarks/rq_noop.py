@@ -18,3 +18,13 @@ def run(script: str, payload: dict) -> dict:
 def nothing(script: str, payload: dict) -> dict:
     """No subprocess at all: what RQ's own per-job bookkeeping costs, the ceiling for any RQ-based executor."""
     return payload
+
+
+def sleep_cost(cost: float, unit: float) -> float:
+    """The FIFO contender of benchmarks/makespan.py: sleep cost × unit ÷ this worker's emulated score."""
+    import os
+    import time
+
+    seconds = cost * unit / float(os.environ["BENCH_SCORE"])
+    time.sleep(seconds)
+    return seconds

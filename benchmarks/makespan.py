@@ -1,0 +1,127 @@
+"""Makespan on an emulated uneven fleet: gpumesh's tiers (with and without --speculate) vs. one FIFO queue.
+
+    python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 3]
+
+Four real `gpumesh worker --warm --score S` processes emulate a fleet whose strengths are 1, 2, 4
+and 8; each task sleeps cost × unit ÷ S, so a worker twice as strong finishes twice as fast. The
+same skewed mix of costs (most light, a few heavy, in a fixed shuffled order) runs through:
+  * gpumesh: tiered queues (heavy tasks to strong workers, strong workers also drain lighter tiers);
+  * gpumesh --speculate: the same, plus backup copies of stragglers once nothing is queued;
+  * FIFO: four plain RQ workers with the same strengths on one queue, tasks in submission order.
+The lower bound is max(Σcost ÷ Σscore, max cost ÷ max score) × unit: no schedule can beat it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
+
+from gpumesh.broker import Broker
+from gpumesh.models import JobOptions
+from gpumesh.settings import Settings
+
+SLEEP = """import json, os, sys, time
+p = json.load(sys.stdin)
+time.sleep(p["cost"] * p["unit"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
+print(json.dumps({"cost": p["cost"]}))
+"""
+COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
+
+
+def through_gpumesh(broker: Broker, payloads: list[dict], speculate: bool) -> float:
+    t0 = time.perf_counter()
+    job = broker.submit(SLEEP, "sleep.py", payloads, JobOptions(speculate=speculate)).job_id
+    while not broker.job_status(job).finished:
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - t0
+    assert broker.job_status(job).tasks.done == len(payloads)
+    return elapsed
+
+
+def through_fifo(url: str, payloads: list[dict]) -> float:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    q = Queue("fifo", connection=redis.Redis.from_url(url), serializer=JSONSerializer)
+    t0 = time.perf_counter()
+    q.enqueue_many([Queue.prepare_data("rq_noop.sleep_cost", args=(p["cost"], p["unit"])) for p in payloads])
+    while q.finished_job_registry.count < len(payloads):
+        assert q.failed_job_registry.count == 0
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - t0
+    q.connection.delete(q.finished_job_registry.key)
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scores", default="1,2,4,8")
+    ap.add_argument("--unit", type=float, default=1.0, help="seconds one unit of cost takes on a score-1 worker")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    scores = [float(s) for s in args.scores.split(",")]
+    bound = max(sum(COSTS) / sum(scores), max(COSTS) / max(scores)) * args.unit
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
+    server = PrivateRedis(tmp)
+    env = {"XDG_CACHE_HOME": str(tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        broker = Broker(Settings(url=server.db(1)))
+        for s in scores:
+            procs.append(start_worker(broker.url, s, "--warm", env=env))
+        while len(broker.live_scores()) < len(scores):
+            time.sleep(0.1)
+        time.sleep(2.5)  # two heartbeats: every worker has seen the whole fleet and knows its tier
+        rq_bin = str(Path(sys.executable).parent / "rq")
+        for s in scores:
+            procs.append(subprocess.Popen(
+                [rq_bin, "worker", "--url", server.db(2), "-w", "rq.worker.SimpleWorker", "--serializer",
+                 "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "fifo"],
+                env={**env, "BENCH_SCORE": str(s)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            ))  # fmt: skip
+        tiered, speculative, fifo = [], [], []
+        for seed in range(1, args.repeat + 1):  # each round its own submission order, the same for all three
+            order = COSTS[:]
+            random.Random(seed).shuffle(order)
+            payloads = [{"i": i, "cost": c, "unit": args.unit} for i, c in enumerate(order)]
+            tiered.append(through_gpumesh(broker, payloads, speculate=False))
+            time.sleep(1.5)  # let the losing copies of the last round be killed
+            speculative.append(through_gpumesh(broker, payloads, speculate=True))
+            time.sleep(1.5)
+            fifo.append(through_fifo(server.db(2), payloads))
+        wins = int(broker.r.hget("gpumesh:stats", "speculative_wins") or 0)
+        backups = int(broker.r.hget("gpumesh:stats", "speculated") or 0)
+    finally:
+        stop(procs)
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = [
+        ("gpumesh tiers", f"{med(tiered):.2f}", f"{med(tiered) / bound:.2f}", rounds(tiered)),
+        ("gpumesh tiers + --speculate", f"{med(speculative):.2f}", f"{med(speculative) / bound:.2f}", rounds(speculative)),
+        ("one FIFO queue (plain RQ)", f"{med(fifo):.2f}", f"{med(fifo) / bound:.2f}", rounds(fifo)),
+    ]  # fmt: skip
+    body = (
+        f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} "
+        f"(Σ {sum(COSTS):.0f}); unit {args.unit} s; lower bound **{bound:.2f} s**.\n\n"
+        + table(["schedule", "makespan, s (median)", "÷ lower bound (target ≤ 1.15)", "rounds"], rows)
+        + f"\n\nBackup copies started over the --speculate rounds: {backups}; won: {wins}."
+    )
+    publish(
+        "makespan", "Makespan on an uneven fleet", body,
+        f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Where a warm worker's time per no-op task goes, sampled with py-spy (wall clock, idle included).
+
+    pip install py-spy && python benchmarks/profile_worker.py [--tasks 1000] [--mode warm|fresh]
+
+Runs one `gpumesh worker` under `py-spy record --idle`, drains a job of no-op shards, then sorts every
+sample of the worker's main thread into the part of the task's life it belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import PrivateRedis, publish, table
+
+from gpumesh.broker import Broker
+from gpumesh.models import JobOptions
+from gpumesh.settings import Settings
+
+RATE_HZ = 200
+NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
+
+# (part of the task's life, frame substrings), checked leaf first: the innermost match names the sample.
+PARTS = [
+    (
+        "sandbox: the attempt runs (worker waits for its output and exit)",
+        ["EpollSelector.select", "_recv_json", "wait ("],
+    ),
+    ("sandbox: fork from the zygote / start the interpreter", ["Zygote.spawn", "Popen.__init__", "_execute_child"]),
+    ("sandbox: temp dir, script file, clean-up", ["mkdtemp", "_remove", "TemporaryFile", "clean_env"]),
+    ("gpumesh: acquire.lua", ["acquire (gpumesh"]),
+    ("gpumesh: complete.lua", ["complete (gpumesh"]),
+    ("gpumesh: ship the log lines", ["LogShipper"]),
+    ("gpumesh: other (executor, sandbox loop)", ["gpumesh/"]),
+    ("RQ: pop the next delivery", ["dequeue_job_and_maintain_ttl"]),
+    ("RQ: per-job bookkeeping (state, registries, result)", ["rq/"]),
+]
+
+
+def classify(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for part, needles in PARTS:
+            if any(n in frame for n in needles):
+                return part
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--mode", choices=["warm", "fresh"], default="warm")
+    args = ap.parse_args()
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not os.path.exists(spy):
+        sys.exit("py-spy is not installed: pip install py-spy")
+    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
+    server = PrivateRedis(tmp)
+    raw = tmp / "worker.raw"
+    try:
+        broker = Broker(Settings(url=server.url))
+        env = {**os.environ, "GPUMESH_URL": server.url, "XDG_CACHE_HOME": str(tmp / "cache")}
+        worker = [sys.executable, "-m", "gpumesh", "worker", "--score", "1", "--log-level", "WARNING"]
+        worker += ["--warm"] if args.mode == "warm" else []
+        proc = subprocess.Popen(
+            [spy, "record", "--idle", "-r", str(RATE_HZ), "--format", "raw", "-o", str(raw), "--", *worker],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        while not broker.live_scores():
+            time.sleep(0.1)
+        t0 = time.perf_counter()
+        job = broker.submit(NOOP, "noop.py", [{"i": i} for i in range(args.tasks)], JobOptions()).job_id
+        while not broker.job_status(job).finished:
+            time.sleep(0.05)
+        rate = args.tasks / (time.perf_counter() - t0)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        parts: collections.Counter[str] = collections.Counter()
+        for line in raw.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            frames = stack.split(";")
+            in_loop = any("execute_job" in f or "dequeue_job_and_maintain_ttl" in f for f in frames)
+            if in_loop and not any("blpop" in f.lower() for f in frames):  # blocking pops: mostly idle time
+                parts[classify(frames)] += int(n)
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    total = sum(parts.values())
+    per_task_ms = 1000 / rate
+    ms = 1000 / RATE_HZ / args.tasks  # one sample's share of one task, in ms
+    rows = [(p, f"{100 * c / total:.0f} %", f"{c * ms:.2f}") for p, c in parts.most_common()]
+    rows.append(("total sampled", "100 %", f"{total * ms:.2f}"))
+    body = (
+        f"`gpumesh worker{' --warm' if args.mode == 'warm' else ''}`, {args.tasks} no-op shards, {rate:.1f} tasks/s "
+        f"under the profiler ({per_task_ms:.1f} ms a task). Samples of the worker's main thread while a job was "
+        "in hand (its blocking pops, mostly idle waits, left out):\n\n"
+        + table(["part of a task's life", "share of samples", "ms per task"], rows)
+    )
+    publish(f"profile-{args.mode}", f"Where the time goes ({args.mode} mode)", body,
+            f"python benchmarks/profile_worker.py --tasks {args.tasks} --mode {args.mode}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
