@@ -193,8 +193,8 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
 
     The worker talks over ``ctrl_fd``, a SOCK_SEQPACKET socket. Each request is one JSON message
     {script, cwd, env, limits} with four descriptors: a socket for this attempt's replies, and the
-    attempt's stdin, stdout and stderr. The zygote answers {"pid"} at once and {"status"} (as from
-    waitpid) when the supervisor ends. The zygote never runs task code and never initialises CUDA;
+    attempt's stdin, stdout and stderr. The zygote hands the request to a spare supervisor it forked
+    in advance, answers {"pid"} at once and {"status"} (as from waitpid) when the supervisor ends. The zygote never runs task code and never initialises CUDA;
     it dies with the worker, and its supervisors die with it (each takes its tree down with grace).
     """
     import json
@@ -232,6 +232,11 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(ctrl, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+
+    def own() -> list[int]:
+        return [sel.fileno(), ctrl.fileno(), wake_r, wake_w, *(r.fileno() for r in replies.values())]
+
+    spare: tuple[int, socket.socket] | None = _fork_spare(own())
     ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
 
     while True:
@@ -243,28 +248,46 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
                     continue
                 if not msg:  # the worker is gone; our supervisors get their death signal as we exit
                     os._exit(0)
-                own = [sel.fileno(), ctrl.fileno(), wake_r, wake_w, *(s.fileno() for s in replies.values())]
-                pid = _fork_attempt(json.loads(msg), fds, own)
                 reply = socket.socket(fileno=fds[0])
+                pid = None
+                for _try in range(2):  # a spare that died meanwhile is replaced once
+                    spare = spare or _fork_spare(own())
+                    spare_pid, spare_sock = spare
+                    spare = None
+                    try:
+                        socket.send_fds(spare_sock, [msg], fds[1:])
+                        pid = spare_pid
+                        break
+                    except OSError:
+                        continue
+                    finally:
+                        spare_sock.close()
                 for fd in fds[1:]:
                     os.close(fd)
                 try:
-                    reply.send(json.dumps({"pid": pid}).encode())
+                    reply.send(json.dumps({"pid": pid} if pid else {"error": "could not fork the attempt"}).encode())
                 except OSError:
                     pass  # the worker gave up on this attempt; the status is reaped below all the same
-                replies[pid] = reply
+                if pid:
+                    replies[pid] = reply
+                else:
+                    reply.close()
+                spare = _fork_spare(own())  # the next attempt's supervisor, forked while this one runs
             else:
                 try:
                     os.read(wake_r, 4096)
                 except BlockingIOError:
                     pass
-                while replies:
+                while True:
                     try:
                         pid, status = os.waitpid(-1, os.WNOHANG)
                     except ChildProcessError:
                         break
                     if pid == 0:
                         break
+                    if spare is not None and pid == spare[0]:  # the spare died before its attempt came
+                        spare[1].close()
+                        spare = None
                     reply = replies.pop(pid, None)
                     if reply is not None:
                         try:
@@ -274,33 +297,34 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
                         reply.close()
 
 
-def _fork_attempt(req: dict, fds: list[int], own: list[int]) -> int:
-    """Fork one attempt's supervisor: its own session, stdio, working directory and environment."""
+def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imported inside: warm mode only)
+    """Fork the next attempt's supervisor ahead of time; it waits for its request on a socket.
+
+    Forking a process that imported torch costs ~20 ms here: paid while the previous attempt runs,
+    not when the next one is asked for. The spare dies with the zygote until it has an attempt."""
+    import socket
+
     zygote_pid = os.getpid()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid:
-        return pid
+        theirs.close()
+        return pid, mine
     code = 70
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in own:
             os.close(fd)
-        os.close(fds[0])
-        os.setsid()
-        for target, fd in enumerate(fds[1:]):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        tempfile = sys.modules.get("tempfile")
-        if tempfile is not None:
-            tempfile.tempdir = None  # read TMPDIR again: the task's own directory
-        nprandom = sys.modules.get("numpy.random")
-        if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
-            nprandom.seed()
-        code = supervise(str(zygote_pid), req["script"], *map(str, req["limits"]))
+        mine.close()
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote_pid:
+            os._exit(70)
+        msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 3)
+        theirs.close()
+        if not msg:
+            os._exit(0)
+        code = _become_attempt(__import__("json").loads(msg), fds, zygote_pid)
     except BaseException:
         import traceback
 
@@ -311,6 +335,24 @@ def _fork_attempt(req: dict, fds: list[int], own: list[int]) -> int:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _become_attempt(req: dict, fds: list[int], zygote_pid: int) -> int:
+    """In a spare: take the attempt's session, stdio, working directory and environment, then supervise it."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile.tempdir = None  # read TMPDIR again: the task's own directory
+    nprandom = sys.modules.get("numpy.random")
+    if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
+        nprandom.seed()
+    return supervise(str(zygote_pid), req["script"], *map(str, req["limits"]))
 
 
 def main(argv: list[str]) -> None:

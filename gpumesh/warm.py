@@ -170,11 +170,11 @@ class Zygote:
                 msg = _recv_json(mine, 10.0)
             except TimeoutError:
                 msg = None
-            if msg is None:
+            if msg is None or "pid" not in msg:
                 mine.close()
                 stdout.close()
                 stderr.close()
-                raise ZygoteError("the warm zygote did not fork the attempt")
+                raise ZygoteError(f"the warm zygote did not fork the attempt ({(msg or {}).get('error', 'no answer')})")
             return WarmProcess(msg["pid"], mine, stdout, stderr)
 
     def close(self, timeout: float = 5.0) -> None:
