@@ -61,6 +61,13 @@ class MeshCollector:
             c.add_metric([outcome], int(stats.get(outcome, 0)))
         yield c
 
+        c = CounterMetricFamily(
+            "gpumesh_backup_copies", "Backup copies of stragglers (submit --speculate)", labels=["outcome"]
+        )
+        c.add_metric(["started"], int(stats.get("speculated", 0)))
+        c.add_metric(["won"], int(stats.get("speculative_wins", 0)))
+        yield c
+
         buckets, cumulative = [], 0
         for le in (*DURATION_BUCKETS, "+Inf"):
             cumulative += int(hist.get(le, 0))

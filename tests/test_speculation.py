@@ -127,3 +127,13 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
     assert task["attempts"] == "1" and r.hget(keys.STATS, "speculative_wins") == "1"
     wait_until(lambda: not pid_alive(slow_pid), timeout=10, what="the losing copy to be killed")
     assert "backup copy of attempt 1" in gpumesh("logs", tid, env=env).stderr
+    from gpumesh.metrics import MeshCollector
+    from gpumesh.settings import Settings
+
+    b = Broker(Settings.load())
+    family = next(f for f in MeshCollector(b).collect() if f.name == "gpumesh_backup_copies")
+    assert {s.labels["outcome"]: s.value for s in family.samples if s.name.endswith("_total")} == {
+        "started": 1,
+        "won": 1,
+    }
+    b.close()

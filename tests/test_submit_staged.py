@@ -10,8 +10,8 @@ import threading
 import pytest
 import redis
 
-from gpumesh import broker as broker_module
 from gpumesh import keys, reaper, scripts
+from gpumesh import submit as submit_module
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 
@@ -21,8 +21,8 @@ SCRIPT = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
 
 @pytest.fixture(autouse=True)
 def small_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(broker_module, "STAGE_ABOVE", 10)
-    monkeypatch.setattr(broker_module, "STAGE_CHUNK", 7)
+    monkeypatch.setattr(submit_module, "STAGE_ABOVE", 10)
+    monkeypatch.setattr(submit_module, "STAGE_CHUNK", 7)
 
 
 def deliveries(r: redis.Redis) -> int:
