@@ -194,7 +194,11 @@ PEEK = """
 import json, os
 def ppid(pid):
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-worker = ppid(os.getppid())  # script -> launcher -> worker
+def cmdline(pid):
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+worker = os.getppid()  # script -> launcher -> worker, or script -> supervisor -> zygote -> worker (--warm)
+while "gpumesh worker" not in cmdline(worker):
+    worker = ppid(worker)
 seen = {"uid": os.getuid(), "env": sorted(k for k in os.environ if "URL" in k or "PASS" in k)}
 for name, path in [("worker_environ", f"/proc/{worker}/environ"), ("config", os.environ.get("PEEK_CONFIG", ""))]:
     try:
@@ -210,6 +214,7 @@ print(json.dumps(seen))
     os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
     reason="--sandbox-user needs a root worker and a Python the task user can read; CI here runs as root",
 )
+@pytest.mark.usefixtures("both_modes")
 def test_sandbox_user_keeps_the_worker_s_secrets_out_of_reach(env, workers, r: redis.Redis, tmp_path: Path):
     import pwd
 
@@ -230,6 +235,12 @@ def test_sandbox_user_keeps_the_worker_s_secrets_out_of_reach(env, workers, r: r
     seen = row["result"]
     assert seen["uid"] == nobody.pw_uid and seen["env"] == []
     assert seen["worker_environ"] == "PermissionError" and seen["worker_cmdline_has_secret"] is False
+    # a task's own error still comes back whole (its traceback needs modules the zygote loaded for it)
+    script.write_text("open('/proc/1/environ').read()\n")
+    job = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "1", env=env, input="[{}]").stdout.strip()
+    wait_until(lambda: json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "failed")
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["error"].startswith("exit code 1") and "PermissionError" in row["error"], row
 
 
 def test_without_a_sandbox_user_a_same_user_script_can_read_the_worker_s_environment(env, workers, tmp_path: Path):
