@@ -220,8 +220,8 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     compile(_WARM_UP, "<warm-up>", "exec")
     # A task's error path imports traceback; have it already, also for a --sandbox-user who may not
     # be able to read the standard library the zygote was started from.
-    import traceback  # noqa: F401
     import gc
+    import traceback  # noqa: F401
 
     gc.collect()
     gc.freeze()  # the preloaded modules stay shared with every task instead of being copied on write
