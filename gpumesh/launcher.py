@@ -218,8 +218,8 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
         sys.exit(2)
     # The first compile() in a process pays a one-time set-up (~3.5 ms here); pay it once, not per task.
     compile(_WARM_UP, "<warm-up>", "exec")
-    # A task's error path imports traceback; have it already, also for a --sandbox-user who may not
-    # be able to read the standard library the zygote was started from.
+    # traceback: a task's error path needs it; loaded here, it works even for a --sandbox-user who
+    # cannot read the standard library the zygote was started from.
     import gc
     import traceback  # noqa: F401
 
