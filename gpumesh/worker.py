@@ -22,7 +22,7 @@ import psutil
 import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker, WorkerStatus
+from rq.worker import SimpleWorker
 
 from . import __version__, executor, keys, reaper, scheduling, scripts
 from .broker import EXECUTOR, Broker
@@ -87,7 +87,6 @@ class MeshWorker(SimpleWorker):
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
-        self._idle_checks = 0
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
@@ -118,18 +117,19 @@ class MeshWorker(SimpleWorker):
     def _ordered_queues(self, _value: list[Any]) -> None:
         pass  # the order is the scheduler's, not RQ's dequeue strategy
 
-    def set_state(self, state: Any, *args: Any, **kwargs: Any) -> None:
-        self._idle_checks = 0
-        super().set_state(state, *args, **kwargs)
-
-    def heartbeat(self, *args: Any, **kwargs: Any) -> None:
-        # RQ calls this before every blocking pop: a second call in the same idle spell means a pop timed
-        # out with every queue empty, the moment to back up a straggler (submit --speculate).
-        super().heartbeat(*args, **kwargs)
-        if self.get_state() == WorkerStatus.IDLE:
-            self._idle_checks += 1
-            if self._idle_checks >= 2 and not self._stop_requested and not self.fatal:
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        # Pop with RQ's own idle limit set to one pop: when every queue stayed empty that long, this
+        # worker is idle, the moment to back up a straggler (submit --speculate), then pop again.
+        if timeout is None or max_idle_time is not None:  # burst mode, or an idle limit of the caller's
+            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        while True:
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
+            if result is not None or self._stop_requested or self.fatal:
+                return result
+            try:
                 self._speculate()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("could not look for stragglers (%s)", exc)
 
     def _speculate(self) -> None:
         """Run a backup copy of the running task this worker would most likely finish first, if any."""

@@ -137,3 +137,20 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
         "won": 1,
     }
     b.close()
+
+
+def test_queued_work_runs_before_any_backup(env, workers: Workers, r: redis.Redis, tmp_path: Path):
+    """A worker backs up stragglers only when its pop found every queue empty, never with work in hand."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER.format(tmp=str(tmp_path)))
+    workers.start(score=1)
+    p = gpumesh("submit", str(script), "--payloads", "-", "--speculate", env=env, input='[{"work": 60}]')
+    straggler = keys.task_id(p.stdout.strip(), 0)
+    wait_until(lambda: r.hget(keys.task(straggler), "status") == "running", what="the weak worker to start it")
+    p = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"work": 1}]')
+    other = keys.task_id(p.stdout.strip(), 0)
+    workers.start(score=10)
+    wait_until(lambda: r.hget(keys.task(other), "status") == "done", timeout=30, what="the queued task")
+    assert r.hget(keys.STATS, "speculated") is None, "the queued task ran first, before any backup started"
+    wait_until(lambda: r.hget(keys.task(straggler), "status") == "done", timeout=30, what="the backup to win")
+    assert r.hget(keys.STATS, "speculative_wins") == "1"
