@@ -9,6 +9,8 @@ same skewed mix of costs (most light, a few heavy, in a fixed shuffled order) ru
   * gpumesh --speculate: the same, plus backup copies of stragglers once nothing is queued;
   * FIFO: four plain RQ workers with the same strengths on one queue, tasks in submission order.
 The lower bound is max(Σcost ÷ Σscore, max cost ÷ max score) × unit: no schedule can beat it.
+A second fleet has a straggler: its score-4 worker (named "straggler") runs at a quarter of the
+speed its score claims, as a shared or throttled machine would; its bound uses the real speeds.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from gpumesh.settings import Settings
 
 SLEEP = """import json, os, sys, time
 p = json.load(sys.stdin)
-time.sleep(p["cost"] * p["unit"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
+speed = float(os.environ["GPUMESH_WORKER_SCORE"])
+if os.environ["GPUMESH_WORKER_ID"].startswith("straggler"):
+    speed /= 4  # a machine slower than its benchmark said: shared, throttled
+time.sleep(p["cost"] * p["unit"] / speed)
 print(json.dumps({"cost": p["cost"]}))
 """
 COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
@@ -71,15 +76,19 @@ def main() -> None:
     scores = [float(s) for s in args.scores.split(",")]
     bound = max(sum(COSTS) / sum(scores), max(COSTS) / max(scores)) * args.unit
 
+    real = [s / 4 if s == 4 else s for s in scores]
+    slow_bound = max(sum(COSTS) / sum(real), max(COSTS) / max(real)) * args.unit
+
     tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
     server = PrivateRedis(tmp)
     env = {"XDG_CACHE_HOME": str(tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        broker = Broker(Settings(url=server.db(1)))
+        broker, slow = Broker(Settings(url=server.db(1))), Broker(Settings(url=server.db(3)))
         for s in scores:
             procs.append(start_worker(broker.url, s, "--warm", env=env))
-        while len(broker.live_scores()) < len(scores):
+            procs.append(start_worker(slow.url, s, "--warm", *(["--name", "straggler"] if s == 4 else []), env=env))
+        while len(broker.live_scores()) < len(scores) or len(slow.live_scores()) < len(scores):
             time.sleep(0.1)
         time.sleep(2.5)  # two heartbeats: every worker has seen the whole fleet and knows its tier
         rq_bin = str(Path(sys.executable).parent / "rq")
@@ -90,7 +99,7 @@ def main() -> None:
                 env={**env, "BENCH_SCORE": str(s)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,
             ))  # fmt: skip
-        tiered, speculative, fifo = [], [], []
+        tiered, speculative, fifo, straggling, rescued = [], [], [], [], []
         for seed in range(1, args.repeat + 1):  # each round its own submission order, the same for all three
             order = COSTS[:]
             random.Random(seed).shuffle(order)
@@ -100,8 +109,12 @@ def main() -> None:
             speculative.append(through_gpumesh(broker, payloads, speculate=True))
             time.sleep(1.5)
             fifo.append(through_fifo(server.db(2), payloads))
-        wins = int(broker.r.hget("gpumesh:stats", "speculative_wins") or 0)
-        backups = int(broker.r.hget("gpumesh:stats", "speculated") or 0)
+            straggling.append(through_gpumesh(slow, payloads, speculate=False))
+            time.sleep(1.5)
+            rescued.append(through_gpumesh(slow, payloads, speculate=True))
+            time.sleep(1.5)
+        wins = sum(int(b.r.hget("gpumesh:stats", "speculative_wins") or 0) for b in (broker, slow))
+        backups = sum(int(b.r.hget("gpumesh:stats", "speculated") or 0) for b in (broker, slow))
     finally:
         stop(procs)
         server.stop()
@@ -110,10 +123,13 @@ def main() -> None:
         ("gpumesh tiers", f"{med(tiered):.2f}", f"{med(tiered) / bound:.2f}", rounds(tiered)),
         ("gpumesh tiers + --speculate", f"{med(speculative):.2f}", f"{med(speculative) / bound:.2f}", rounds(speculative)),
         ("one FIFO queue (plain RQ)", f"{med(fifo):.2f}", f"{med(fifo) / bound:.2f}", rounds(fifo)),
+        ("straggler fleet: gpumesh tiers", f"{med(straggling):.2f}", f"{med(straggling) / slow_bound:.2f}", rounds(straggling)),
+        ("straggler fleet: gpumesh tiers + --speculate", f"{med(rescued):.2f}", f"{med(rescued) / slow_bound:.2f}", rounds(rescued)),
     ]  # fmt: skip
     body = (
         f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} "
-        f"(Σ {sum(COSTS):.0f}); unit {args.unit} s; lower bound **{bound:.2f} s**.\n\n"
+        f"(Σ {sum(COSTS):.0f}); unit {args.unit} s; lower bound **{bound:.2f} s** "
+        f"(straggler fleet: **{slow_bound:.2f} s**).\n\n"
         + table(["schedule", "makespan, s (median)", "÷ lower bound (target ≤ 1.15)", "rounds"], rows)
         + f"\n\nBackup copies started over the --speculate rounds: {backups}; won: {wins}."
     )
