@@ -1,5 +1,6 @@
-"""Model-based test: random interleavings of acquire/heartbeat/complete/fail/reap/cancel against a
-real Redis, with the invariants checked after every step (hypothesis stateful testing)."""
+"""Model-based test: random interleavings of acquire/heartbeat/complete/fail/reap/cancel, and backup
+copies (speculate), against a real Redis, with the invariants checked after every step (hypothesis
+stateful testing)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ class Mesh(RuleBasedStateMachine):
         self.r: redis.Redis = self.b.r
         self.r.flushall()
         res = self.b.submit(
-            "print('{}')", "t.py", [{"i": i} for i in range(N_TASKS)], JobOptions(max_attempts=MAX_ATTEMPTS)
-        )
+            "print('{}')", "t.py", [{"i": i} for i in range(N_TASKS)],
+            JobOptions(max_attempts=MAX_ATTEMPTS, speculate=True),
+        )  # fmt: skip
+        self.r.zadd(keys.SCORES, {"w1": 1, "w2": 1, "w3": 1, "s1": 10, "s2": 10})
         self.job = res.job_id
         self.tids = [keys.task_id(self.job, i) for i in range(N_TASKS)]
         self.epoch = self.b.epoch()
@@ -60,30 +63,44 @@ class Mesh(RuleBasedStateMachine):
         assert before == "queued"
         return (worker, got)
 
+    def holds(self, lease: scripts.Lease) -> bool:
+        status, token, backup = self.r.hmget(keys.task(lease.task_id), "status", "lease", "backup")
+        return status == "running" and lease.token in (token, backup)
+
+    @rule(target=leases, i=st.integers(0, N_TASKS - 1), worker=st.sampled_from(["s1", "s2"]))
+    def speculate(self, i: int, worker: str):
+        tid = self.tids[i]
+        got = scripts.speculate(self.b.scripts, self.r, tid, worker, 60_000, 10.0, 2.0)
+        if isinstance(got, str):
+            return multiple()
+        task = self.r.hgetall(keys.task(tid))
+        assert task["status"] == "running" and task["backup"] == got.token and task["lease"] != got.token
+        assert int(self.r.hget(keys.job(self.job), "queued")) == 0
+        return (worker, got)
+
     @rule(held=consumes(leases), value=st.integers(0, 9))
     def complete(self, held, value):
         worker, lease = held
-        status, token = self.r.hmget(keys.task(lease.task_id), "status", "lease")
+        holds = self.holds(lease)
         out = scripts.complete(self.b.scripts, self.r, lease, worker, json.dumps(value), 0.1)
-        assert out.accepted == (status == "running" and token == lease.token)
+        assert out.accepted == holds
         if out.accepted:
             self.accepted[lease.task_id].append(json.dumps(value))
 
     @rule(held=leases, release=st.booleans())
     def fail(self, held, release):
         worker, lease = held
-        status, token = self.r.hmget(keys.task(lease.task_id), "status", "lease")
+        holds = self.holds(lease)
         out = scripts.fail(self.b.scripts, self.r, lease, worker, "boom", 0.1, release=release)
-        assert out.accepted == (status == "running" and token == lease.token)
+        assert out.accepted == holds
 
     @rule(held=leases)
     def heartbeat(self, held):
         worker, lease = held
-        status, token = self.r.hmget(keys.task(lease.task_id), "status", "lease")
+        status = self.r.hget(keys.task(lease.task_id), "status")
+        holds = self.holds(lease)
         beat = scripts.heartbeat(self.b.scripts, self.r, worker, 60_000, lease, 60_000, self.epoch)
-        expected = (
-            "cancelled" if status == "cancelled" else ("ok" if status == "running" and token == lease.token else "lost")
-        )
+        expected = "cancelled" if status == "cancelled" else ("ok" if holds else "lost")
         assert beat.lease == expected
 
     @rule(i=st.integers(0, N_TASKS - 1))
@@ -110,6 +127,7 @@ class Mesh(RuleBasedStateMachine):
         assert (job["status"] in ("done", "failed", "cancelled")) == (open_tasks == 0)
         for t in tasks:
             assert (t["status"] == "running") == bool(t.get("lease")), t
+            assert not t.get("backup") or (t["status"] == "running" and t["backup"] != t["lease"]), t
             assert (t["status"] == "running") == (
                 self.r.zscore(keys.LEASES, keys.task_id(self.job, int(t["index"]))) is not None
             )
@@ -135,6 +153,6 @@ def test_state_machine_invariants_hold_in_random_interleavings(redis_server, r):
     run_state_machine_as_test(
         lambda: Mesh(redis_server.url),
         settings=settings(
-            max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+            max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
         ),
     )
