@@ -94,11 +94,16 @@ def _launcher(limits: Limits, workdir: str) -> list[str]:
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
         return [python, "-u", "-m", "gpumesh.launcher"]
-    copy = os.path.join(workdir, "_gpumesh_launcher.py")
+    return [python, "-u", copy_launcher(workdir, limits.user)]
+
+
+def copy_launcher(directory: str, owner: tuple[int, int] | None = None) -> str:
+    """A copy of launcher.py (standard library only) in ``directory``, for an interpreter that may not see gpumesh."""
+    copy = os.path.join(directory, "_gpumesh_launcher.py")
     shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
-    if limits.user is not None:
-        os.chown(copy, *limits.user)
-    return [python, "-u", copy]
+    if owner is not None:
+        os.chown(copy, *owner)
+    return copy
 
 
 def tree_rss(pid: int) -> int:

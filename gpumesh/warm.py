@@ -107,11 +107,10 @@ class Zygote:
     def _command(self) -> list[str]:
         if self.python == sys.executable:
             return [self.python, "-u", "-m", "gpumesh.launcher"]
-        # Another interpreter may not see gpumesh: it runs a copy of the (standard-library-only) launcher.
+        from .sandbox import copy_launcher
+
         self._dir = self._dir or tempfile.mkdtemp(prefix="gpumesh-zygote-")
-        copy = os.path.join(self._dir, "_gpumesh_launcher.py")
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
-        return [self.python, "-u", copy]
+        return [self.python, "-u", copy_launcher(self._dir)]
 
     def start(self, timeout: float = 300.0) -> None:
         """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
