@@ -55,11 +55,13 @@ class Submitter:
     url: str
     settings: Settings
 
-    def _live(self) -> tuple[int, dict[str, float]]: ...  # pragma: no cover - Broker's
+    if TYPE_CHECKING:  # provided by Broker; declared here for the type checker only
 
-    def enqueue(
-        self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None
-    ) -> None: ...  # pragma: no cover - Broker's
+        def _live(self) -> tuple[int, dict[str, float]]: ...
+
+        def enqueue(
+            self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None
+        ) -> None: ...
 
     def submit(
         self,
