@@ -66,6 +66,12 @@ class Executor:
         self.settings = worker.broker.settings
         self._scripts_cache: dict[str, str] = {}
         self.current: Running | None = None
+        # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
+        self.spares = sandbox.Spares() if worker.zygote is None else None
+
+    def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
 
     def _script(self, sha: str) -> str:
         src = self._scripts_cache.get(sha)
@@ -141,8 +147,9 @@ class Executor:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
         limits = self.w.limits(lease.timeout)
         out = sandbox.run(
-            source, lease.script_name, lease.payload, env, limits, on_line, should_stop, zygote=self.w.zygote
-        )
+            source, lease.script_name, lease.payload, env, limits, on_line, should_stop,
+            zygote=self.w.zygote, spares=self.spares,
+        )  # fmt: skip
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
 
         if out.killed and out.killed.startswith(UNREPORTED):

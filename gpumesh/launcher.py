@@ -1,6 +1,8 @@
-"""The sandbox's first process, in one of two modes.
+"""The sandbox's first process, in one of three modes.
 
 Fresh: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
+Spare: ``python -m gpumesh.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
+attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
 Warm: ``python -m gpumesh.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
 forks one supervisor per attempt that the worker asks for (see :func:`zygote`).
 
@@ -300,6 +302,26 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
                         reply.close()
 
 
+def spare(ctrl_fd: int, parent: int) -> int:
+    """Fresh mode's head start: a new interpreter, started by the worker while the previous attempt
+    runs, waits here for its one attempt. The request on ``ctrl_fd`` is the zygote's (one JSON message
+    {script, cwd, env, limits}) with one descriptor, the attempt's stdin; stdout and stderr are already
+    the worker's pipes. Still a fresh interpreter per attempt, never reused. EOF first: exit quietly."""
+    import json
+    import socket
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # in the worker's process group until the attempt's setsid
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        return 70
+    ctrl = socket.socket(fileno=ctrl_fd)
+    msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 1)
+    ctrl.close()
+    if not msg or len(fds) != 1:
+        return 0
+    return _become_attempt(json.loads(msg), fds, parent)
+
+
 def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imported inside: warm mode only)
     """Fork the next attempt's supervisor ahead of time; it waits for its request on a socket.
 
@@ -340,8 +362,9 @@ def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imp
             os._exit(code)
 
 
-def _become_attempt(req: dict, fds: list[int], zygote_pid: int) -> int:
-    """In a spare: take the attempt's session, stdio, working directory and environment, then supervise it."""
+def _become_attempt(req: dict, fds: list[int], parent: int) -> int:
+    """In a spare: take the attempt's session, stdio (``fds``: stdin[, stdout, stderr]), working
+    directory and environment, then supervise it. ``parent``: the zygote, or the worker, to die with."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -355,13 +378,15 @@ def _become_attempt(req: dict, fds: list[int], zygote_pid: int) -> int:
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
         nprandom.seed()
-    return supervise(str(zygote_pid), req["script"], *map(str, req["limits"]))
+    return supervise(str(parent), req["script"], *map(str, req["limits"]))
 
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--zygote":
         ctrl_fd, parent, preload = argv[1:]
         zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])
+    elif argv and argv[0] == "--spare":
+        sys.exit(spare(int(argv[1]), int(argv[2])))
     else:
         sys.exit(supervise(*argv))
 

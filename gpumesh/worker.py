@@ -209,6 +209,7 @@ class MeshWorker(SimpleWorker):
             self._hb_stop.set()
             self._hb_thread.join(timeout=5)
             self._unregister()
+            self.executor.close()
             executor.bind(None)
 
     # -- gpumesh ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The sandbox with real processes: environment, limits, kills, output caps, cleanup.
 
-Every test runs twice: fresh (a new interpreter per attempt) and warm (forked from a zygote)."""
+Every test runs three ways: fresh as a worker runs it (a new interpreter per attempt, started while
+the one before ran), cold (that interpreter started only when the attempt comes: the fallback, and
+--sandbox-user's path) and warm (forked from a zygote)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from gpumesh import sandbox
@@ -20,7 +24,7 @@ from gpumesh.warm import Zygote
 
 from .conftest import pid_alive, wait_until
 
-MODE: dict[str, Zygote | None] = {"zygote": None}
+MODE: dict[str, Any] = {"zygote": None, "spares": None}
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +35,19 @@ def zygote():
     z.close()
 
 
-@pytest.fixture(params=["fresh", "warm"], autouse=True)
+@pytest.fixture(scope="module")
+def spares():
+    s = sandbox.Spares()
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=["fresh", "cold", "warm"], autouse=True)
 def mode(request):
     MODE["zygote"] = request.getfixturevalue("zygote") if request.param == "warm" else None
+    MODE["spares"] = request.getfixturevalue("spares") if request.param == "fresh" else None
     yield request.param
-    MODE["zygote"] = None
+    MODE["zygote"] = MODE["spares"] = None
 
 
 def run(source: str, payload: dict | None = None, should_stop=lambda: None, **limits):
@@ -43,7 +55,7 @@ def run(source: str, payload: dict | None = None, should_stop=lambda: None, **li
     lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
     out = sandbox.run(
         textwrap.dedent(source), "task.py", json.dumps(payload or {}), {"GPUMESH_DEVICE": "cpu"}, lim,
-        lambda s, line: lines.append((s, line)), should_stop, zygote=MODE["zygote"],
+        lambda s, line: lines.append((s, line)), should_stop, zygote=MODE["zygote"], spares=MODE["spares"],
     )  # fmt: skip
     return out, lines
 
@@ -168,7 +180,8 @@ def test_should_stop_kills_the_attempt_with_its_reason():
 
 
 def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
-    """SIGKILL the process that runs the sandbox: the task and its setsid grandchild die too."""
+    """SIGKILL the process that runs the sandbox: the task, its setsid grandchild and the spare
+    interpreter waiting for the next attempt all die too."""
     pidfile = tmp_path / "pids"
     host = tmp_path / "host.py"
     host.write_text(
@@ -179,24 +192,29 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
             zygote = warm.Zygote() if {mode!r} == "warm" else None
             if zygote:
                 zygote.start()
+            spares = sandbox.Spares() if {mode!r} == "fresh" else None
+            limits = sandbox.Limits(timeout=300, memory_bytes=0, grace=1.0)
+            sandbox.run("print(1)", "t.py", "{{}}", {{}}, limits, lambda s, l: None, lambda: None, zygote, spares)
             src = '''
             import os, subprocess, sys, time
             c = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
             open({str(pidfile)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
             time.sleep(300)
             '''
-            sandbox.run(src, "t.py", "{{}}", {{}}, sandbox.Limits(timeout=300, memory_bytes=0, grace=1.0),
-                        lambda s, l: None, lambda: None, zygote=zygote)
+            sandbox.run(src, "t.py", "{{}}", {{}}, limits, lambda s, l: None, lambda: None, zygote, spares)
             """
         )
     )
     proc = subprocess.Popen([sys.executable, str(host)], start_new_session=True)
     wait_until(lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, what="the task to start")
-    pids = list(map(int, pidfile.read_text().split()))
+    pids = set(map(int, pidfile.read_text().split()))
+    pids |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    if mode == "fresh":
+        assert len(psutil.Process(proc.pid).children()) == 2, "the attempt's launcher, and the next one waiting"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     for pid in pids:
-        wait_until(lambda pid=pid: not pid_alive(pid), timeout=8, what=f"task process {pid} to die with its worker")
+        wait_until(lambda pid=pid: not pid_alive(pid), timeout=8, what=f"process {pid} to die with its worker")
 
 
 @pytest.mark.parametrize("reason", ["shutdown"])
