@@ -50,9 +50,11 @@ class PrivateRedis:
         self.proc.wait()
 
 
-def start_worker(url: str, score: float, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_worker(
+    url: str, score: float, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--log-level", "WARNING", *args],
+        [*prefix, sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--log-level", "WARNING", *args],
         env={**os.environ, **(env or {}), "GPUMESH_URL": url}, start_new_session=True,
     )  # fmt: skip
 

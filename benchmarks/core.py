@@ -6,7 +6,11 @@ Starts its own redis-server on a free port and measures, alternating the contend
   * floor:   a loop spawning `python -c <no-op script>` with a JSON payload on stdin (what any
              fresh-interpreter executor pays per task);
   * gpumesh: one `gpumesh worker` draining a job of no-op shards (submit to last result), in
-             fresh mode (a new interpreter per task) and warm mode (`--warm`, forked from a zygote);
+             fresh mode (a new interpreter per task, started while the one before runs) and warm
+             mode (`--warm`, forked from a zygote);
+  * one core: the floor and the fresh-mode worker again, each pinned to CPU 0 (`taskset -c 0`), so the
+             next interpreter's head start cannot use the other core: what fresh mode gives when
+             every core has a worker of its own;
   * plain RQ: one RQ SimpleWorker (JSON serializer) whose jobs each run the same script in a fresh
              `python -c` subprocess (benchmarks/rq_noop.py), enqueue to last result;
   * RQ's ceiling: the same RQ worker running a function that returns at once (RQ's own cost per job).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,14 +39,20 @@ from gpumesh.settings import Settings
 NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
 
 
-def floor(n: int) -> float:
-    """Tasks per second of a bare spawn loop: interpreter start, payload on stdin, one JSON line back."""
-    t0 = time.perf_counter()
-    for i in range(n):
-        subprocess.run(
-            [sys.executable, "-c", NOOP], input=json.dumps({"i": i}).encode(), capture_output=True, check=True
-        )
-    return n / (time.perf_counter() - t0)
+def floor(n: int, cpus: set[int] | None = None) -> float:
+    """Tasks per second of a bare spawn loop: interpreter start, payload on stdin, one JSON line back.
+    With ``cpus``, the loop and its children run on those CPUs only."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus or before)
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            subprocess.run(
+                [sys.executable, "-c", NOOP], input=json.dumps({"i": i}).encode(), capture_output=True, check=True
+            )
+        return n / (time.perf_counter() - t0)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def through_gpumesh(broker: Broker, n: int) -> float:
@@ -82,9 +93,15 @@ def main() -> None:
     env = {"XDG_CACHE_HOME": str(tmp / "cache")}
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        brokers = {"fresh": Broker(Settings(url=server.db(1))), "warm": Broker(Settings(url=server.db(2)))}
+        brokers = {
+            "fresh": Broker(Settings(url=server.db(1))),
+            "warm": Broker(Settings(url=server.db(2))),
+            "pinned": Broker(Settings(url=server.db(3))),
+        }
         for mode, broker in brokers.items():
-            procs.append(start_worker(broker.url, 1, *(["--warm"] if mode == "warm" else []), env=env))
+            extra = ["--warm"] if mode == "warm" else []
+            prefix = ["taskset", "-c", "0"] if mode == "pinned" else []
+            procs.append(start_worker(broker.url, 1, *extra, env=env, prefix=prefix))
             while not broker.live_scores():
                 time.sleep(0.05)
         rq_bin = str(Path(sys.executable).parent / "rq")
@@ -96,23 +113,29 @@ def main() -> None:
         for b in brokers.values():
             through_gpumesh(b, 20)  # warm-up: script cache, connections
         through_plain_rq(server.url, 20)
-        floors, fresh, warm, plain, ceiling = [], [], [], [], []
+        floors, fresh, warm, plain, ceiling, floors1, fresh1 = [], [], [], [], [], [], []
         for _ in range(args.repeat):
             floors.append(floor(args.shards))
             fresh.append(through_gpumesh(brokers["fresh"], args.shards))
+            floors1.append(floor(args.shards, {0}))
+            fresh1.append(through_gpumesh(brokers["pinned"], args.shards))
             warm.append(through_gpumesh(brokers["warm"], args.warm_shards))
             plain.append(through_plain_rq(server.url, args.shards))
             ceiling.append(through_plain_rq(server.url, args.warm_shards, "rq_noop.nothing"))
         f, m, w, p, c = med(floors), med(fresh), med(warm), med(plain), med(ceiling)
+        f1, m1 = med(floors1), med(fresh1)
         rows = [
             ("floor: `python -c` spawn loop", f"{f:.1f}", rounds(floors, "{:.1f}")),
             ("plain RQ, a `python -c` subprocess per job", f"{p:.1f}", rounds(plain, "{:.1f}")),
             ("**gpumesh worker** (fresh interpreter per task)", f"{m:.1f}", rounds(fresh, "{:.1f}")),
+            ("floor, on one core (CPU 0)", f"{f1:.1f}", rounds(floors1, "{:.1f}")),
+            ("**gpumesh worker**, on one core (`taskset -c 0`)", f"{m1:.1f}", rounds(fresh1, "{:.1f}")),
             ("**gpumesh worker --warm** (forked from a zygote)", f"{w:.1f}", rounds(warm, "{:.1f}")),
             ("RQ's ceiling: a no-op function, no subprocess", f"{c:.1f}", rounds(ceiling, "{:.1f}")),
         ]
         ratios = [
             ("gpumesh fresh ÷ floor (target ≥ 0.80)", f"{m / f:.2f}"),
+            ("gpumesh fresh ÷ floor, both on one core", f"{m1 / f1:.2f}"),
             ("gpumesh fresh ÷ plain RQ", f"{m / p:.2f}"),
             ("gpumesh --warm ÷ floor", f"{w / f:.2f}"),
             ("gpumesh --warm ÷ RQ's ceiling", f"{w / c:.2f}"),
