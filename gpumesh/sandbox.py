@@ -123,11 +123,12 @@ class Spares:
 
     Each spare is a new ``python -m gpumesh.launcher --spare`` that runs exactly one attempt, so every
     attempt still gets an interpreter no task has touched; it only stops waiting for one to start
-    (about 55 ms here, most of a no-op task). A spare starts from the clean environment (no broker URL,
+    (20-60 ms on the machines measured, most of a no-op task). A spare starts from the clean environment (no broker URL,
     no credentials), holds stdout and stderr pipes of its own, and waits for its attempt on a socket.
     It dies with the thread that started it (PR_SET_PDEATHSIG): use one ``Spares`` from one thread,
     as the worker does from its main thread. An attempt it cannot serve (another user, an environment
-    the spare did not start with, a spare that died) starts cold, as without it.
+    the spare did not start with, a spare found dead) starts cold, as without it. A spare that dies
+    in the instant after it was handed an attempt fails that attempt, which is retried like any other.
     """
 
     def __init__(self) -> None:

@@ -88,4 +88,3 @@ def test_an_environment_change_reaches_the_next_attempt(spares, monkeypatch, tmp
     wait_until(lambda: not pid_alive(stale.pid), timeout=5, what="the unsuitable spare to be stopped")
     res = attempt(spares, 2)
     assert str(tmp_path) in res["path"], "the next spare starts with the new environment"
-
