@@ -127,7 +127,7 @@ def main() -> None:
         rows = [
             ("floor: `python -c` spawn loop", f"{f:.1f}", rounds(floors, "{:.1f}")),
             ("plain RQ, a `python -c` subprocess per job", f"{p:.1f}", rounds(plain, "{:.1f}")),
-            ("**gpumesh worker** (fresh interpreter per task)", f"{m:.1f}", rounds(fresh, "{:.1f}")),
+            ("**gpumesh worker** (fresh interpreter per task, started ahead)", f"{m:.1f}", rounds(fresh, "{:.1f}")),
             ("floor, on one core (CPU 0)", f"{f1:.1f}", rounds(floors1, "{:.1f}")),
             ("**gpumesh worker**, on one core (`taskset -c 0`)", f"{m1:.1f}", rounds(fresh1, "{:.1f}")),
             ("**gpumesh worker --warm** (forked from a zygote)", f"{w:.1f}", rounds(warm, "{:.1f}")),
