@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from rq import Queue
@@ -150,12 +151,17 @@ def test_sigterm_finishes_the_current_task_then_exits(env, workers: Workers, r: 
         gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": 0, "cost": 2}, {"i": 1}]').stdout
     )
     wait_until(lambda: (tmp_path / "ran-0").exists(), what="the first task to start")
+    # The task's processes, and the spare interpreter (fresh) or the zygote (warm) waiting beside them.
+    helpers = psutil.Process(w.pid).children(recursive=True)
+    assert len(helpers) >= 2
     w.send_signal(signal.SIGTERM)
     assert w.wait(timeout=20) == 0
     assert r.hget(keys.task(keys.task_id(job, 0)), "status") == "done"
     assert r.hget(keys.task(keys.task_id(job, 1)), "status") == "queued"
     assert not (tmp_path / "ran-1").exists()
     assert r.zcard(keys.WORKERS) == 0, "a stopped worker unregisters"
+    for p in helpers:
+        wait_until(lambda p=p: not pid_alive(p.pid), timeout=5, what=f"{p.pid} to end with its worker")
 
 
 def test_worker_refuses_an_rq_job_that_is_not_gpumesh_s_executor(env, workers: Workers, r: redis.Redis, tmp_path):
