@@ -72,7 +72,8 @@ def _run_script(script: str) -> None:
     code = 0
     try:
         with open(script, "rb") as f:
-            exec(compile(f.read(), script, "exec"), main.__dict__)
+            source = f.read()
+        exec(compile(source, script, "exec"), main.__dict__)  # the file closed: the task holds only its stdio
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0

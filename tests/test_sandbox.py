@@ -84,6 +84,25 @@ def test_payload_on_stdin_result_is_last_line_and_env_is_clean(monkeypatch):
     assert ("stderr", "progress") in lines
 
 
+def test_the_task_holds_no_descriptor_of_the_worker_s():
+    """Only its stdin, stdout and stderr: no broker connection, control socket or worker log."""
+    out, _ = run(
+        """
+        import json, os
+        fds = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # the directory listdir itself had open
+                pass
+        print(json.dumps(fds))
+        """
+    )
+    fds = json.loads(out.last_line)
+    assert sorted(fds) == ["0", "1", "2"], fds
+    assert fds["1"].startswith("pipe:") and fds["2"].startswith("pipe:")
+
+
 def test_script_error_gives_exit_code_and_stderr_tail():
     out, _ = run("import sys\nprint('bad things', file=sys.stderr)\nsys.exit(3)")
     assert out.returncode == 3 and out.describe_exit() == "exit code 3"
