@@ -101,8 +101,15 @@ def _has_children() -> bool:
         return True
 
 
-def supervise(parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str) -> int:
-    """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it)."""
+def supervise(
+    parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
+    report: tuple[int, int] | None = None,
+) -> int:  # fmt: skip
+    """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it).
+
+    ``report`` (warm mode): a socket to send the outcome on, and this supervisor's own stderr. The
+    script's tree then holds the attempt's stdout and stderr alone, and the outcome goes out once
+    that tree is gone, so the worker does not wait for this process to exit and be reaped."""
     libc = ctypes.CDLL(None, use_errno=True)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for limit, value in (
@@ -146,7 +153,15 @@ def supervise(parent: str, script: str, cpu: str, fsize: str, nofile: str, grace
     gc.freeze()  # fewer copy-on-write faults in the child
     child = os.fork()
     if child == 0:
+        for fd in report or ():  # the task holds neither the worker's socket nor its log
+            os.close(fd)
         _run_script(script)
+    if report is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        os.dup2(report[1], 2)  # our own errors still reach the worker's log
+        os.close(report[1])
 
     status = None
     while status is None:
@@ -168,6 +183,14 @@ def supervise(parent: str, script: str, cpu: str, fsize: str, nofile: str, grace
             break
         except InterruptedError:
             continue
+    # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
+    # gone: then the worker must learn that instead, from its socket closing as this process exits.
+    if report is not None and os.getppid() == int(parent):
+        try:
+            msg = b'{"pid": %d, "status": %d}' % (os.getpid(), status if status is not None else 70 << 8)
+            os.write(report[0], msg)
+        except OSError:
+            pass  # the worker gave up on the attempt; the zygote still reports our exit
     if status is not None and os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)  # end the way the script did, so the worker can name the signal
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled, nor reset
@@ -197,7 +220,10 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     The worker talks over ``ctrl_fd``, a SOCK_SEQPACKET socket. Each request is one JSON message
     {script, cwd, env, limits} with four descriptors: a socket for this attempt's replies, and the
     attempt's stdin, stdout and stderr. The zygote hands the request to a spare supervisor it forked
-    in advance, answers {"pid"} at once and {"status"} (as from waitpid) when the supervisor ends. The zygote never runs task code and never initialises CUDA;
+    in advance, answers {"pid"} at once and {"status"} (as from waitpid) when the supervisor ends; the
+    supervisor, handed the same reply socket, sends {"pid", "status"} itself first, once the script's tree
+    is gone (it may even come before the zygote's {"pid"}).
+    The zygote never runs task code and never initialises CUDA;
     it dies with the worker, and its supervisors die with it (each takes its tree down with grace).
     """
     import json
@@ -261,7 +287,7 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
                     spare_pid, spare_sock = spare
                     spare = None
                     try:
-                        socket.send_fds(spare_sock, [msg], fds[1:])
+                        socket.send_fds(spare_sock, [msg], fds)
                         pid = spare_pid
                         break
                     except OSError:
@@ -346,11 +372,11 @@ def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imp
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote_pid:
             os._exit(70)
-        msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 3)
+        msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 4)
         theirs.close()
         if not msg:
             os._exit(0)
-        code = _become_attempt(__import__("json").loads(msg), fds, zygote_pid)
+        code = _become_attempt(__import__("json").loads(msg), fds[1:], zygote_pid, report=fds[0])
     except BaseException:
         import traceback
 
@@ -363,10 +389,11 @@ def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imp
             os._exit(code)
 
 
-def _become_attempt(req: dict, fds: list[int], parent: int) -> int:
+def _become_attempt(req: dict, fds: list[int], parent: int, report: int | None = None) -> int:
     """In a spare: take the attempt's session, stdio (``fds``: stdin[, stdout, stderr]), working
     directory and environment, then supervise it. ``parent``: the zygote, or the worker, to die with."""
     os.setsid()
+    reporting = (report, os.dup(2)) if report is not None else None  # the zygote's stderr: the worker's log
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -379,7 +406,7 @@ def _become_attempt(req: dict, fds: list[int], parent: int) -> int:
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
         nprandom.seed()
-    return supervise(str(parent), req["script"], *map(str, req["limits"]))
+    return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting)
 
 
 def main(argv: list[str]) -> None:

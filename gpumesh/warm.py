@@ -57,17 +57,24 @@ class WarmProcess:
         self._reply = reply
 
     def _status(self, timeout: float | None) -> int | None:
-        if self.returncode is None:
+        while self.returncode is None:
             try:
                 msg = _recv_json(self._reply, timeout)
             except TimeoutError:
                 return None
-            if msg is None:  # the zygote died: our supervisor got its death signal and is taking the tree down
-                self.lost = ZYGOTE_LOST
-                self.returncode = -signal.SIGKILL
-            else:
-                self.returncode = os.waitstatus_to_exitcode(msg["status"])
+            self.ended(msg)
         return self.returncode
+
+    def ended(self, msg: dict[str, Any] | None) -> None:
+        """Take a message from the reply socket: the outcome ({"status"}, from the supervisor or the
+        zygote, whichever comes first), or None (the zygote died). A bare {"pid"} tells nothing new."""
+        if self.returncode is not None:
+            return
+        if msg is None:  # the zygote died: our supervisor got its death signal and is taking the tree down
+            self.lost = ZYGOTE_LOST
+            self.returncode = -signal.SIGKILL
+        elif "status" in msg:
+            self.returncode = os.waitstatus_to_exitcode(msg["status"])
 
     @property
     def exit_fd(self) -> socket.socket:
@@ -174,7 +181,9 @@ class Zygote:
                 stdout.close()
                 stderr.close()
                 raise ZygoteError(f"the warm zygote did not fork the attempt ({(msg or {}).get('error', 'no answer')})")
-            return WarmProcess(msg["pid"], mine, stdout, stderr)
+            proc = WarmProcess(msg["pid"], mine, stdout, stderr)
+            proc.ended(msg)  # a task fast enough that its supervisor's outcome came before the zygote's answer
+            return proc
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the zygote. Attempts still running get TERM from their death signal and end with grace."""
