@@ -9,8 +9,9 @@ same skewed mix of costs (most light, a few heavy, in a fixed shuffled order) ru
   * gpumesh --speculate: the same, plus backup copies of stragglers once nothing is queued;
   * FIFO: four plain RQ workers with the same strengths on one queue, tasks in submission order.
 The lower bound is max(Σcost ÷ Σscore, max cost ÷ max score) × unit: no schedule can beat it.
-A second fleet has a straggler: its score-4 worker (named "straggler") runs at a quarter of the
-speed its score claims, as a shared or throttled machine would; its bound uses the real speeds.
+A second fleet has a straggler: its score-4 worker (named "straggler") runs slower than its score
+claims, as a shared or throttled machine would: at a quarter of it, then (--severe) at a sixteenth,
+where a task it holds at the end outlasts the rest of the fleet. Its bounds use the real speeds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SLEEP = """import json, os, sys, time
 p = json.load(sys.stdin)
 speed = float(os.environ["GPUMESH_WORKER_SCORE"])
 if os.environ["GPUMESH_WORKER_ID"].startswith("straggler"):
-    speed /= 4  # a machine slower than its benchmark said: shared, throttled
+    speed /= p["slowdown"]  # a machine slower than its benchmark said: shared, throttled
 time.sleep(p["cost"] * p["unit"] / speed)
 print(json.dumps({"cost": p["cost"]}))
 """
@@ -72,12 +73,15 @@ def main() -> None:
     ap.add_argument("--scores", default="1,2,4,8")
     ap.add_argument("--unit", type=float, default=1.0, help="seconds one unit of cost takes on a score-1 worker")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--severe", type=float, default=16, help="the severe straggler's slowdown")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
-    bound = max(sum(COSTS) / sum(scores), max(COSTS) / max(scores)) * args.unit
 
-    real = [s / 4 if s == 4 else s for s in scores]
-    slow_bound = max(sum(COSTS) / sum(real), max(COSTS) / max(real)) * args.unit
+    def bound_of(slowdown: float) -> float:
+        real = [s / slowdown if s == 4 else s for s in scores]
+        return max(sum(COSTS) / sum(real), max(COSTS) / max(real)) * args.unit
+
+    bound, slow_bound, severe_bound = bound_of(1), bound_of(4), bound_of(args.severe)
 
     tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
     server = PrivateRedis(tmp)
@@ -99,11 +103,12 @@ def main() -> None:
                 env={**env, "BENCH_SCORE": str(s)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,
             ))  # fmt: skip
-        tiered, speculative, fifo, straggling, rescued = [], [], [], [], []
-        for seed in range(1, args.repeat + 1):  # each round its own submission order, the same for all three
+        tiered, speculative, fifo, straggling, rescued, severe, severe_rescued = [], [], [], [], [], [], []
+        for seed in range(1, args.repeat + 1):  # each round its own submission order, the same for all
             order = COSTS[:]
             random.Random(seed).shuffle(order)
-            payloads = [{"i": i, "cost": c, "unit": args.unit} for i, c in enumerate(order)]
+            payloads = [{"i": i, "cost": c, "unit": args.unit, "slowdown": 4} for i, c in enumerate(order)]
+            harsh = [{**p, "slowdown": args.severe} for p in payloads]
             tiered.append(through_gpumesh(broker, payloads, speculate=False))
             time.sleep(1.5)  # let the losing copies of the last round be killed
             speculative.append(through_gpumesh(broker, payloads, speculate=True))
@@ -112,6 +117,10 @@ def main() -> None:
             straggling.append(through_gpumesh(slow, payloads, speculate=False))
             time.sleep(1.5)
             rescued.append(through_gpumesh(slow, payloads, speculate=True))
+            time.sleep(1.5)
+            severe.append(through_gpumesh(slow, harsh, speculate=False))
+            time.sleep(1.5)
+            severe_rescued.append(through_gpumesh(slow, harsh, speculate=True))
             time.sleep(1.5)
         wins = sum(int(b.r.hget("gpumesh:stats", "speculative_wins") or 0) for b in (broker, slow))
         backups = sum(int(b.r.hget("gpumesh:stats", "speculated") or 0) for b in (broker, slow))
@@ -125,17 +134,20 @@ def main() -> None:
         ("one FIFO queue (plain RQ)", f"{med(fifo):.2f}", f"{med(fifo) / bound:.2f}", rounds(fifo)),
         ("straggler fleet: gpumesh tiers", f"{med(straggling):.2f}", f"{med(straggling) / slow_bound:.2f}", rounds(straggling)),
         ("straggler fleet: gpumesh tiers + --speculate", f"{med(rescued):.2f}", f"{med(rescued) / slow_bound:.2f}", rounds(rescued)),
+        (f"severe straggler (1/{args.severe:g} speed): gpumesh tiers", f"{med(severe):.2f}", f"{med(severe) / severe_bound:.2f}", rounds(severe)),
+        (f"severe straggler (1/{args.severe:g} speed): tiers + --speculate", f"{med(severe_rescued):.2f}", f"{med(severe_rescued) / severe_bound:.2f}", rounds(severe_rescued)),
     ]  # fmt: skip
     body = (
         f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} "
         f"(Σ {sum(COSTS):.0f}); unit {args.unit} s; lower bound **{bound:.2f} s** "
-        f"(straggler fleet: **{slow_bound:.2f} s**).\n\n"
+        f"(straggler fleet: **{slow_bound:.2f} s**, severe straggler: **{severe_bound:.2f} s**).\n\n"
         + table(["schedule", "makespan, s (median)", "÷ lower bound (target ≤ 1.15)", "rounds"], rows)
         + f"\n\nBackup copies started over the --speculate rounds: {backups}; won: {wins}."
     )
     publish(
         "makespan", "Makespan on an uneven fleet", body,
-        f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}",
+        f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
+        f" --severe {args.severe:g}",
     )  # fmt: skip
 
 
