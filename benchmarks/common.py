@@ -10,6 +10,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,9 +24,11 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 
 class PrivateRedis:
-    """A redis-server on a free loopback port, in a temp dir, never the machine's own."""
+    """A redis-server on a free loopback port, in a temp dir of its own (``tmp``, also the benchmark's
+    scratch space, removed by ``stop``), never the machine's own."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self) -> None:
+        self.tmp = tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
         self.port = free_port()
         self.proc = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
@@ -48,6 +51,7 @@ class PrivateRedis:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def start_worker(

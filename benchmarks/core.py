@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,8 +86,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
     args = ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     env = {"XDG_CACHE_HOME": str(tmp / "cache")}
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -152,7 +150,6 @@ def main() -> None:
     finally:
         stop(procs)
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,8 +81,8 @@ def main() -> None:
 
     bound, slow_bound, severe_bound = bound_of(1), bound_of(4), bound_of(args.severe)
 
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     env = {"XDG_CACHE_HOME": str(tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -127,7 +125,6 @@ def main() -> None:
     finally:
         stop(procs)
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     rows = [
         ("gpumesh tiers", f"{med(tiered):.2f}", f"{med(tiered) / bound:.2f}", rounds(tiered)),
         ("gpumesh tiers + --speculate", f"{med(speculative):.2f}", f"{med(speculative) / bound:.2f}", rounds(speculative)),

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,8 +60,8 @@ def main() -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.path.exists(spy):
         sys.exit("py-spy is not installed: pip install py-spy")
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     raw = tmp / "worker.raw"
     try:
         broker = Broker(Settings(url=server.url))
@@ -91,7 +90,6 @@ def main() -> None:
                 parts[classify(frames)] += int(n)
     finally:
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     total = sum(parts.values())
     per_task_ms = 1000 / rate
     ms = 1000 / RATE_HZ / args.tasks  # one sample's share of one task, in ms

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,8 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     rows = []
     try:
         for name, ttl, hb in (("defaults", 30.0, 5.0), ("short TTLs", 2.0, 0.4)):
@@ -79,7 +77,6 @@ def main() -> None:
                          "yes" if max(xs) <= target else "no"))  # fmt: skip
     finally:
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     body = table(
         ["settings", "lease TTL", "heartbeat", "SIGKILL → running elsewhere, s (median)", "rounds", "target",
          "every round within"],

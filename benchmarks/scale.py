@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import redis
 from common import PrivateRedis, publish, table
@@ -127,8 +124,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=30_000)
     ap.add_argument("--heartbeat", type=float, default=5.0, help="seconds between one worker's heartbeats")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     try:
         broker = Broker(Settings(url=server.url))
         # The probe's own tasks, without deliveries: the fleet never pops them.
@@ -149,7 +146,6 @@ def main() -> None:
         assert st.tasks.done == args.tasks == sim["done"] and st.status == "done", st
     finally:
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     p50, p99 = statistics.median(probe_ms), probe_ms[int(len(probe_ms) * 0.99)]
     lat = sorted(sim["acquire_ms"])
     round_p50 = statistics.median(lat)

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 from common import PrivateRedis, med, publish, rounds, table
 
@@ -59,8 +56,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,100000")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
     rows = []
     try:
         for n in map(int, args.sizes.split(",")):
@@ -78,7 +74,6 @@ def main() -> None:
             ))  # fmt: skip
     finally:
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     body = table(
         ["shards", "gpumesh submit, s (median)", "rounds", "target", "RQ enqueue_many alone, s", "gpumesh ÷ RQ",
          "Redis bytes per queued task", "Redis peak, MiB", "client peak growth, MiB"],

@@ -12,10 +12,7 @@ Per-task overhead = ms per task minus the script's own work (the op itself, meas
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
 
@@ -54,8 +51,8 @@ def main() -> None:
         x = torch.full((64, 64), float(i))
         float((x @ x).sum())
     work_ms = (time.perf_counter() - t0) * 10
-    tmp = Path(tempfile.mkdtemp(prefix="gpumesh-bench-"))
-    server = PrivateRedis(tmp)
+    server = PrivateRedis()
+    tmp = server.tmp
     modes = {"fresh": [], "warm": ["--warm"], "warm + preload": ["--warm", "--preload", "torch"]}
     results: dict[str, list[float]] = {m: [] for m in modes}
     procs = []
@@ -72,7 +69,6 @@ def main() -> None:
     finally:
         stop(procs)
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     rows = [
         (f"gpumesh worker {' '.join(flags) or '(fresh)'}", f"{med(xs):.0f}", f"{med(xs) - work_ms:.0f}", rounds(xs, "{:.0f}"))
         for (m, flags), xs in zip(modes.items(), results.values())
