@@ -109,6 +109,18 @@ def copy_launcher(directory: str, owner: tuple[int, int] | None = None) -> str:
     return copy
 
 
+def launcher_command(python: str, directory: str | None) -> tuple[list[str], str | None]:
+    """How a long-lived helper (the zygote, a spare) starts the launcher: as a module of the worker's
+    own interpreter, or from a copy in a private ``directory`` (made on first need) for another one.
+    Returns the command and that directory, for the caller to keep and remove when done."""
+    if python == sys.executable:
+        return [python, "-u", "-m", "gpumesh.launcher"], directory
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="gpumesh-launcher-")
+        copy_launcher(directory)
+    return [python, "-u", os.path.join(directory, LAUNCHER_COPY)], directory
+
+
 # What differs from one attempt to the next; every other variable must be what a spare started with.
 PER_ATTEMPT_ENV = ("TMPDIR", "CUDA_VISIBLE_DEVICES")
 
@@ -123,8 +135,9 @@ class Spares:
 
     Each spare is a new ``python -m gpumesh.launcher --spare`` that runs exactly one attempt, so every
     attempt still gets an interpreter no task has touched; it only stops waiting for one to start
-    (20-60 ms on the machines measured, most of a no-op task). A spare starts from the clean environment (no broker URL,
-    no credentials), holds stdout and stderr pipes of its own, and waits for its attempt on a socket.
+    (20-60 ms on the machines measured, most of a no-op task). A spare starts from the clean
+    environment (no broker URL, no credentials), holds stdout and stderr pipes of its own, and waits
+    for its attempt on a socket.
     It dies with the thread that started it (PR_SET_PDEATHSIG): use one ``Spares`` from one thread,
     as the worker does from its main thread. An attempt it cannot serve (another user, an environment
     the spare did not start with, a spare found dead) starts cold, as without it. A spare that dies
@@ -163,12 +176,7 @@ class Spares:
         env = clean_env({})
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            cmd = [python, "-u", "-m", "gpumesh.launcher"]
-            if python != sys.executable:
-                if self._dir is None:
-                    self._dir = tempfile.mkdtemp(prefix="gpumesh-spares-")
-                    copy_launcher(self._dir)
-                cmd = [python, "-u", os.path.join(self._dir, LAUNCHER_COPY)]
+            cmd, self._dir = launcher_command(python, self._dir)
             proc = subprocess.Popen(
                 [*cmd, "--spare", str(theirs.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -112,12 +112,10 @@ class Zygote:
         self.started = 0  # how many times it was (re)started
 
     def _command(self) -> list[str]:
-        if self.python == sys.executable:
-            return [self.python, "-u", "-m", "gpumesh.launcher"]
-        from .sandbox import copy_launcher
+        from .sandbox import launcher_command
 
-        self._dir = self._dir or tempfile.mkdtemp(prefix="gpumesh-zygote-")
-        return [self.python, "-u", copy_launcher(self._dir)]
+        cmd, self._dir = launcher_command(self.python, self._dir)
+        return cmd
 
     def start(self, timeout: float = 300.0) -> None:
         """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
