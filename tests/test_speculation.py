@@ -100,7 +100,10 @@ def test_a_failed_backup_is_dropped_and_the_primary_runs_on(broker: Broker, r: r
 SLEEPER = """
 import json, os, sys, time
 p = json.load(sys.stdin)
-open(os.path.join({tmp!r}, "pid-" + os.environ["GPUMESH_WORKER_ID"]), "w").write(str(os.getpid()))
+pid_file = os.path.join({tmp!r}, "pid-" + os.environ["GPUMESH_WORKER_ID"])
+part = os.path.join({tmp!r}, "part-" + os.environ["GPUMESH_WORKER_ID"])
+open(part, "w").write(str(os.getpid()))
+os.replace(part, pid_file)  # whole or absent: the test may read it at any moment
 time.sleep(p["work"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
 print(json.dumps({{"worker": os.environ["GPUMESH_WORKER_ID"]}}))
 """
@@ -114,7 +117,9 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip()
     tid = keys.task_id(job, 0)
-    wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the weak worker to start it")
+    # "running" is set when the lease is taken, before the script has started: wait for the script itself
+    wait_until(lambda: any(tmp_path.glob("pid-*")), what="the weak worker to start the script")
+    assert r.hget(keys.task(tid), "status") == "running"
     slow_pid = int(next(tmp_path.glob("pid-*")).read_text())
     t0 = time.monotonic()
     workers.start(score=10)  # 60 work units: 60 s on the weak worker, 6 s on this one
