@@ -26,6 +26,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
 
 
 def _descendants() -> list[int]:
@@ -101,6 +102,31 @@ def _has_children() -> bool:
         return True
 
 
+def _parent_gone(parent: int) -> bool:
+    """Whether the worker (or the zygote) that started this supervisor has died.
+
+    getppid() alone is not enough: when a multithreaded worker is killed, PR_SET_PDEATHSIG fires as
+    the thread that started us exits, while its other threads still hold the process. Until the last
+    one is gone getppid() is unchanged, but the process's leader thread is already a zombie."""
+    if os.getppid() != parent:
+        return True
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _remove_orphaned(script: str) -> None:
+    """The worker removes the attempt's directory when the attempt ends. Once it (or the zygote) has
+    died, nobody will: this supervisor, the last process of the attempt, removes it itself."""
+    workdir = os.path.dirname(script)
+    if os.path.basename(workdir).startswith(TASK_DIR_PREFIX):  # only the directory the worker made
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
     report: tuple[int, int] | None = None,
@@ -127,7 +153,8 @@ def supervise(
         os.setuid(int(uid))
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the worker died before prctl took effect
+    if _parent_gone(int(parent)):  # the worker died before prctl took effect
+        _remove_orphaned(script)
         return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
@@ -183,9 +210,12 @@ def supervise(
             break
         except InterruptedError:
             continue
+    orphaned = _parent_gone(int(parent))
+    if orphaned:
+        _remove_orphaned(script)
     # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
     # gone: then the worker must learn that instead, from its socket closing as this process exits.
-    if report is not None and os.getppid() == int(parent):
+    if report is not None and not orphaned:
         try:
             msg = b'{"pid": %d, "status": %d}' % (os.getpid(), status if status is not None else 70 << 8)
             os.write(report[0], msg)

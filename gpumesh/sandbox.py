@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 
+from .launcher import TASK_DIR_PREFIX
 from .warm import WarmProcess, Zygote
 
 # Variables a task may need from the worker's environment; everything else (the broker URL and
@@ -258,7 +259,7 @@ def run(
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
     with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran."""
     out = Attempt()
-    workdir = tempfile.mkdtemp(prefix="gpumesh-task-")
+    workdir = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX)
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")

@@ -27,7 +27,9 @@ from .faultproxy import FaultProxy
 SLOW_THEN_FAST = """
 import json, os, sys, time
 attempt = os.environ["GPUMESH_ATTEMPT"]
-open(os.path.join({tmp!r}, "pid-" + attempt), "w").write(str(os.getpid()))
+open(os.path.join({tmp!r}, "cwd-" + attempt), "w").write(os.getcwd())
+open(os.path.join({tmp!r}, "part-" + attempt), "w").write(str(os.getpid()))
+os.replace(os.path.join({tmp!r}, "part-" + attempt), os.path.join({tmp!r}, "pid-" + attempt))  # whole or absent
 if attempt == "1":
     time.sleep({first})
 print(json.dumps({{"attempt": int(attempt), "worker": os.environ["GPUMESH_WORKER_ID"]}}))
@@ -71,6 +73,8 @@ def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, work
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", what="the task to finish")
     print(f"\nSIGKILL of the worker -> task running elsewhere: {relet:.2f} s (lease TTL 2 s, heartbeat 0.4 s)")
     assert not pid_alive(sandbox)
+    task_dir = Path((tmp_path / "cwd-1").read_text())
+    wait_until(lambda: not task_dir.exists(), timeout=5, what="the killed worker's task directory to be removed")
     assert r.hget(keys.task(tid), "attempts") == "2" and done_events(r, tid) == 1
     assert relet <= 2 + 2 * 0.4 + 1.5  # TTL + a reaper pass (one heartbeat) + start-up slack on a busy 2-core box
     assert b.poll() is None

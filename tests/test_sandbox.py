@@ -200,8 +200,8 @@ def test_should_stop_kills_the_attempt_with_its_reason():
 
 def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
     """SIGKILL the process that runs the sandbox: the task, its setsid grandchild and the spare
-    interpreter waiting for the next attempt all die too."""
-    pidfile = tmp_path / "pids"
+    interpreter waiting for the next attempt all die too, and the task's directory is removed."""
+    pidfile, workdir = tmp_path / "pids", tmp_path / "workdir"
     host = tmp_path / "host.py"
     host.write_text(
         textwrap.dedent(
@@ -217,6 +217,8 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
             src = '''
             import os, subprocess, sys, time
             c = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"])
+            open(os.path.join(os.environ["GPUMESH_OUTPUT_DIR"], "half-written.bin"), "wb").write(bytes(1000))
+            open({str(workdir)!r}, "w").write(os.getcwd())
             open({str(pidfile)!r}, "w").write(f"{{os.getpid()}} {{c.pid}}")
             time.sleep(300)
             '''
@@ -234,6 +236,9 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
     proc.wait()
     for pid in pids:
         wait_until(lambda pid=pid: not pid_alive(pid), timeout=8, what=f"process {pid} to die with its worker")
+    task_dir = Path(workdir.read_text())
+    assert task_dir.name.startswith("gpumesh-task-")
+    wait_until(lambda: not task_dir.exists(), timeout=8, what="the dead worker's task directory to be removed")
 
 
 @pytest.mark.parametrize("reason", ["shutdown"])
