@@ -27,6 +27,7 @@ import sys
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
+COPY_DIR_PREFIX = "gpumesh-launcher-"  # a private copy of this file, for a helper in another interpreter
 
 
 def _descendants() -> list[int]:
@@ -439,7 +440,22 @@ def _become_attempt(req: dict, fds: list[int], parent: int, report: int | None =
     return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting)
 
 
+def _forget_own_copy() -> None:
+    """A helper (zygote, spare) started from a private copy of this file has read it by now: remove the
+    copy, so nothing is left behind even if the worker is killed. Run as a module: nothing to do."""
+    here = os.path.abspath(sys.argv[0])
+    directory = os.path.dirname(here)
+    if os.path.basename(directory).startswith(COPY_DIR_PREFIX):
+        try:
+            os.unlink(here)
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in ("--zygote", "--spare"):
+        _forget_own_copy()
     if argv and argv[0] == "--zygote":
         ctrl_fd, parent, preload = argv[1:]
         zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])

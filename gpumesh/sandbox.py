@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from .launcher import TASK_DIR_PREFIX
+from .launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX
 from .warm import WarmProcess, Zygote
 
 # Variables a task may need from the worker's environment; everything else (the broker URL and
@@ -110,16 +110,21 @@ def copy_launcher(directory: str, owner: tuple[int, int] | None = None) -> str:
     return copy
 
 
-def launcher_command(python: str, directory: str | None) -> tuple[list[str], str | None]:
+def launcher_command(python: str) -> list[str]:
     """How a long-lived helper (the zygote, a spare) starts the launcher: as a module of the worker's
-    own interpreter, or from a copy in a private ``directory`` (made on first need) for another one.
-    Returns the command and that directory, for the caller to keep and remove when done."""
+    own interpreter, or, for another one, from a new private copy that the helper removes as it
+    starts (so a killed worker leaves none behind). If the command never runs, pass it to
+    :func:`forget_launcher_command`."""
     if python == sys.executable:
-        return [python, "-u", "-m", "gpumesh.launcher"], directory
-    if directory is None:
-        directory = tempfile.mkdtemp(prefix="gpumesh-launcher-")
-        copy_launcher(directory)
-    return [python, "-u", os.path.join(directory, LAUNCHER_COPY)], directory
+        return [python, "-u", "-m", "gpumesh.launcher"]
+    return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
+
+
+def forget_launcher_command(cmd: list[str]) -> None:
+    """Remove the private copy of a :func:`launcher_command` that did not start."""
+    directory = os.path.dirname(cmd[-1])
+    if os.path.basename(directory).startswith(COPY_DIR_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
@@ -147,7 +152,6 @@ class Spares:
 
     def __init__(self) -> None:
         self._spare: tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None = None
-        self._dir: str | None = None  # the launcher's copy, for another interpreter (sandbox_python)
 
     def start(
         self, limits: Limits, script: str, cwd: str, env: Mapping[str, str], rlimits: list[Any], stdin: int
@@ -176,8 +180,8 @@ class Spares:
     def _launch(self, python: str) -> tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None:
         env = clean_env({})
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = launcher_command(python)
         try:
-            cmd, self._dir = launcher_command(python, self._dir)
             proc = subprocess.Popen(
                 [*cmd, "--spare", str(theirs.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -185,6 +189,7 @@ class Spares:
             )  # fmt: skip
         except OSError:
             mine.close()
+            forget_launcher_command(cmd)
             return None  # the attempt's own cold start will say what is wrong
         finally:
             theirs.close()
@@ -196,9 +201,6 @@ class Spares:
         if spare is not None:
             spare[1].close()
             _discard(spare[0])
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
 
 
 def _discard(proc: subprocess.Popen[bytes]) -> None:

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -107,27 +106,25 @@ class Zygote:
         self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self._ctrl: socket.socket | None = None
-        self._dir: str | None = None
         self._lock = threading.Lock()
         self.started = 0  # how many times it was (re)started
 
-    def _command(self) -> list[str]:
-        from .sandbox import launcher_command
-
-        cmd, self._dir = launcher_command(self.python, self._dir)
-        return cmd
-
     def start(self, timeout: float = 300.0) -> None:
         """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
-        from .sandbox import clean_env
+        from .sandbox import clean_env, forget_launcher_command, launcher_command
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = launcher_command(self.python)
         try:
             self.proc = subprocess.Popen(
-                [*self._command(), "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
+                [*cmd, "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
                 stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=clean_env(self.env),
-                cwd=self._dir or tempfile.gettempdir(), start_new_session=True,
+                cwd=tempfile.gettempdir(), start_new_session=True,
             )  # fmt: skip
+        except OSError:
+            mine.close()
+            forget_launcher_command(cmd)
+            raise
         finally:
             theirs.close()
         self._ctrl = mine
@@ -137,6 +134,8 @@ class Zygote:
         except TimeoutError:
             self.close()
             raise ZygoteError(f"the warm zygote did not finish importing {self.preload} in {timeout:.0f}s") from None
+        finally:
+            forget_launcher_command(cmd)  # removed by the zygote as it started, unless it never did
         if msg is None or "error" in msg:
             self.close()
             raise ZygoteError(msg["error"] if msg else "the warm zygote exited at start (see the log above)")
@@ -194,6 +193,3 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 
-from gpumesh import sandbox
+from gpumesh import sandbox, warm
 
 from .conftest import pid_alive, wait_until
 
@@ -33,9 +34,9 @@ def spares():
     s.close()
 
 
-def attempt(spares: sandbox.Spares, i: int, source: str = PROBE) -> dict:
+def attempt(spares: sandbox.Spares, i: int, source: str = PROBE, python: str = "") -> dict:
     lines: list[tuple[str, str]] = []
-    limits = sandbox.Limits(timeout=20, memory_bytes=0, grace=1.0)
+    limits = sandbox.Limits(timeout=20, memory_bytes=0, grace=1.0, python=python)
     out = sandbox.run(
         source, "probe.py", json.dumps({"i": i}), {"GPUMESH_DEVICE": "cpu"}, limits,
         lambda s, line: lines.append((s, line)), lambda: None, spares=spares,
@@ -88,3 +89,25 @@ def test_an_environment_change_reaches_the_next_attempt(spares, monkeypatch, tmp
     wait_until(lambda: not pid_alive(stale.pid), timeout=5, what="the unsuitable spare to be stopped")
     res = attempt(spares, 2)
     assert str(tmp_path) in res["path"], "the next spare starts with the new environment"
+
+
+def test_helpers_for_another_interpreter_leave_no_copy_of_the_launcher(spares):
+    """--sandbox-python: a spare (and the warm zygote) runs a private copy of launcher.py, since that
+    interpreter may not see gpumesh. Each removes its copy as it starts, so a worker killed with
+    SIGKILL, which cannot clean up, leaves nothing of it behind in the temp dir."""
+    other = os.path.realpath(sys.executable)  # the venv's base interpreter: it does not see gpumesh
+    assert other != sys.executable
+    for i in range(3):
+        assert attempt(spares, i, python=other)["i"] == i
+        (spare,) = waiting()
+        copy = Path(spare.cmdline()[2])
+        assert copy.parent.name.startswith("gpumesh-launcher-"), spare.cmdline()
+        wait_until(lambda copy=copy: not copy.parent.exists(), timeout=10, what="the spare to remove its copy")
+    zygote = warm.Zygote(python=other)
+    zygote.start()
+    try:
+        assert zygote.proc is not None
+        copy = Path(psutil.Process(zygote.proc.pid).cmdline()[2])
+        assert copy.parent.name.startswith("gpumesh-launcher-") and not copy.parent.exists()
+    finally:
+        zygote.close()
