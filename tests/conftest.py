@@ -175,6 +175,15 @@ def wait_until(predicate, timeout: float = 20, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
+def written(path: Path) -> str | None:
+    """A file's text once a task has written it; None before. It may exist and still be empty: a task's
+    open() creates it before its write() fills it, so wait for this, not for exists()."""
+    try:
+        return path.read_text() or None
+    except FileNotFoundError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

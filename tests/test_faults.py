@@ -21,7 +21,7 @@ import redis
 
 from gpumesh import keys
 
-from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until
+from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until, written
 from .faultproxy import FaultProxy
 
 SLOW_THEN_FAST = """
@@ -62,13 +62,13 @@ def running_attempt(r: redis.Redis, tid: str, attempt: int) -> bool:
 def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, workers: Workers, r: redis.Redis, tmp_path):
     a = workers.start()
     job, tid = submit_one(env, script(tmp_path))
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1")
     b = workers.start()
     sandbox = int((tmp_path / "pid-1").read_text())
     t0 = time.monotonic()
     os.killpg(a.pid, signal.SIGKILL)
     a.wait()
-    wait_until(lambda: (tmp_path / "pid-2").exists(), timeout=30, what="attempt 2 elsewhere")
+    wait_until(lambda: written(tmp_path / "pid-2"), timeout=30, what="attempt 2 elsewhere")
     relet = time.monotonic() - t0
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", what="the task to finish")
     print(f"\nSIGKILL of the worker -> task running elsewhere: {relet:.2f} s (lease TTL 2 s, heartbeat 0.4 s)")
@@ -85,7 +85,7 @@ def test_sandbox_killed_alone_fails_the_attempt_at_once_and_retries(env, workers
     slow = {"GPUMESH_LEASE_TTL": "20", "GPUMESH_HEARTBEAT_INTERVAL": "1"}
     workers.start(**slow)
     job, tid = submit_one({**env, **slow}, script(tmp_path))
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1")
     t0 = time.monotonic()
     os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=15, what="the retry to finish")
@@ -121,7 +121,7 @@ def _partition_scenario(env, workers: Workers, tmp_path: Path, proxy: FaultProxy
     ttl = {"GPUMESH_LEASE_TTL": "3", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
     a = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0", **ttl)
     job, tid = submit_one(env, script(tmp_path, first=first))
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1 on the proxied worker")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1 on the proxied worker")
     workers.start(**ttl)
     sandbox = int((tmp_path / "pid-1").read_text())
     proxy.partition()
@@ -157,13 +157,13 @@ def test_partition_shorter_than_the_lease_changes_nothing(env, workers, r, tmp_p
 def test_worker_paused_past_the_lease_then_resumed_loses_the_task_cleanly(env, workers: Workers, r, tmp_path):
     a = workers.start()
     job, tid = submit_one(env, script(tmp_path, first=6))
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1")
     workers.start()
     sandbox = int((tmp_path / "pid-1").read_text())
     frozen = [psutil.Process(a.pid), *psutil.Process(a.pid).children(recursive=True)]
     for p in frozen:  # a laptop lid closing: the worker and its task stop together
         p.suspend()
-    wait_until(lambda: (tmp_path / "pid-2").exists(), timeout=20, what="attempt 2 elsewhere")
+    wait_until(lambda: written(tmp_path / "pid-2"), timeout=20, what="attempt 2 elsewhere")
     time.sleep(0.5)
     for p in frozen:
         p.resume()
@@ -217,7 +217,7 @@ def test_redis_restarted_empty_makes_workers_stop_without_phantom_results(env, w
         w = workers.start(client=client, GPUMESH_URL=server.url)
         e = {**env, "GPUMESH_URL": server.url}
         job, tid = submit_one(e, script(tmp_path, first=60))
-        wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1")
+        wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1")
         sandbox = int((tmp_path / "pid-1").read_text())
         server.stop()
         server.start()  # no persistence: the broker comes back empty

@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 
 from gpumesh import keys
 
-from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until
+from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until, written
 
 pytestmark = pytest.mark.usefixtures("both_modes")
 
@@ -63,7 +63,7 @@ def test_worker_sigkilled_mid_task_is_re_leased_and_finishes_elsewhere(env, work
     b = workers.start()
     job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"n": 1}]').stdout)
     tid = keys.task_id(job, 0)
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="attempt 1 to start")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1 to start")
     holder = r.hget(keys.task(tid), "worker")
     victim = a if int(r.hget(keys.worker(holder), "pid")) == a.pid else b
     sandbox_pid = int((tmp_path / "pid-1").read_text())
@@ -124,7 +124,7 @@ def test_cancel_kills_running_within_a_heartbeat_and_queued_never_run(env, worke
     payloads = [{"i": 0, "sleep": 120, "cost": 100}] + [{"i": i, "sleep": 0, "cost": 1} for i in range(1, 6)]
     workers.start()
     job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input=json.dumps(payloads)).stdout)
-    wait_until(lambda: (tmp_path / "ran-0").exists(), what="the long task to start")
+    wait_until(lambda: written(tmp_path / "ran-0"), what="the long task to start")
     pid = int((tmp_path / "ran-0").read_text())
     t0 = time.monotonic()
     p = gpumesh("cancel", job, "--json", env=env)
@@ -207,7 +207,7 @@ def test_second_sigterm_hands_the_task_back_at_once_without_spending_an_attempt(
     w = workers.start()
     job = job_of(gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout)
     tid = keys.task_id(job, 0)
-    wait_until(lambda: (tmp_path / "pid-1").exists(), what="the task to start")
+    wait_until(lambda: written(tmp_path / "pid-1"), what="the task to start")
     sandbox = int((tmp_path / "pid-1").read_text())
     w.send_signal(signal.SIGTERM)
     time.sleep(1.5)  # RQ ignores a second signal within a second of the first
