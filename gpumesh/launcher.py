@@ -114,8 +114,10 @@ def _parent_gone(parent: int) -> bool:
     try:
         with open(f"/proc/{parent}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # reaped in the meantime
     except (OSError, IndexError):
-        return True
+        return False  # unreadable (/proc mounted hidepid, another user): getppid() is the word
 
 
 def _remove_orphaned(script: str) -> None:
