@@ -120,14 +120,13 @@ def _parent_gone(parent: int) -> bool:
         return False  # unreadable (/proc mounted hidepid, another user): getppid() is the word
 
 
-def _remove_orphaned(script: str) -> None:
-    """The worker removes the attempt's directory when the attempt ends. Once it (or the zygote) has
-    died, nobody will: this supervisor, the last process of the attempt, removes it itself."""
-    workdir = os.path.dirname(script)
-    if os.path.basename(workdir).startswith(TASK_DIR_PREFIX):  # only the directory the worker made
+def remove_dir_of(path: str, prefix: str) -> None:
+    """Remove the directory that holds ``path``, if it is one gpumesh made (its name starts with ``prefix``)."""
+    directory = os.path.dirname(path)
+    if os.path.basename(directory).startswith(prefix):
         import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def supervise(
@@ -156,8 +155,10 @@ def supervise(
         os.setuid(int(uid))
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The worker removes the attempt's directory when the attempt ends. Once it (or the zygote) has
+    # died, nobody will: this supervisor, the last process of the attempt, removes it itself.
     if _parent_gone(int(parent)):  # the worker died before prctl took effect
-        _remove_orphaned(script)
+        remove_dir_of(script, TASK_DIR_PREFIX)
         return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
@@ -215,7 +216,7 @@ def supervise(
             continue
     orphaned = _parent_gone(int(parent))
     if orphaned:
-        _remove_orphaned(script)
+        remove_dir_of(script, TASK_DIR_PREFIX)
     # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
     # gone: then the worker must learn that instead, from its socket closing as this process exits.
     if report is not None and not orphaned:
@@ -265,7 +266,7 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
+    if _parent_gone(parent):
         sys.exit(70)
     ctrl = socket.socket(fileno=ctrl_fd)
     for name in preload:
@@ -372,7 +373,7 @@ def spare(ctrl_fd: int, parent: int) -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # in the worker's process group until the attempt's setsid
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
+    if _parent_gone(parent):
         return 70
     ctrl = socket.socket(fileno=ctrl_fd)
     msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 1)
@@ -403,7 +404,7 @@ def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imp
             os.close(fd)
         mine.close()
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != zygote_pid:
+        if _parent_gone(zygote_pid):
             os._exit(70)
         msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 4)
         theirs.close()
@@ -442,22 +443,11 @@ def _become_attempt(req: dict, fds: list[int], parent: int, report: int | None =
     return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting)
 
 
-def _forget_own_copy() -> None:
-    """A helper (zygote, spare) started from a private copy of this file has read it by now: remove the
-    copy, so nothing is left behind even if the worker is killed. Run as a module: nothing to do."""
-    here = os.path.abspath(sys.argv[0])
-    directory = os.path.dirname(here)
-    if os.path.basename(directory).startswith(COPY_DIR_PREFIX):
-        try:
-            os.unlink(here)
-            os.rmdir(directory)
-        except OSError:
-            pass
-
-
 def main(argv: list[str]) -> None:
     if argv and argv[0] in ("--zygote", "--spare"):
-        _forget_own_copy()
+        # A helper started from a private copy of this file has read it by now: remove the copy, so
+        # nothing is left behind even if the worker is killed. Run as a module: nothing to remove.
+        remove_dir_of(os.path.abspath(sys.argv[0]), COPY_DIR_PREFIX)
     if argv and argv[0] == "--zygote":
         ctrl_fd, parent, preload = argv[1:]
         zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from .launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX
+from .launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX, remove_dir_of
 from .warm import WarmProcess, Zygote
 
 # Variables a task may need from the worker's environment; everything else (the broker URL and
@@ -122,9 +122,7 @@ def launcher_command(python: str) -> list[str]:
 
 def forget_launcher_command(cmd: list[str]) -> None:
     """Remove the private copy of a :func:`launcher_command` that did not start."""
-    directory = os.path.dirname(cmd[-1])
-    if os.path.basename(directory).startswith(COPY_DIR_PREFIX):
-        shutil.rmtree(directory, ignore_errors=True)
+    remove_dir_of(cmd[-1], COPY_DIR_PREFIX)
 
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
