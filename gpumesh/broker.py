@@ -1,13 +1,14 @@
-"""Broker calls: connecting, submitting, reading and cancelling jobs, enqueueing deliveries, reaping.
+"""Broker calls: connecting, submitting, reading and cancelling jobs, delivering dispatched tasks, reaping.
 
 Everything a CLI command does goes through :class:`Broker`, so Python can do all the CLI can.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -17,9 +18,9 @@ from redis.retry import Retry
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from . import keys, scheduling, scripts
+from . import keys, requirements, scheduling, scripts
 from .errors import BrokerError, NotFound, UsageError
-from .models import TERMINAL, JobStatus, TaskResult, WorkerInfo, ts
+from .models import TERMINAL, JobStatus, TaskResult, Waiting, WorkerInfo, ts
 from .settings import Settings
 from .submit import Submitter
 
@@ -87,9 +88,10 @@ class Broker(Submitter):
         self.r = _client(self.url, decode=True, socket_timeout=timeout, retries=retries)
         self.rq = _client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
         self.scripts = scripts.Scripts(self.r)
-        self.queues = [
-            Queue(keys.queue_name(t), connection=self.rq, serializer=JSONSerializer) for t in range(settings.tiers)
-        ]
+
+    def queue(self, worker_id: str) -> Queue:
+        """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
+        return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer)
 
     @property
     def url_masked(self) -> str:
@@ -148,37 +150,61 @@ class Broker(Submitter):
         alive = {w for w, hb in beats if hb >= now - self.settings.worker_ttl * 1000}
         return now, {w: s for w, s in scores if w in alive}
 
-    def enqueue(self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None) -> None:
-        """Add RQ jobs (task id, tier, delivery) to ``pipe``; the id is deterministic, so a repeat is harmless."""
-        by_tier: dict[int, list[Any]] = {}
+    def deliver(self, queue: Queue, lease: scripts.Lease) -> None:
+        """The RQ job that carries a dispatched task to the worker holding its lease (RQ moves every task,
+        so rq-dashboard and ``rq info`` see each delivery). Its id names the attempt, so a repeat is harmless."""
         # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
-        backstop = int((timeout or 86400) + self.settings.lease_ttl + 60)
-        for task_id, tier, delivery in deliveries:
-            tier = min(max(tier, 0), self.settings.tiers - 1)
-            by_tier.setdefault(tier, []).append(
-                Queue.prepare_data(
-                    EXECUTOR,
-                    args=(task_id,),
-                    job_id=keys.rq_job_id(task_id, delivery),
-                    timeout=backstop,
-                    result_ttl=RESULT_TTL,
-                    failure_ttl=FAILURE_TTL,
-                    description=f"gpumesh task {task_id}",
-                )
-            )
-        for tier, datas in by_tier.items():
-            self.queues[tier].enqueue_many(datas, pipeline=pipe)
+        backstop = int(lease.timeout + self.settings.lease_ttl + 60)
+        data = Queue.prepare_data(
+            EXECUTOR,
+            args=(lease.task_id,),
+            job_id=keys.rq_job_id(lease.task_id, lease.attempt, lease.backup),
+            timeout=backstop,
+            result_ttl=RESULT_TTL,
+            failure_ttl=FAILURE_TTL,
+            description=f"gpumesh task {lease.task_id}" + (" (backup copy)" if lease.backup else ""),
+        )
+        with self.rq.pipeline() as p:
+            queue.enqueue_many([data], pipeline=p)
+            p.execute()
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def job_status(self, job_id: str) -> JobStatus:
+    def job_status(self, job_id: str, waiting: bool = False) -> JobStatus:
+        """A job's status; with ``waiting``, also which of its queued tasks no live worker may run."""
         try:
             h = self.r.hgetall(keys.job(job_id))
+            if not h:
+                raise NotFound(f"no job {job_id!r} on this broker; `gpumesh jobs` lists the jobs")
+            st = JobStatus.from_hash(job_id, h)
+            if waiting and st.tasks.queued:
+                st.waiting_for = self._waiting_for(job_id, h)
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
-        if not h:
-            raise NotFound(f"no job {job_id!r} on this broker; `gpumesh jobs` lists the jobs")
-        return JobStatus.from_hash(job_id, h)
+        return st
+
+    def live_resources(self) -> dict[str, dict[str, Any]]:
+        """Resources of every live worker (what requirements are checked against)."""
+        ids = sorted(self.live_scores())
+        with self.r.pipeline(transaction=False) as p:
+            for w in ids:
+                p.hget(keys.worker(w), "resources")
+            raw = p.execute()
+        return {w: json.loads(r) for w, r in zip(ids, raw) if r}
+
+    def _waiting_for(self, job_id: str, h: dict[str, str]) -> list[Waiting]:
+        classes = json.loads(h.get("classes") or "[[]]")
+        with self.r.pipeline(transaction=False) as p:
+            for k in range(len(classes)):
+                p.zcard(keys.pending(job_id, k))
+            counts = p.execute()
+        fleet = list(self.live_resources().values())
+        out = []
+        for reqs, n in zip(classes, counts):
+            parsed = [requirements.Requirement(*r) for r in reqs]
+            if n and not any(requirements.meets_all(parsed, res) for res in fleet):
+                out.append(Waiting(requires=[str(r) for r in parsed], tasks=n))
+        return out
 
     def task_ids(self, job_id: str) -> list[str]:
         self.job_status(job_id)
@@ -225,6 +251,7 @@ class Broker(Submitter):
                     state="busy" if h.get("current_task") else "idle",
                     current_task=h.get("current_task") or None,
                     last_heartbeat=ts(h.get("last_heartbeat")),
+                    resources=json.loads(h.get("resources") or "{}"),
                 )
             )
         return out
@@ -278,23 +305,10 @@ class Broker(Submitter):
     def retry(self, job_id: str) -> tuple[int, JobStatus]:
         """Re-queue every failed task of a job with a fresh set of attempts. Returns (tasks re-queued, status)."""
         ids = self.task_ids(job_id)
-        deliveries: list[tuple[str, int, int]] = []
+        n = 0
         for start in range(0, len(ids), 2000):
-            chunk = ids[start : start + 2000]
             with self.r.pipeline(transaction=False) as p:
-                for tid in chunk:
+                for tid in ids[start : start + 2000]:
                     scripts.retry(self.scripts, p, tid)
-                for tid, res in zip(chunk, p.execute()):
-                    if int(res[0]) == 1:
-                        deliveries.append((tid, int(res[2]), int(res[1])))
-        self.deliver(deliveries)
-        return len(deliveries), self.job_status(job_id)
-
-    def deliver(self, deliveries: list[tuple[str, int, int]]) -> None:
-        """Enqueue RQ deliveries (task id, tier, delivery number); ids are deterministic, so repeats are harmless."""
-        unique = list({(tid, d): (tid, tier, d) for tid, tier, d in deliveries}.values())
-        if not unique:
-            return
-        with self.r.pipeline(transaction=True) as p:
-            self.enqueue(p, unique)
-            p.execute()
+                n += sum(1 for res in p.execute() if int(res[0]) == 1)
+        return n, self.job_status(job_id)

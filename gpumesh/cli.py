@@ -125,12 +125,54 @@ def _job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[s
             name=opts["name"],
             timeout=opts["timeout"],
             max_attempts=opts["max_attempts"],
-            speculate=opts.get("speculate", False),
+            speculate=opts.get("speculate", True),
+            priority=opts.get("priority", 0),
+            requires=tuple(opts.get("require", ())),
         )
     except ValueError as exc:
         first = exc.errors()[0]  # type: ignore[attr-defined]
-        raise UsageError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+        flag = {"requires": "require"}.get(str(first["loc"][0]), str(first["loc"][0]))
+        raise UsageError(f"--{flag.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}") from None
     return source, payloads, options
+
+
+def job_options(f: Any) -> Any:
+    """The options every command that starts a job shares (submit, run)."""
+    for option in reversed(
+        [
+            click.option("--name", default="", help="A name for the job."),
+            click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt."),
+            click.option(
+                "--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails."
+            ),
+            click.option(
+                "--priority",
+                type=int,
+                default=0,
+                show_default=True,
+                help="Higher runs first: a worker takes work of the highest priority it can run. Jobs of equal "
+                "priority share the workers out, so a small job is not stuck behind a big one.",
+            ),  # fmt: skip
+            click.option(
+                "--require",
+                multiple=True,
+                metavar="EXPR",
+                help="Run every task only on workers that meet EXPR (repeatable): KEY=VALUE, KEY!=VALUE, "
+                "KEY>=NUMBER, KEY<=NUMBER or KEY~TEXT (substring), e.g. vram_gb>=40, gpu~a100, device=cuda. "
+                'A payload may add its own: "requires": ["vram_gb>=80"].',
+            ),  # fmt: skip
+            click.option(
+                "--speculate/--no-speculate",
+                default=True,
+                show_default=True,
+                help="Let a worker at least twice as strong run a backup copy of a straggler (a task on a much "
+                "weaker worker); the first result wins and the other copy is killed, so a task may run twice "
+                "at once.",
+            ),  # fmt: skip
+        ]
+    ):
+        f = option(f)
+    return f
 
 
 def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
@@ -146,16 +188,8 @@ def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobSt
 @main.command()
 @click.argument("script")
 @click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
-@click.option("--name", default="", help="A name for the job.")
-@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
-@click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
+@job_options
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
-@click.option(
-    "--speculate",
-    is_flag=True,
-    help="Once nothing is left queued, let an idle worker at least twice as strong run a backup copy of a "
-    "straggler; the first result wins and the other copy is killed.",
-)
 @click.option(
     "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
 )
@@ -180,8 +214,10 @@ def submit(
     """Submit SCRIPT with one task per payload; print the job id.
 
     The script reads its payload as JSON on stdin and prints its result as the last stdout line
-    (JSON). Payloads may carry "cost" (a positive number) so heavy tasks go to strong workers.
-    Everything is checked before anything is written; the job appears whole or not at all.
+    (JSON). Payloads may carry "cost" (a positive number): when a worker asks for work, the strongest
+    workers get the heaviest tasks. Everything is checked before anything is written; the job
+    appears whole or not at all. If no live worker meets some tasks' requirements, submit warns and
+    the tasks wait until one joins.
     """
     source, payloads, options = _job_input(script, payloads_spec, opts)
     broker = connect(ctx, url)
@@ -194,6 +230,9 @@ def submit(
     res = broker.submit(
         source, Path(script).name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires
     )
+    res.waiting_for = broker.job_status(res.job_id, waiting=True).waiting_for
+    for w in res.waiting_for:
+        err.print(f"warning: {render.waiting_line(w)}")
     if not wait:
         if as_json:
             emit_json(res.model_dump())
@@ -221,13 +260,15 @@ def submit(
 @json_option
 @click.pass_context
 def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
-    """Show a job's status and task counts."""
+    """Show a job's status and task counts, and which queued tasks no live worker may run."""
     broker = connect(ctx, url)
-    st = _wait(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id)
+    st = _wait(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id, waiting=True)
     if as_json:
         emit_json(st.model_dump(mode="json"))
     elif not watch:
         click.echo(render.status_line(st) + (f"  [{st.name}]" if st.name else ""))
+        for w in st.waiting_for:
+            click.echo("  " + render.waiting_line(w))
     if watch:
         exit_for(ctx, st)
 

@@ -17,7 +17,7 @@ import redis
 
 from . import render
 from .broker import Broker, translate
-from .cli import _job_input, connect, err, exit_for, json_option, main, url_option
+from .cli import _job_input, connect, err, exit_for, job_options, json_option, main, url_option
 from .errors import BrokerError, UsageError
 from .reaper import reap_once
 from .settings import Settings
@@ -74,6 +74,15 @@ def worker_options(f: Any) -> Any:
                 metavar="MODULES",
                 help="With --warm: modules the zygote imports once, e.g. torch,numpy (never initialises CUDA).",
             ),
+            click.option(
+                "--resource",
+                "resource",
+                multiple=True,
+                metavar="KEY=VALUE",
+                help="Declare a resource tasks may require (repeatable), next to what the probe finds (device, "
+                "gpu, vram_gb, vram_free_gb, cpu_cores, ram_gb) and overriding it, e.g. --resource vram_gb=80 "
+                "--resource dataset=imagenet.",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -83,9 +92,11 @@ def worker_options(f: Any) -> Any:
 
 def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
     from . import capability, logfmt
+    from .requirements import parse_resource
     from .worker import MeshWorker
 
     logfmt.setup(opts["log_level"], opts["log_format"])
+    declared = dict(parse_resource(r) for r in opts["resource"])
     broker = connect(ctx, url)
     if opts["gpus"] is not None:
         _supervise(ctx, broker, opts)
@@ -98,11 +109,14 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
         verifier = Verifier(trusted)
     sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
     cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
+    warning = getattr(capability, "warning", lambda c: None)(cap)  # TODO helper
+    if warning:
+        logging.getLogger("gpumesh.worker").warning(warning)
     cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
     zygote = _zygote(opts["warm"], opts["preload"], broker.settings.sandbox_python, cuda)
     w = MeshWorker(
         broker, cap, name=opts["name"], cuda_visible_devices=cuda, parent_pid=opts["exit_with_parent"],
-        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote,
+        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote, resources=declared,
     )  # fmt: skip
     try:
         w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
@@ -171,6 +185,7 @@ def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None
     args += ["--sandbox-user", opts["sandbox_user"]] if opts["sandbox_user"] else []
     args += ["--warm"] if opts["warm"] else []
     args += ["--preload", opts["preload"]] if opts["preload"] else []
+    args += [a for r in opts["resource"] for a in ("--resource", r)]
     sup = Supervisor(gpus, args, opts["name"] or socket.gethostname(), restart=not opts["burst"])
     ctx.exit(sup.run())
 
@@ -320,9 +335,7 @@ def serve(
 @click.option(
     "--local", "workers", default=2, show_default=True, type=click.IntRange(1, 64), help="Local workers to start."
 )
-@click.option("--name", default="", help="A name for the job.")
-@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt.")
-@click.option("--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails.")
+@job_options
 @click.option(
     "--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True
 )

@@ -85,13 +85,17 @@ class Executor:
         return src
 
     def run(self, task_id: str) -> dict[str, Any]:
-        lease = scripts.acquire(
-            self.broker.scripts, self.broker.r, task_id, self.w.worker_id, int(self.settings.lease_ttl * 1000)
-        )
-        if isinstance(lease, str):
-            log.info("skip %s: task is %s (duplicate or stale delivery)", task_id, lease)
-            return {"task_id": task_id, "skipped": lease}
+        """Run the task the dispatcher leased to this worker; any other delivery is skipped."""
+        lease = self.w.dispatched.pop(task_id, None)
+        if lease is None:
+            log.info("skip %s: not dispatched to this worker (a stale or foreign delivery)", task_id)
+            return {"task_id": task_id, "skipped": "not dispatched here"}
         return self.run_lease(lease)
+
+    def hand_back(self, lease: scripts.Lease, why: str) -> None:
+        """Return a leased task that never started, without spending its attempt."""
+        log.warning("%s: handing it back: %s", lease.task_id, why)
+        self._finish_quietly(Running(lease), why, release=True)
 
     def run_lease(self, lease: scripts.Lease) -> dict[str, Any]:
         """Run an acquired task, or a backup copy of a straggler (``lease.backup``), to its reported end."""
@@ -173,7 +177,13 @@ class Executor:
                 return self._fail(running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration)
             res = self._patiently(
                 lambda: scripts.complete(
-                    self.broker.scripts, self.broker.r, lease, self.w.worker_id, out.last_line, out.duration
+                    self.broker.scripts,
+                    self.broker.r,
+                    lease,
+                    self.w.worker_id,
+                    out.last_line,
+                    out.duration,
+                    self.w.capability.score_gflops,
                 )
             )
             if not res.accepted:
@@ -210,16 +220,8 @@ class Executor:
         return why
 
     def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:
-        """The fail script (fail, release or reject); a task back in queued gets its new delivery.
-
-        Only the script is retried by callers: a lost delivery is found again by the reaper's audit."""
-        res = scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, **mode)
-        if res.accepted and res.status == "queued":
-            try:
-                self.broker.deliver([(lease.task_id, res.tier, res.delivery)])
-            except redis.RedisError as exc:
-                log.warning("%s: re-queued, delivery deferred to the reaper (%s)", lease.task_id, exc)
-        return res
+        """The fail script (fail, release or reject); a task back in queued is pending again at once."""
+        return scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, **mode)
 
     def _fail(self, running: Running, error: str, duration: float, reject: bool = False) -> str:
         lease = running.lease

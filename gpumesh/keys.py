@@ -11,14 +11,16 @@ STAGING = (
 WORKERS = PREFIX + "workers"  # zset: worker id -> last heartbeat (ms, server time)
 SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
-QUEUED = PREFIX + "queued"  # zset: queued task id -> ms its delivery was last enqueued or checked (the audit)
+READY = PREFIX + "ready"  # zset: "<job>/<class>" with queued tasks -> the job's priority (what dispatch scans)
+IDLE = PREFIX + "idle"  # set: workers whose last dispatch found nothing they may run (woken when work arrives)
+FLEET = PREFIX + "fleet"  # hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
 STATS_DURATION = PREFIX + "stats:duration"  # hash: task duration histogram (per-bucket counts, sum, count)
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 
-QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>
+QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names: gpumesh-w-<worker id>, each worker's own deliveries
 
 
 def job(job_id: str) -> str:
@@ -49,8 +51,27 @@ def lease(task_id: str) -> str:
     return f"{PREFIX}lease:{task_id}"
 
 
-def queue_name(tier: int) -> str:
-    return f"{QUEUE_PREFIX}{tier}"
+def pending(job_id: str, klass: int) -> str:
+    """zset: the job's queued tasks of one requirement class, member = zero-padded index, score = cost."""
+    return f"{PREFIX}job:{job_id}:pending:{klass}"
+
+
+def ready_member(job_id: str, klass: int) -> str:
+    return f"{job_id}/{klass}"
+
+
+def wake(worker_id: str) -> str:
+    """list: a token here wakes an idle worker blocked on it (new work may fit it)."""
+    return f"{PREFIX}wake:{worker_id}"
+
+
+def queue_name(worker_id: str) -> str:
+    return f"{QUEUE_PREFIX}{worker_id}"
+
+
+def pending_member(index: int) -> str:
+    """Fixed width, so equal costs are taken in payload order (zsets order ties by member)."""
+    return f"{index:08d}"
 
 
 def task_id(job_id: str, index: int) -> str:
@@ -61,6 +82,6 @@ def job_of_task(task_id: str) -> str:
     return task_id.rsplit("-", 1)[0]
 
 
-def rq_job_id(task_id: str, delivery: int) -> str:
-    """Deterministic RQ job id per delivery (submit = 1, each requeue +1): re-enqueueing is idempotent."""
-    return f"{task_id}_{delivery}"
+def rq_job_id(task_id: str, attempt: int, backup: bool = False) -> str:
+    """The RQ job that carries one dispatched attempt (or backup copy) to the worker that holds its lease."""
+    return f"{task_id}_{'b' if backup else ''}{attempt}"

@@ -37,17 +37,24 @@ class MeshCollector:
         t0 = time.perf_counter()
         b.r.ping()
         rtt = time.perf_counter() - t0
+        ready = b.r.zrange(keys.READY, 0, -1, withscores=True)
         with b.r.pipeline(transaction=False) as p:
-            for q in b.queues:
-                p.llen(q.key)
+            for member, _prio in ready:
+                job_id, klass = member.rsplit("/", 1)
+                p.zcard(keys.pending(job_id, int(klass)))
             p.hgetall(keys.STATS)
             p.hgetall(keys.STATS_DURATION)
             res = p.execute()
-        depths, stats, hist = res[: len(b.queues)], res[-2], res[-1]
+        depths, stats, hist = res[: len(ready)], res[-2], res[-1]
 
-        g = GaugeMetricFamily("gpumesh_queue_depth", "RQ deliveries waiting in each tier queue", labels=["tier"])
-        for tier, depth in enumerate(depths):
-            g.add_metric([str(tier)], depth)
+        queued: Counter[str] = Counter()
+        for (_member, prio), depth in zip(ready, depths):
+            queued[str(int(prio))] += depth
+        g = GaugeMetricFamily(
+            "gpumesh_queue_depth", "Queued tasks waiting for a worker, by priority", labels=["priority"]
+        )
+        for prio, depth in sorted(queued.items()):
+            g.add_metric([prio], depth)
         yield g
 
         live = Counter((str(w.tier), w.device) for w in b.workers())
@@ -62,7 +69,7 @@ class MeshCollector:
         yield c
 
         c = CounterMetricFamily(
-            "gpumesh_backup_copies", "Backup copies of stragglers (submit --speculate)", labels=["outcome"]
+            "gpumesh_backup_copies", "Backup copies of stragglers (speculation)", labels=["outcome"]
         )
         c.add_metric(["started"], int(stats.get("speculated", 0)))
         c.add_metric(["won"], int(stats.get("speculative_wins", 0)))

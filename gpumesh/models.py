@@ -7,9 +7,10 @@ import math
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from .errors import UsageError
+from .requirements import parse_all
 
 TaskState = Literal["queued", "running", "done", "failed", "cancelled"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -32,7 +33,20 @@ def _check_cost(payload: dict[str, Any]) -> dict[str, Any]:
         cost = payload["cost"]
         if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost <= 0:
             raise ValueError(f"cost must be a positive number, got {json.dumps(cost)}")
+    if "requires" in payload:
+        reqs = payload["requires"]
+        if not isinstance(reqs, list):
+            raise ValueError(f'requires must be a list of requirements such as ["vram_gb>=40"], got {json.dumps(reqs)[:60]}')
+        try:
+            parse_all(reqs, "requires")
+        except UsageError as exc:
+            raise ValueError(str(exc)) from None
     return payload
+
+
+def payload_requires(payload: dict[str, Any]) -> list[str]:
+    reqs = payload.get("requires")
+    return reqs if isinstance(reqs, list) else []
 
 
 Payload = Annotated[dict[str, Any], AfterValidator(_check_cost)]
@@ -71,7 +85,24 @@ class JobOptions(BaseModel):
     name: str = Field("", max_length=200)
     timeout: float = Field(3600.0, gt=0, description="wall-clock seconds per attempt")
     max_attempts: int = Field(3, ge=1, le=100)
-    speculate: bool = Field(False, description="back up a straggler on a stronger idle worker at the job's end")
+    speculate: bool = Field(True, description="let a much stronger worker run a backup copy of a straggler")
+    priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="higher runs first")
+    requires: tuple[str, ...] = Field((), description="requirements every task of the job has (EXPR)")
+
+    @field_validator("timeout")
+    @classmethod
+    def _finite_timeout(cls, v: float) -> float:
+        if not math.isfinite(v) or v > 365 * 86400:
+            raise ValueError("must be a finite number of seconds, at most a year")
+        return v
+
+    @field_validator("requires")
+    @classmethod
+    def _valid_requires(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        try:
+            return tuple(str(r) for r in parse_all(v))
+        except UsageError as exc:
+            raise ValueError(str(exc).removeprefix("--require: ")) from None
 
 
 class TaskCounts(BaseModel):
@@ -83,15 +114,24 @@ class TaskCounts(BaseModel):
     cancelled: int = 0
 
 
+class Waiting(BaseModel):
+    """Queued tasks that no live worker may run: what they require, and how many there are."""
+
+    requires: list[str]
+    tasks: int
+
+
 class JobStatus(BaseModel):
     """``gpumesh status --json``."""
 
     job_id: str
     name: str
     status: JobState
+    priority: int = 0
     tasks: TaskCounts
     created_at: datetime | None
     finished_at: datetime | None
+    waiting_for: list[Waiting] = Field(default_factory=list)
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:
@@ -100,6 +140,7 @@ class JobStatus(BaseModel):
             job_id=job_id,
             name=h.get("name", ""),
             status=h["status"],
+            priority=int(h.get("priority", 0)),
             tasks=counts,
             created_at=ts(h.get("created_at")),
             finished_at=ts(h.get("finished_at")),
@@ -116,6 +157,8 @@ class SubmitResult(BaseModel):
     job_id: str
     tasks: int
     tiers: dict[str, int]
+    priority: int = 0
+    waiting_for: list[Waiting] = Field(default_factory=list)
 
 
 class TaskResult(BaseModel):
@@ -145,13 +188,38 @@ class TaskResult(BaseModel):
 
 
 class Capability(BaseModel):
-    """What a worker's probe and benchmark found."""
+    """What a worker's probe and benchmark found.
+
+    The resource fields have defaults so that a cache file written before they existed still loads
+    (``capability.probe`` fills in the host's cores and RAM for such a file). Sizes are GiB (2**30 bytes),
+    as ``torch`` and ``free -g`` count them, rounded to 0.1."""
 
     device: Literal["cuda", "mps", "cpu"]
     device_name: str
-    memory_bytes: int
+    memory_bytes: int  # the device's memory for cuda, else the machine's RAM
     score_gflops: float
     backend: str
+    cpu_cores: int = 0  # cores this process may run on (0: not probed, an old cache file)
+    ram_gb: float = 0.0
+    vram_gb: float | None = None  # cuda only: MPS shares the machine's RAM, a CPU has none
+    vram_free_gb: float | None = None  # cuda only, free when probed: a hint, other processes come and go
+    # False for the pure-Python backend: its score is ~1000x below numpy's on the same machine and
+    # mostly measures the interpreter, so it must not be ranked against numpy or torch scores.
+    comparable: bool = True
+
+    def resources(self) -> dict[str, str | float]:
+        """What tasks can require of this worker (``--require vram_gb>=40``); unknown ones are left out."""
+        res: dict[str, str | float] = {
+            "device": self.device,
+            "gpu": self.device_name,
+            "cpu_cores": self.cpu_cores,
+            "ram_gb": self.ram_gb,
+        }
+        if self.vram_gb is not None:
+            res["vram_gb"] = self.vram_gb
+        if self.vram_free_gb is not None:
+            res["vram_free_gb"] = self.vram_free_gb
+        return res
 
 
 class WorkerInfo(BaseModel):
@@ -167,3 +235,4 @@ class WorkerInfo(BaseModel):
     state: Literal["idle", "busy"]
     current_task: str | None
     last_heartbeat: datetime | None
+    resources: dict[str, Any] = Field(default_factory=dict)

@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .models import Capability, JobStatus, TaskResult, WorkerInfo
+from .models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo
 
 err = Console(stderr=True, highlight=False)
 
@@ -77,6 +77,17 @@ def status_line(st: JobStatus, rate: Rate | None = None) -> str:
         if speed != "-":
             line += f" ({speed}, ETA {eta})"
     return line
+
+
+def waiting_line(w: Waiting) -> str:
+    """Why queued tasks do not run: no live worker meets what they require."""
+    if not w.requires:
+        return f"{w.tasks} task(s) wait: no worker is live (start one with `gpumesh worker URL`)"
+    what = ", ".join(w.requires)
+    return (
+        f"{w.tasks} task(s) wait for a worker with {what}: no live worker has it (`gpumesh workers --json` "
+        "shows what each offers; a worker declares more with --resource KEY=VALUE)"
+    )
 
 
 def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -> JobStatus:
@@ -172,13 +183,16 @@ def workers_table(rows: Iterable[WorkerInfo]) -> Table:
 
 
 def jobs_table(rows: Iterable[JobStatus]) -> Table:
-    table = _table("job", "name", "status", "done", "running", "queued", "failed", "total", "created", title="jobs")
+    table = _table(
+        "job", "name", "status", "priority", "done", "running", "queued", "failed", "total", "created", title="jobs"
+    )
     for r in rows:
         t = r.tasks
         created = r.created_at.strftime("%Y-%m-%d %H:%M:%S") if r.created_at else ""
         table.add_row(
-            r.job_id, r.name, r.status, str(t.done), str(t.running), str(t.queued), str(t.failed), str(t.total), created
-        )
+            r.job_id, r.name, r.status, str(r.priority), str(t.done), str(t.running), str(t.queued), str(t.failed),
+            str(t.total), created,
+        )  # fmt: skip
     return table
 
 
@@ -187,10 +201,19 @@ def top_view(workers: list[WorkerInfo], jobs: list[JobStatus]) -> Group:
 
 
 def capability_table(cap: Capability) -> Table:
-    table = _table("device", "name", "memory", "GFLOP/s", "backend")
-    table.add_row(
-        cap.device, cap.device_name, f"{cap.memory_bytes / 2**30:.1f} GiB", f"{cap.score_gflops:.1f}", cap.backend
-    )
+    """One row: what a task can require of this machine, and its score; a score that cannot be ranked
+    against numpy or torch machines says so in its own cell, where it is read."""
+    vram = cap.vram_gb is not None
+    headers = ["device", "name", "cores", "RAM"] + (["VRAM"] if vram else []) + ["GFLOP/s", "backend"]
+    table = _table(*headers)
+    cells = [cap.device, cap.device_name, str(cap.cpu_cores or "?"), f"{cap.ram_gb:.1f} GiB" if cap.ram_gb else "?"]
+    if vram:
+        free = f" ({cap.vram_free_gb:.1f} free)" if cap.vram_free_gb is not None else ""
+        cells.append(f"{cap.vram_gb:.1f} GiB{free}")
+    # A pure-Python score is below 0.1: show its digits, not "0.0".
+    score = f"{cap.score_gflops:.1f}" if cap.score_gflops >= 10 else f"{cap.score_gflops:.3g}"
+    cells += [score if cap.comparable else f"{score} (not comparable)", cap.backend]
+    table.add_row(*cells)
     return table
 
 

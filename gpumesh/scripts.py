@@ -6,7 +6,7 @@ Redis restart costs one extra round trip, never an error. Return codes become ty
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -16,7 +16,7 @@ from redis.commands.core import Script
 
 from . import keys
 
-NAMES = ("acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry", "speculate")
+NAMES = ("dispatch", "acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry", "speculate", "wake")
 
 
 @cache
@@ -54,6 +54,8 @@ class Lease:
     expires_at: float = 0.0
     server_ms: int = 0
     backup: bool = False  # a speculative copy of a task another worker runs (speculate.lua)
+    fleet_version: str = ""  # dispatch: the registered fleet's version when this task was placed
+    backup_mode: str = ""  # a backup copy: 'idle' (end of its job) or 'straggler' (a stronger worker joined)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,7 @@ class Outcome:
 
     accepted: bool
     status: str  # new status when accepted, else why not ('stale', 'cancelled', 'missing', ...)
-    delivery: int = 0  # when requeued: the delivery number that names the new RQ job
-    tier: int = 0
+    attempts: int = 0  # when requeued or failed: attempts spent so far
 
 
 def _task_keys(task_id: str, *extra: str) -> list[str]:
@@ -77,10 +78,22 @@ def _task_keys(task_id: str, *extra: str) -> list[str]:
     ]
 
 
+def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | str:
+    """The task this worker should run now (dispatch.lua), leased to it; else the fleet version as a string."""
+    r = s["dispatch"](
+        keys=[keys.READY, keys.SCORES, keys.FLEET, keys.worker(worker_id), keys.LEASES, keys.EVENTS, keys.IDLE],
+        args=[worker_id, lease_ms, score],
+        client=client,
+    )
+    if int(r[0]) != 1:
+        return str(r[2])
+    return _lease(r[14], r[:15], fleet_version=str(r[15]))
+
+
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
-    """Lease a queued task; a string says why not (its status or 'missing')."""
+    """Lease one named queued task; a string says why not (its status or 'missing')."""
     r = s["acquire"](
-        keys=_task_keys(task_id, keys.worker(worker_id), keys.QUEUED),
+        keys=_task_keys(task_id, keys.worker(worker_id), keys.READY),
         args=[task_id, worker_id, lease_ms],
         client=client,
     )
@@ -88,30 +101,40 @@ def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int
 
 
 def speculate(
-    s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int, score: float, speedup: float
-) -> Lease | str:
+    s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int, score: float, speedup: float,
+    mode: str = "idle",
+) -> Lease | str:  # fmt: skip
     """Start a backup copy of a running straggler; a string says why not."""
     r = s["speculate"](
         keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.worker(worker_id), keys.SCORES, keys.STATS],
-        args=[task_id, worker_id, lease_ms, score, speedup],
+        args=[task_id, worker_id, lease_ms, score, speedup, mode],
         client=client,
     )
-    return _lease(task_id, r, backup=True)
+    lease = _lease(task_id, r, backup=True)
+    return lease if isinstance(lease, str) else replace(lease, backup_mode=mode)
 
 
-def _lease(task_id: str, r: list[Any], backup: bool = False) -> Lease | str:
+def _lease(task_id: str, r: list[Any], backup: bool = False, fleet_version: str = "") -> Lease | str:
     if int(r[0]) != 1:
         return r[1]
     return Lease(
         task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]), int(r[9]), r[10], r[11],
-        float(r[12]), int(r[13]), backup,
+        float(r[12]), int(r[13]), backup, fleet_version,
     )  # fmt: skip
 
 
-def complete(s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float) -> Outcome:
+def wake(s: Scripts, client: Any) -> Any:
+    """Wake every idle worker: new work is takeable (submit, retry)."""
+    return s["wake"](keys=[keys.IDLE], args=[], client=client)
+
+
+def complete(
+    s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0
+) -> Outcome:
+    """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes."""
     r = s["complete"](
         keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION),
-        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}"],
+        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score],
         client=client,
     )
     return Outcome(int(r[0]) == 1, r[1])
@@ -123,13 +146,13 @@ def fail(
 ) -> Outcome:  # fmt: skip
     mode = "reject" if reject else ("release" if release else "fail")
     r = s["fail"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.QUEUED, keys.STATS),
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE),
         args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode],
         client=client,
     )
     if int(r[0]) != 1:
         return Outcome(False, r[1])
-    return Outcome(True, r[1], int(r[2]), int(r[3]))
+    return Outcome(True, r[1], int(r[2]))
 
 
 @dataclass(frozen=True)
@@ -153,22 +176,22 @@ def heartbeat(
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:
-    return s["reap"](keys=_task_keys(task_id, keys.QUEUED, keys.STATS), args=[task_id], client=client)
+    return s["reap"](keys=_task_keys(task_id, keys.READY, keys.STATS, keys.IDLE), args=[task_id], client=client)
 
 
 def reap_outcome(r: list[Any]) -> Outcome:
     if r[0] in ("queued", "failed"):
-        return Outcome(True, r[0], int(r[1]), int(r[2]))
+        return Outcome(True, r[0], int(r[1]))
     return Outcome(False, r[0])
 
 
 def cancel(s: Scripts, client: Any, task_id: str) -> Any:
-    return s["cancel"](keys=_task_keys(task_id, keys.QUEUED), args=[task_id], client=client)
+    return s["cancel"](keys=_task_keys(task_id, keys.READY), args=[task_id], client=client)
 
 
 def retry(s: Scripts, client: Any, task_id: str) -> Any:
     return s["retry"](
-        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.QUEUED],
+        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.READY, keys.IDLE],
         args=[task_id],
         client=client,
     )

@@ -1,8 +1,11 @@
-"""Submit: validated input becomes a job, its tasks and their RQ deliveries, visible all at once.
+"""Submit: validated input becomes a job and its queued tasks, visible all at once.
 
+Nothing about placement is decided here (dispatch.lua decides when a worker asks). A task is a
+small hash plus one member of its job's pending zset for its requirement class; no RQ job exists
+until a worker takes the task, so a queued task costs a few hundred bytes of broker memory.
 A job of up to STAGE_ABOVE tasks is written in one MULTI/EXEC; a larger one in stages (claim, tasks
-in chunks, one MULTI/EXEC to make it visible, deliveries in chunks), so neither the client nor
-Redis's MULTI buffer holds it whole. :class:`Submitter` is a part of :class:`gpumesh.broker.Broker`.
+in chunks, one MULTI/EXEC to make it visible), so neither the client nor Redis's MULTI buffer holds
+it whole. :class:`Submitter` is a part of :class:`gpumesh.broker.Broker`.
 """
 
 from __future__ import annotations
@@ -16,22 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import keys, scheduling
+from . import keys, requirements, scheduling, scripts
 from .errors import BrokerError, UsageError
-from .models import JobOptions, SubmitResult, payload_cost
+from .models import JobOptions, SubmitResult, payload_cost, payload_requires
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from .settings import Settings
 
 STAGE_ABOVE = 10_000  # a larger job is written in stages (Submitter._submit_staged); a smaller one in one MULTI/EXEC
-STAGE_CHUNK = 5_000  # tasks per round trip while staging and delivering
+STAGE_CHUNK = 5_000  # tasks per round trip while staging
 
 
 @dataclass(frozen=True)
 class _Job:
-    """What submit writes for one job (ids, costs and tiers already decided)."""
+    """What submit writes for one job (ids, costs and requirement classes already decided)."""
 
     id: str
     sha: str
@@ -39,29 +40,45 @@ class _Job:
     script_name: str
     payloads: list[dict[str, Any]]
     costs: list[float]
-    tiers: list[int]
+    classes: list[int]  # requirement class of each task (index into class_reqs)
+    class_reqs: list[tuple[requirements.Requirement, ...]]
     options: JobOptions
     created: float
     per_tier: dict[str, int]
 
-    def delivery_order(self) -> list[int]:
-        return sorted(range(len(self.payloads)), key=lambda i: (-self.costs[i], i))  # heaviest first in each tier
+
+def requirement_classes(
+    payloads: list[dict[str, Any]], job_requires: tuple[str, ...]
+) -> tuple[list[int], list[tuple[requirements.Requirement, ...]]]:
+    """Each task's requirement class: tasks that require the same set share one pending zset."""
+    base = requirements.parse_all(job_requires)
+    index: dict[tuple[str, ...], int] = {requirements.canonical(base): 0}
+    reqs: list[tuple[requirements.Requirement, ...]] = [base]
+    classes = [0] * len(payloads)
+    for i, payload in enumerate(payloads):
+        own = payload_requires(payload)
+        if not own:
+            continue
+        merged = base + requirements.parse_all(own, f"payloads[{i}].requires")
+        key = requirements.canonical(merged)
+        if key not in index:
+            index[key] = len(reqs)
+            reqs.append(tuple(requirements.parse(e) for e in key))
+        classes[i] = index[key]
+    return classes, reqs
 
 
 class Submitter:
-    """Broker's submit methods (it provides ``r``, ``url``, ``settings``, ``_live`` and ``enqueue``)."""
+    """Broker's submit methods (it provides ``r``, ``url``, ``settings``, ``scripts`` and ``_live``)."""
 
     r: redis.Redis
     url: str
     settings: Settings
+    scripts: Any
 
     if TYPE_CHECKING:  # provided by Broker; declared here for the type checker only
 
         def _live(self) -> tuple[int, dict[str, float]]: ...
-
-        def enqueue(
-            self, pipe: Any, deliveries: Iterable[tuple[str, int, int]], timeout: float | None = None
-        ) -> None: ...
 
     def submit(
         self,
@@ -89,15 +106,20 @@ class Submitter:
         else:
             job_id = uuid.uuid4().hex[:12]
         costs = [payload_cost(p) for p in payloads]
+        classes, class_reqs = requirement_classes(payloads, options.requires)
         try:
             now_ms, scores = self._live()
+            # Only a forecast for the submitter (where the tasks would go on the fleet as it is now):
+            # placement itself is decided by dispatch.lua when a worker asks.
             tiers = scheduling.assign_task_tiers(costs, scheduling.tier_capacity(scores, self.settings.tiers))
             created = now_ms / 1000
             per_tier: dict[str, int] = {}
             for t in sorted(tiers):
                 per_tier[str(t)] = per_tier.get(str(t), 0) + 1
+            job = _Job(
+                job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier
+            )
             if len(payloads) > STAGE_ABOVE:
-                job = _Job(job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
                 return self._submit_staged(job, request, idempotency_key, signer, created + expires_in)
             with self.r.pipeline(transaction=True) as p:
                 if idempotency_key:
@@ -106,7 +128,7 @@ class Submitter:
                     if existing[0] is not None:
                         return self._same_request(job_id, existing, request, idempotency_key)
                     p.multi()
-                self._write_job(p, job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
+                self._write_job(p, job)
                 if signer is not None:
                     self._sign(p, signer, job_id, sha, payloads, options, created + expires_in)
                 if idempotency_key:
@@ -119,7 +141,7 @@ class Submitter:
             from .broker import translate  # broker.py imports this module
 
             raise translate(exc, self.url) from None
-        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier)
+        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier, priority=options.priority)
 
     @staticmethod
     def _sign(
@@ -146,40 +168,35 @@ class Submitter:
             )
         return SubmitResult(job_id=job_id, tasks=int(existing[1]), tiers=json.loads(existing[2]))
 
-    def _write_job(
-        self, p: Any, job_id: str, sha: str, source: str, script_name: str, payloads: list[dict[str, Any]],
-        costs: list[float], tiers: list[int], options: JobOptions, created: float, per_tier: dict[str, int],
-    ) -> None:  # fmt: skip
-        job = _Job(job_id, sha, source, script_name, payloads, costs, tiers, options, created, per_tier)
-        p.set(keys.script(sha), source, nx=True)
-        self._write_tasks(p, job, 0, len(payloads))
+    def _write_job(self, p: Any, job: _Job) -> None:
+        p.set(keys.script(job.sha), job.source, nx=True)
+        self._write_tasks(p, job, 0, len(job.payloads))
         self._make_visible(p, job)
-        self.enqueue(p, ((keys.task_id(job_id, i), tiers[i], 1) for i in job.delivery_order()), options.timeout)
 
     @staticmethod
     def _write_tasks(p: Any, job: _Job, start: int, stop: int) -> None:
-        """Tasks ``start..stop`` and their place in the job's task list; not yet visible to anyone."""
+        """Tasks ``start..stop``, their place in the job's task list and in its pending zsets; not yet
+        visible to anyone (no worker looks at a job before it is in the ready index).
+
+        A task hash holds only what differs between tasks (the job hash holds the rest), and a
+        default cost or class is not written: a queued task costs a few hundred bytes."""
         task_ids = [keys.task_id(job.id, i) for i in range(start, stop)]
         p.rpush(keys.job_tasks(job.id), *task_ids)
+        pending: dict[int, dict[str, float]] = {}
         for i, tid in zip(range(start, stop), task_ids):
-            p.hset(
-                keys.task(tid),
-                mapping={
-                    "job": job.id,
-                    "index": i,
-                    "payload": json.dumps(job.payloads[i]),
-                    "cost": job.costs[i],
-                    "tier": job.tiers[i],
-                    "status": "queued",
-                    "attempts": 0,
-                    "deliveries": 1,
-                    "max_attempts": job.options.max_attempts,
-                },
-            )
+            fields: dict[str, Any] = {"index": i, "payload": json.dumps(job.payloads[i]), "status": "queued"}
+            if job.costs[i] != 1.0:
+                fields["cost"] = job.costs[i]
+            if job.classes[i]:
+                fields["class"] = job.classes[i]
+            p.hset(keys.task(tid), mapping=fields)
+            pending.setdefault(job.classes[i], {})[keys.pending_member(i)] = job.costs[i]
+        for klass, members in pending.items():
+            p.zadd(keys.pending(job.id, klass), members)
 
-    @staticmethod
-    def _make_visible(p: Any, job: _Job) -> None:
-        """The job hash, the jobs index and the audit's queued set: after this the job exists for everyone."""
+    def _make_visible(self, p: Any, job: _Job) -> None:
+        """The job hash, the jobs index and the ready index: after this the job exists for everyone, and
+        idle workers are woken to take its tasks."""
         options, total = job.options, len(job.payloads)
         p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
         p.hset(
@@ -191,6 +208,9 @@ class Submitter:
                 "script_name": job.script_name,
                 "timeout": options.timeout,
                 "max_attempts": options.max_attempts,
+                "priority": options.priority,
+                "classes": json.dumps([[[r.key, r.op, r.value] for r in reqs] for reqs in job.class_reqs]),
+                "pending_cost": repr(float(sum(job.costs))),
                 "status": "queued",
                 "total": total,
                 "queued": total,
@@ -203,13 +223,9 @@ class Submitter:
                 "speculate": int(options.speculate),
             },
         )
-        created_ms = int(job.created * 1000)
-        for start in range(0, total, STAGE_CHUNK):
-            p.zadd(
-                keys.QUEUED,
-                {keys.task_id(job.id, i): created_ms for i in range(start, min(total, start + STAGE_CHUNK))},
-            )
         p.zadd(keys.JOBS, {job.id: job.created})
+        p.zadd(keys.READY, {keys.ready_member(job.id, k): options.priority for k in sorted(set(job.classes))})
+        scripts.wake(self.scripts, p)
         p.xadd(keys.EVENTS, {"kind": "job", "id": job.id, "status": "queued"}, maxlen=10000, approximate=True)
 
     def _submit_staged(
@@ -220,9 +236,7 @@ class Submitter:
         1. Claim the job id in ``gpumesh:staging`` (a concurrent submit with the same idempotency key
            waits for ours), then stage the tasks chunk by chunk, invisible; the reaper deletes what a
            submitter that died here left behind.
-        2. One MULTI/EXEC makes the whole job visible at once.
-        3. Deliver chunk by chunk, heaviest first; a delivery lost to a crash here is found by the
-           reaper's audit of queued tasks, like any lost delivery."""
+        2. One MULTI/EXEC makes the whole job visible at once."""
         r, total = self.r, len(job.payloads)
         if idempotency_key:
             existing = r.hmget(keys.job(job.id), "request", "total", "tiers")
@@ -245,13 +259,7 @@ class Submitter:
             if idempotency_key:
                 p.hset(keys.job(job.id), "request", request)
             p.execute()  # the staging entry stays (the reaper drops it later): it is the claim on this job id
-        order = job.delivery_order()
-        for start in range(0, total, STAGE_CHUNK):
-            with r.pipeline(transaction=False) as p:
-                chunk = order[start : start + STAGE_CHUNK]
-                self.enqueue(p, ((keys.task_id(job.id, i), job.tiers[i], 1) for i in chunk), job.options.timeout)
-                p.execute()
-        return SubmitResult(job_id=job.id, tasks=total, tiers=job.per_tier)
+        return SubmitResult(job_id=job.id, tasks=total, tiers=job.per_tier, priority=job.options.priority)
 
     def _await_other_submit(self, job_id: str, request: str, key: str, patience: float = 120.0) -> SubmitResult:
         """A concurrent submit with the same idempotency key is staging this job: its result is ours."""

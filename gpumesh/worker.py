@@ -1,13 +1,20 @@
 """``gpumesh worker``: an RQ SimpleWorker that runs only gpumesh's executor, under leases.
 
+Work is placed when the worker asks for it: ``dispatch.lua`` picks, against the live fleet, the task
+this worker should run now and leases it in the same step; the worker then delivers that task to its
+own RQ queue and RQ runs it (so rq-dashboard and ``rq info`` see every delivery). A worker that finds
+nothing waits on its wake list, which every submit, retry and requeue fills. A much stronger worker
+also backs up stragglers (speculate.lua): when a stronger worker joins after a weak one took a heavy
+task, and at the end of a job.
+
 The worker process itself never initialises CUDA: the benchmark and every task run in child
 processes. A heartbeat thread renews the registration and the current lease, learns about
-cancellation, recomputes the tier from the live scores (and so the queue order), and takes its turn
-as the mesh's reaper.
+cancellation, and takes its turn as the mesh's reaper.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -33,6 +40,13 @@ from .sandbox import Limits
 log = logging.getLogger("gpumesh.worker")
 
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
+STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
+
+
+def fleet_changed(p: Any) -> None:
+    """A worker joined or left: the dispatcher recounts the fleet, and workers look for stragglers again."""
+    p.hset(keys.FLEET, "dirty", 1)
+    p.hincrby(keys.FLEET, "v", 1)
 
 
 def refusal(job: Job) -> str | None:
@@ -70,6 +84,7 @@ class MeshWorker(SimpleWorker):
         verifier: Any = None,
         sandbox_user: tuple[int, int] | None = None,
         zygote: Any = None,
+        resources: dict[str, str] | None = None,
     ) -> None:
         self.broker = broker
         self.settings = broker.settings
@@ -81,9 +96,13 @@ class MeshWorker(SimpleWorker):
         self.zygote = zygote  # warm.Zygote in --warm mode: tasks fork from it instead of a new interpreter
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
+        self.resources = {**capability.resources(), **(resources or {})}  # declared ones override the probe
         self.executor = executor.Executor(self)
-        self._order = list(range(self.settings.tiers - 1, -1, -1))
-        self._published: list[int] | None = None
+        self.my_queue = broker.queue(self.worker_id)
+        self.dispatched: dict[str, scripts.Lease] = {}  # task id -> lease delivered to our own queue
+        self._fleet_now = ""  # the registered fleet's version, from the last dispatch
+        self._fleet_seen: str | None = None  # the version our last straggler scan looked at
+        self._published: int | None = None  # the tier last written to our registration (display only)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
@@ -93,7 +112,7 @@ class MeshWorker(SimpleWorker):
         self.logs = LogShipper(broker.r)
         self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         super().__init__(
-            [q.name for q in broker.queues],
+            [self.my_queue],
             name=self.worker_id,
             connection=broker.rq,
             serializer=JSONSerializer,
@@ -104,61 +123,139 @@ class MeshWorker(SimpleWorker):
 
     @property
     def dequeue_timeout(self) -> int:
-        # Short blocking pops, so a change of tier (a worker joined or died) applies within a heartbeat.
+        # How long an idle worker sleeps on its wake list before asking again (wake-ups come sooner).
         return max(1, math.ceil(self.settings.heartbeat_interval))
 
-    @property
-    def _ordered_queues(self) -> list[Any]:
-        # RQ reads this before every blocking pop, so a tier change applies at the next pop.
-        by_name = {q.name: q for q in self.queues}
-        return [by_name[keys.queue_name(t)] for t in self._order]
-
-    @_ordered_queues.setter
-    def _ordered_queues(self, _value: list[Any]) -> None:
-        pass  # the order is the scheduler's, not RQ's dequeue strategy
-
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        # Pop with RQ's own idle limit set to one pop: when every queue stayed empty that long, this
-        # worker is idle, the moment to back up a straggler (submit --speculate), then pop again.
-        if timeout is None or max_idle_time is not None:  # burst mode, or an idle limit of the caller's
-            return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-        while True:
-            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
-            if result is not None or self._stop_requested or self.fatal:
-                return result
-            try:
-                self._speculate()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("could not look for stragglers (%s)", exc)
+        """Ask the dispatcher for work, deliver it to our own queue and let RQ pop it; idle, sleep until woken.
 
-    def _speculate(self) -> None:
-        """Run a backup copy of the running task this worker would most likely finish first, if any."""
+        ``timeout`` None is burst mode: return None as soon as there is nothing this worker may run."""
+        idle_since = time.monotonic()
+        while not (self._stop_requested or self.fatal):
+            try:
+                if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
+                    result = super().dequeue_job_and_maintain_ttl(None)
+                    if result is not None:
+                        return result
+                    self._hand_back_all("its delivery vanished from the worker's queue")
+                lease = self._next_lease()
+                if lease is not None:
+                    self._deliver(lease)
+                    continue
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("broker unreachable while asking for work (%s); waiting for it", exc)
+                self._wait_for_broker()
+                continue
+            if timeout is None:
+                return None
+            if max_idle_time is not None and time.monotonic() - idle_since >= max_idle_time:
+                return None
+            self._sleep_until_woken(timeout)
+        self._hand_back_all("the worker is stopping")
+        return None
+
+    def _next_lease(self) -> scripts.Lease | None:
+        """The next thing to run: a straggler's backup when the fleet changed, else a dispatched task,
+        else (nothing dispatchable) a backup of a straggler at the end of its job."""
+        if self._fleet_seen != self._fleet_now:
+            self._fleet_seen = self._fleet_now
+            backup = self._speculate("straggler")
+            if backup is not None:
+                return backup
+        got = scripts.dispatch(
+            self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
+            self.capability.score_gflops,
+        )  # fmt: skip
+        if isinstance(got, scripts.Lease):
+            self._fleet_now = got.fleet_version
+            return got
+        self._fleet_now = got
+        return self._speculate("idle")
+
+    def _deliver(self, lease: scripts.Lease) -> None:
+        """Put the leased task on our own RQ queue, so RQ pops and runs it like any job."""
+        self.dispatched[lease.task_id] = lease
+        try:
+            self.broker.deliver(self.my_queue, lease)
+        except redis.RedisError:
+            self.dispatched.pop(lease.task_id, None)
+            self.executor.hand_back(lease, "the delivery to this worker's queue failed")
+            raise
+
+    def _hand_back_all(self, why: str) -> None:
+        """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
+        while self.dispatched:
+            _tid, lease = self.dispatched.popitem()
+            self.executor.hand_back(lease, why)
+
+    def _sleep_until_woken(self, timeout: int) -> None:
+        self.set_state("idle")
+        try:
+            self.broker.r.blpop([keys.wake(self.worker_id)], timeout=timeout)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("broker unreachable while idle (%s); waiting for it", exc)
+            self._wait_for_broker()
+
+    def _speculate(self, mode: str) -> scripts.Lease | None:
+        """A backup copy of the running task this worker would most likely rescue, if any.
+
+        mode 'idle': nothing is dispatchable to us; back up the weakest primary of a job with nothing
+        queued. mode 'straggler' (the fleet changed): a primary whose expected end is far beyond the
+        time its job's queued work needs, and that we would finish in under half its time left; only
+        for a job that is all the top-priority work there is, so other jobs' queued tasks go first."""
         r, me, mine = self.broker.r, self.worker_id, self.capability.score_gflops
+        scores = self._scores or self.broker.live_scores()
+        if not scores or mine < SPECULATION_SPEEDUP * min(scores.values()):
+            return None  # no live worker is weak enough for us to rescue
         tids = r.zrange(keys.LEASES, 0, 199)
         if not tids:
-            return
+            return None
         with r.pipeline(transaction=False) as p:
             for tid in tids:
-                p.hmget(keys.task(tid), "status", "worker", "backup", "job", "started_at")
-            rows = [(tid, *row) for tid, row in zip(tids, p.execute()) if row[0] == "running" and row[1] != me]
-        jobs = sorted({row[4] for row in rows if row[4]})
+                p.hmget(keys.task(tid), "status", "worker", "backup", "started_at", "cost")
+            p.time()
+            *rows, (sec, usec) = p.execute()
+        now = sec + usec / 1e6
+        running = [(tid, *row) for tid, row in zip(tids, rows) if row[0] == "running" and row[1] != me and not row[2]]
+        jobs = sorted({keys.job_of_task(row[0]) for row in running})
         with r.pipeline(transaction=False) as p:
             for job in jobs:
-                p.hmget(keys.job(job), "speculate", "queued")
-            open_jobs = {job for job, (flag, queued) in zip(jobs, p.execute()) if flag == "1" and queued == "0"}
-        scores = self._scores
-        candidates = sorted(
-            (scores.get(row[2], 0.0), float(row[5] or 0), row[0])
-            for row in rows
-            if row[4] in open_jobs and not row[3] and scores.get(row[2], 0.0) * SPECULATION_SPEEDUP <= mine
-        )
-        for _score, _started, tid in candidates[:3]:
+                p.hmget(keys.job(job), "speculate", "queued", "pending_cost", "unit_sum", "unit_n", "priority")
+            if mode == "straggler":
+                p.zrevrange(keys.READY, 0, -1, withscores=True)
+            (*info,) = p.execute()
+        ready = info.pop() if mode == "straggler" else []
+        by_job = dict(zip(jobs, info))
+        candidates: list[tuple[float, float, str]] = []
+        for tid, _st, worker, _b, started, cost in running:
+            spec, queued, pending_cost, unit_sum, unit_n, prio = by_job[keys.job_of_task(tid)]
+            primary = scores.get(worker, 0.0)
+            if spec != "1" or primary * SPECULATION_SPEEDUP > mine:
+                continue
+            if mode == "idle":
+                if queued == "0":
+                    candidates.append((primary, float(started or 0), tid))
+                continue
+            if not unit_n or not started:
+                continue  # no completed task yet: no estimate of how long a unit of cost takes
+            unit = float(unit_sum) / float(unit_n)  # seconds per (cost / score)
+            c = float(cost or 1)
+            left = float(started) + unit * c / primary - now
+            horizon = unit * float(pending_cost or 0) / max(sum(scores.values()), 1e-9)
+            top = max((score for _m, score in ready), default=None)
+            others = {m.rsplit("/", 1)[0] for m, score in ready if score == top} - {keys.job_of_task(tid)}
+            if others or (top is not None and float(prio or 0) < top):
+                continue  # other jobs' queued work goes first
+            if left > horizon and unit * c / mine < STRAGGLER_GAIN * left:
+                candidates.append((-left, float(started), tid))
+        for _key, _started, tid in sorted(candidates)[:3]:
             lease = scripts.speculate(
-                self.broker.scripts, r, tid, me, int(self.settings.lease_ttl * 1000), mine, SPECULATION_SPEEDUP
+                self.broker.scripts, r, tid, me, int(self.settings.lease_ttl * 1000), mine, SPECULATION_SPEEDUP, mode
             )
             if isinstance(lease, scripts.Lease):
-                self.executor.run_lease(lease)
-                return
+                log.info("backing up %s (%s): a much weaker worker runs it", tid, mode)
+                return lease
+        return None
 
     def execute_job(self, job: Job, queue: Any) -> None:
         why = refusal(job)
@@ -192,8 +289,8 @@ class MeshWorker(SimpleWorker):
         if warning:
             log.warning(warning)
         self.logs.start()
-        # List every tier queue in RQ's registry so `rq info` and rq-dashboard show the empty ones too.
-        self.connection.sadd(self.queue_class.redis_queues_keys, *[q.key for q in self.queues])
+        # List our queue in RQ's registry so `rq info` and rq-dashboard show it while it is empty too.
+        self.connection.sadd(self.queue_class.redis_queues_keys, self.my_queue.key)
         self._register()
         self._beat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
@@ -233,6 +330,7 @@ class MeshWorker(SimpleWorker):
             p.hset(
                 keys.worker(self.worker_id),
                 mapping={
+                    "resources": json.dumps(self.resources),
                     "name": self.display_name,
                     "hostname": socket.gethostname(),
                     "pid": os.getpid(),
@@ -246,14 +344,18 @@ class MeshWorker(SimpleWorker):
             )
             p.pexpire(keys.worker(self.worker_id), int(self.settings.worker_ttl * 1000))
             p.zadd(keys.SCORES, {self.worker_id: cap.score_gflops})
+            fleet_changed(p)
             p.execute()
 
     def _unregister(self) -> None:
         try:
             with self.broker.r.pipeline(transaction=True) as p:
-                p.delete(keys.worker(self.worker_id))
+                p.delete(keys.worker(self.worker_id), keys.wake(self.worker_id), self.my_queue.key)
                 p.zrem(keys.WORKERS, self.worker_id)
                 p.zrem(keys.SCORES, self.worker_id)
+                p.srem(keys.IDLE, self.worker_id)
+                p.srem(self.queue_class.redis_queues_keys, self.my_queue.key)
+                fleet_changed(p)
                 p.execute()
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the registration expires by itself", exc)
@@ -310,28 +412,15 @@ class MeshWorker(SimpleWorker):
         scores = self.broker.live_scores()
         scores.setdefault(self.worker_id, self.capability.score_gflops)
         self._scores = scores
-        if running is not None and running.lease.backup and self._work_waiting():
-            running.stop("the backup copy yielded to queued work")
-        tiers = scheduling.worker_tiers(scores, s.tiers)
-        order = scheduling.queue_order(tiers[self.worker_id], set(tiers.values()), s.tiers)
-        self._order = order
-        if order != self._published or not beat.registered:
-            self._published = order
-            self.broker.r.hset(
-                keys.worker(self.worker_id),
-                mapping={"tier": tiers[self.worker_id], "queues": ",".join(map(str, order))},
-            )
+        tier = scheduling.worker_tiers(scores, s.tiers)[self.worker_id]
+        if tier != self._published or not beat.registered:
+            self._published = tier
+            self.broker.r.hset(keys.worker(self.worker_id), "tier", tier)  # shown by `gpumesh workers`, nothing more
         self.broker.rq.expire(self.key, self.worker_ttl + 60)
         if self._reaper_turn():
             report = reaper.reap_once(self.broker)
             if any(report.values()):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
-
-    def _work_waiting(self) -> bool:
-        with self.broker.r.pipeline(transaction=False) as p:
-            for q in self.queues:
-                p.llen(q.key)
-            return any(p.execute())
 
     def _broker_lost(self) -> None:
         """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""

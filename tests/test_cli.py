@@ -100,10 +100,11 @@ def test_submit_json_shape_and_tier_counts(env, r: redis.Redis):
     p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--name", "sweep", "--json", env=env)
     assert p.returncode == 0
     out = json.loads(p.stdout)
-    assert set(out) == {"job_id", "tasks", "tiers"} and out["tasks"] == 6
-    assert sum(out["tiers"].values()) == 6
-    rq_jobs = sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3))
-    assert rq_jobs == 6
+    assert set(out) == {"job_id", "tasks", "tiers", "priority", "waiting_for"} and out["tasks"] == 6
+    assert sum(out["tiers"].values()) == 6 and out["priority"] == 0
+    assert out["waiting_for"] == [{"requires": [], "tasks": 6}], "no worker is live to run any of them"
+    assert "no worker is live" in gpumesh("status", out["job_id"], env=env).stdout
+    assert r.zcard(keys.pending(out["job_id"], 0)) == 6
     st = json.loads(gpumesh("status", out["job_id"], "--json", env=env).stdout)
     assert st["name"] == "sweep" and st["status"] == "queued" and st["tasks"]["queued"] == 6
 
@@ -115,7 +116,7 @@ def test_submit_of_10000_shards_writes_everything(env, r: redis.Redis, tmp_path:
     assert p.returncode == 0, p.stderr
     job = json.loads(p.stdout)["job_id"]
     assert r.llen(keys.job_tasks(job)) == 10_000
-    assert sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3)) == 10_000
+    assert r.zcard(keys.pending(job, 0)) == 10_000
     assert r.hget(keys.task(keys.task_id(job, 9_999)), "payload") == '{"i": 9999, "cost": 4}'
 
 
@@ -125,7 +126,8 @@ def test_workers_json_shape(env, workers: Workers):
     assert len(rows) == 1
     row = rows[0]
     assert set(row) == {"id", "name", "hostname", "device", "device_name", "score_gflops", "tier", "state",
-                        "current_task", "last_heartbeat"}  # fmt: skip
+                        "current_task", "last_heartbeat", "resources"}  # fmt: skip
+    assert row["resources"]["device"] == "cpu" and row["resources"]["cpu_cores"] >= 1
     assert row["name"] == "gpu-box" and row["score_gflops"] == 12.5 and row["device"] in ("cpu", "cuda", "mps")
     assert row["state"] == "idle" and row["tier"] == 2
 

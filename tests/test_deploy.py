@@ -100,7 +100,8 @@ def test_rq_dashboard_sees_the_mesh(env, workers: Workers, redis_server):
         base = f"http://127.0.0.1:{port}/0/data"
         wait_until(lambda: _try(lambda: _get(f"{base}/queues.json")), timeout=30, what="rq-dashboard to answer")
         queues = json.loads(_get(f"{base}/queues.json"))["queues"]
-        assert {q["name"] for q in queues} >= {"gpumesh-tier-0", "gpumesh-tier-1", "gpumesh-tier-2"}
+        (wid,) = workers.r.zrange("gpumesh:workers", 0, -1)
+        assert {q["name"] for q in queues} >= {f"gpumesh-w-{wid}"}, "each worker's own queue of deliveries"
         assert sum(q["finished_job_registry_count"] for q in queues) == 6
         ws = json.loads(_get(f"{base}/workers.json"))["workers"]
         assert len(ws) == 1 and ws[0]["queues"] and ws[0]["name"].startswith(os.uname().nodename[:3])

@@ -1,6 +1,13 @@
-"""Model-based test: random interleavings of acquire/heartbeat/complete/fail/reap/cancel, and backup
-copies (speculate), against a real Redis, with the invariants checked after every step (hypothesis
-stateful testing)."""
+"""Model-based test: random interleavings of dispatch/acquire/heartbeat/complete/fail/reap/cancel/retry,
+backup copies (speculate), and workers joining and leaving, over two jobs of different priorities with
+requirements, against a real Redis, with the invariants checked after every step (hypothesis stateful
+testing).
+
+What it checks besides the counters: every task ends exactly once (one accepted result, terminal
+states stay terminal), a dispatch never hands a worker a task whose requirements it does not meet or
+a lower priority while higher-priority work it may run waits, and a dispatch that finds nothing
+means there is nothing queued that this live worker may run (no runnable task waits past one pop).
+"""
 
 from __future__ import annotations
 
@@ -13,21 +20,34 @@ from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     consumes,
+    initialize,
     invariant,
     multiple,
     rule,
     run_state_machine_as_test,
 )
 
-from gpumesh import keys, scripts
+from gpumesh import keys, requirements, scripts
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.reaper import reap_once
 from gpumesh.settings import Settings
 
-N_TASKS = 2
 MAX_ATTEMPTS = 2
 STATES = ("queued", "running", "done", "failed", "cancelled")
+TERMINAL = ("done", "failed", "cancelled")
+# Workers of the model: score and resources. s* are strong enough to back up w* (speculation needs 2x).
+WORKERS = {
+    "w1": (1.0, {"device": "cpu"}),
+    "w2": (1.0, {"device": "cuda", "gpu": "NVIDIA A100", "vram_gb": 80}),
+    "s1": (10.0, {"device": "cuda", "gpu": "NVIDIA H200", "vram_gb": 141}),
+    "s2": (10.0, {"device": "cpu"}),
+}
+# Job 0: two plain tasks of different cost. Job 1: one task that needs a GPU with 40 GB, one an A100.
+PAYLOADS = [
+    [{"i": 0, "cost": 1}, {"i": 1, "cost": 5}],
+    [{"i": 0, "requires": ["vram_gb>=40"]}, {"i": 1, "cost": 3, "requires": ["gpu~a100"]}],
+]
 
 
 class Mesh(RuleBasedStateMachine):
@@ -38,21 +58,84 @@ class Mesh(RuleBasedStateMachine):
         self.b = Broker(Settings(url=url))
         self.r: redis.Redis = self.b.r
         self.r.flushall()
-        res = self.b.submit(
-            "print('{}')", "t.py", [{"i": i} for i in range(N_TASKS)],
-            JobOptions(max_attempts=MAX_ATTEMPTS, speculate=True),
-        )  # fmt: skip
-        self.r.zadd(keys.SCORES, {"w1": 1, "w2": 1, "w3": 1, "s1": 10, "s2": 10})
-        self.job = res.job_id
-        self.tids = [keys.task_id(self.job, i) for i in range(N_TASKS)]
         self.epoch = self.b.epoch()
+        self.joined: set[str] = set()
+
+    @initialize(priorities=st.tuples(st.integers(0, 1), st.integers(0, 1)))
+    def submit(self, priorities: tuple[int, int]) -> None:
+        self.jobs = []
+        self.priority: dict[str, int] = {}
+        self.requires: dict[str, tuple[requirements.Requirement, ...]] = {}
+        for payloads, prio in zip(PAYLOADS, priorities):
+            opts = JobOptions(max_attempts=MAX_ATTEMPTS, speculate=True, priority=prio)
+            job = self.b.submit("print('{}')", "t.py", payloads, opts).job_id
+            self.jobs.append(job)
+            for i, p in enumerate(payloads):
+                tid = keys.task_id(job, i)
+                self.priority[tid] = prio
+                self.requires[tid] = requirements.parse_all(p.get("requires", []))
+        self.tids = list(self.priority)
         self.accepted: dict[str, list[str]] = {t: [] for t in self.tids}
         self.last_attempts = {t: 0 for t in self.tids}
+        self.last_status = {t: "queued" for t in self.tids}
 
     def teardown(self) -> None:
         self.b.close()
 
-    @rule(target=leases, i=st.integers(0, N_TASKS - 1), worker=st.sampled_from(["w1", "w2", "w3"]))
+    # -- the fleet -------------------------------------------------------------------------------
+
+    @rule(worker=st.sampled_from(sorted(WORKERS)))
+    def join(self, worker: str) -> None:
+        score, resources = WORKERS[worker]
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(keys.worker(worker), mapping={"resources": json.dumps(resources), "score": score})
+            p.zadd(keys.SCORES, {worker: score})
+            p.zadd(keys.WORKERS, {worker: self.b.server_ms()})
+            p.hset(keys.FLEET, "dirty", 1)
+            p.execute()
+        self.joined.add(worker)
+
+    @rule(worker=st.sampled_from(sorted(WORKERS)))
+    def leave(self, worker: str) -> None:
+        """The worker is gone (stopped or died): out of the fleet; its leases lapse."""
+        with self.r.pipeline(transaction=True) as p:
+            p.delete(keys.worker(worker))
+            p.zrem(keys.SCORES, worker)
+            p.zrem(keys.WORKERS, worker)
+            p.srem(keys.IDLE, worker)
+            p.hset(keys.FLEET, "dirty", 1)
+            p.execute()
+        self.joined.discard(worker)
+        for tid in self.tids:
+            if self.r.hget(keys.task(tid), "worker") == worker:
+                self.r.delete(keys.lease(tid))
+                self.r.zadd(keys.LEASES, {tid: 0}, xx=True)
+
+    def may_run(self, worker: str, tid: str) -> bool:
+        return requirements.meets_all(self.requires[tid], WORKERS[worker][1])
+
+    def queued(self) -> list[str]:
+        return [t for t in self.tids if self.r.hget(keys.task(t), "status") == "queued"]
+
+    # -- transitions -----------------------------------------------------------------------------
+
+    @rule(target=leases, worker=st.sampled_from(sorted(WORKERS)))
+    def dispatch(self, worker: str):
+        if worker not in self.joined:
+            return multiple()
+        runnable = [t for t in self.queued() if self.may_run(worker, t)]
+        got = scripts.dispatch(self.b.scripts, self.r, worker, 60_000, WORKERS[worker][0])
+        if isinstance(got, str):
+            assert runnable == [], f"{worker} found nothing while it may run {runnable}"
+            assert self.r.sismember(keys.IDLE, worker)
+            return multiple()
+        tid = got.task_id
+        assert tid in runnable, f"{worker} got {tid}, which it may not run or which was not queued"
+        assert self.priority[tid] == max(self.priority[t] for t in runnable), "a higher priority waited"
+        assert not self.r.sismember(keys.IDLE, worker)
+        return (worker, got)
+
+    @rule(target=leases, i=st.integers(0, 3), worker=st.sampled_from(sorted(WORKERS)))
     def acquire(self, i: int, worker: str):
         tid = self.tids[i]
         before = self.r.hget(keys.task(tid), "status")
@@ -67,22 +150,27 @@ class Mesh(RuleBasedStateMachine):
         status, token, backup = self.r.hmget(keys.task(lease.task_id), "status", "lease", "backup")
         return status == "running" and lease.token in (token, backup)
 
-    @rule(target=leases, i=st.integers(0, N_TASKS - 1), worker=st.sampled_from(["s1", "s2"]))
-    def speculate(self, i: int, worker: str):
+    @rule(target=leases, i=st.integers(0, 3), worker=st.sampled_from(["s1", "s2"]), straggler=st.booleans())
+    def speculate(self, i: int, worker: str, straggler: bool):
+        if worker not in self.joined:
+            return multiple()
         tid = self.tids[i]
-        got = scripts.speculate(self.b.scripts, self.r, tid, worker, 60_000, 10.0, 2.0)
+        mode = "straggler" if straggler else "idle"
+        got = scripts.speculate(self.b.scripts, self.r, tid, worker, 60_000, 10.0, 2.0, mode)
         if isinstance(got, str):
             return multiple()
         task = self.r.hgetall(keys.task(tid))
         assert task["status"] == "running" and task["backup"] == got.token and task["lease"] != got.token
-        assert int(self.r.hget(keys.job(self.job), "queued")) == 0
+        assert self.may_run(worker, tid), "a backup copy runs only where the task may run"
+        if not straggler:
+            assert int(self.r.hget(keys.job(keys.job_of_task(tid)), "queued")) == 0
         return (worker, got)
 
     @rule(held=consumes(leases), value=st.integers(0, 9))
     def complete(self, held, value):
         worker, lease = held
         holds = self.holds(lease)
-        out = scripts.complete(self.b.scripts, self.r, lease, worker, json.dumps(value), 0.1)
+        out = scripts.complete(self.b.scripts, self.r, lease, worker, json.dumps(value), 0.1, WORKERS[worker][0])
         assert out.accepted == holds
         if out.accepted:
             self.accepted[lease.task_id].append(json.dumps(value))
@@ -103,7 +191,7 @@ class Mesh(RuleBasedStateMachine):
         expected = "cancelled" if status == "cancelled" else ("ok" if holds else "lost")
         assert beat.lease == expected
 
-    @rule(i=st.integers(0, N_TASKS - 1))
+    @rule(i=st.integers(0, 3))
     def lease_lapses(self, i):
         self.r.delete(keys.lease(self.tids[i]))
         self.r.zadd(keys.LEASES, {self.tids[i]: 0}, xx=True)
@@ -112,33 +200,57 @@ class Mesh(RuleBasedStateMachine):
     def reap(self):
         reap_once(self.b, audit_grace_ms=0)
 
-    @rule(i=st.integers(0, N_TASKS - 1))
+    @rule(i=st.integers(0, 3))
     def cancel(self, i):
         scripts.cancel(self.b.scripts, self.r, self.tids[i])
 
-    @invariant()
-    def every_task_in_exactly_one_state_and_counters_agree(self):
-        tasks = [self.r.hgetall(keys.task(t)) for t in self.tids]
-        job = self.r.hgetall(keys.job(self.job))
-        for state in STATES:
-            assert int(job[state]) == sum(1 for t in tasks if t["status"] == state), (state, job, tasks)
-        assert all(t["status"] in STATES for t in tasks)
-        open_tasks = int(job["queued"]) + int(job["running"])
-        assert (job["status"] in ("done", "failed", "cancelled")) == (open_tasks == 0)
-        for t in tasks:
-            assert (t["status"] == "running") == bool(t.get("lease")), t
-            assert not t.get("backup") or (t["status"] == "running" and t["backup"] != t["lease"]), t
-            assert (t["status"] == "running") == (
-                self.r.zscore(keys.LEASES, keys.task_id(self.job, int(t["index"]))) is not None
-            )
+    @rule(i=st.integers(0, 3))
+    def retry(self, i):
+        tid = self.tids[i]
+        if int(scripts.retry(self.b.scripts, self.r, tid)[0]) == 1:
+            assert self.last_status[tid] == "failed"
+            self.last_status[tid] = "queued"  # the one way out of a terminal state: a retry of a failed task
+            self.last_attempts[tid] = 0
+
+    # -- invariants ------------------------------------------------------------------------------
 
     @invariant()
-    def attempts_never_decrease_except_by_a_release_and_never_exceed_max(self):
+    def every_task_in_exactly_one_state_and_counters_agree(self):
+        for job in self.jobs:
+            tids = [t for t in self.tids if keys.job_of_task(t) == job]
+            tasks = [self.r.hgetall(keys.task(t)) for t in tids]
+            h = self.r.hgetall(keys.job(job))
+            for state in STATES:
+                assert int(h[state]) == sum(1 for t in tasks if t["status"] == state), (state, h, tasks)
+            open_tasks = int(h["queued"]) + int(h["running"])
+            assert (h["status"] in TERMINAL) == (open_tasks == 0)
+            for tid, t in zip(tids, tasks):
+                assert (t["status"] == "running") == bool(t.get("lease")), t
+                assert not t.get("backup") or (t["status"] == "running" and t["backup"] != t["lease"]), t
+                assert (t["status"] == "running") == (self.r.zscore(keys.LEASES, tid) is not None)
+
+    @invariant()
+    def a_task_is_pending_exactly_while_it_is_queued(self):
         for tid in self.tids:
-            attempts = int(self.r.hget(keys.task(tid), "attempts"))
-            assert 0 <= attempts <= MAX_ATTEMPTS
-            assert attempts >= self.last_attempts[tid] - 1  # a release refunds the attempt it was on
-            self.last_attempts[tid] = attempts
+            job, index = keys.job_of_task(tid), int(tid.rsplit("-", 1)[1])
+            t = self.r.hgetall(keys.task(tid))
+            klass = int(t.get("class", 0))
+            pending = self.r.zscore(keys.pending(job, klass), keys.pending_member(index)) is not None
+            assert pending == (t["status"] == "queued"), (tid, t)
+            if pending:  # and dispatch can find it: its class is in the ready index at the job's priority
+                assert self.r.zscore(keys.READY, keys.ready_member(job, klass)) == self.priority[tid]
+
+    @invariant()
+    def terminal_states_stay_terminal_and_attempts_stay_in_bounds(self):
+        for tid in self.tids:
+            status, attempts = self.r.hmget(keys.task(tid), "status", "attempts")
+            if self.last_status[tid] in TERMINAL:
+                assert status == self.last_status[tid], f"{tid} left {self.last_status[tid]} for {status}"
+            self.last_status[tid] = status
+            n = int(attempts or 0)
+            assert 0 <= n <= MAX_ATTEMPTS
+            assert n >= self.last_attempts[tid] - 1  # a release refunds the attempt it was on
+            self.last_attempts[tid] = n
 
     @invariant()
     def at_most_one_accepted_result(self):

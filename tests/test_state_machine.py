@@ -84,11 +84,12 @@ def test_fail_requeues_until_max_attempts_then_fails_the_job(broker: Broker, r: 
     job, (tid,) = submit(broker, max_attempts=2)
     first = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
     out = scripts.fail(broker.scripts, r, first, "w", "exit code 1\nboom", 0.2)
-    assert out.accepted and out.status == "queued" and out.delivery == 2
-    assert r.zscore(keys.QUEUED, tid) is not None  # the reaper audits it until a worker acquires it
+    assert out.accepted and out.status == "queued" and out.attempts == 1
+    assert r.zscore(keys.pending(job, 0), keys.pending_member(0)) == 1.0  # takeable again, at its cost
+    assert r.zscore(keys.READY, keys.ready_member(job, 0)) == 0  # ... in the ready index at its priority
     assert_counters_match_tasks(r, job)
     second = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
-    assert r.zscore(keys.QUEUED, tid) is None
+    assert not r.exists(keys.pending(job, 0))
     out = scripts.fail(broker.scripts, r, second, "w", "exit code 1\nboom again", 0.2)
     assert out.accepted and out.status == "failed"
     task = r.hgetall(keys.task(tid))
@@ -107,12 +108,11 @@ def test_release_hands_back_without_spending_an_attempt(broker: Broker, r: redis
 
 def test_reaper_requeues_then_fails_at_max_attempts(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker, max_attempts=2)
-    rq_queue_lengths = lambda: sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3))  # noqa: E731
-    r.delete(*[f"rq:queue:{keys.queue_name(t)}" for t in range(3)])
     scripts.acquire(broker.scripts, r, tid, "w", 30)
+    assert not r.exists(keys.pending(job, 0))
     time.sleep(0.08)
     assert reap_once(broker, audit_grace_ms=0)["requeued"] == 1
-    assert rq_queue_lengths() == 1  # a new RQ delivery, id <task>_2
+    assert r.zcard(keys.pending(job, 0)) == 1  # pending again: the next dispatch can take it
     assert r.hget(keys.task(tid), "error").startswith("lease expired: worker w")
     scripts.acquire(broker.scripts, r, tid, "w", 30)
     time.sleep(0.08)
@@ -128,32 +128,6 @@ def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
     scripts.heartbeat(broker.scripts, r, "w", 5000, lease, LEASE_MS, broker.epoch())
     assert reap_once(broker)["requeued"] == 0
     assert r.hget(keys.task(tid), "status") == "running"
-
-
-def test_audit_enqueues_a_task_whose_worker_died_between_state_change_and_enqueue(broker: Broker, r: redis.Redis):
-    _, (tid,) = submit(broker)
-    r.delete(*[f"rq:queue:{keys.queue_name(t)}" for t in range(3)])
-    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
-    out = scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1)  # ... and no deliver(): the crash
-    queue = f"rq:queue:{keys.queue_name(out.tier)}"
-    assert r.llen(queue) == 0
-    assert reap_once(broker, audit_grace_ms=1000)["redelivered"] == 0  # not before the grace period
-    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 1
-    assert r.lrange(queue, 0, -1) == [keys.rq_job_id(tid, 2)]
-    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 0  # delivered and waiting: left alone
-
-
-def test_audit_redelivers_a_task_popped_by_a_worker_that_died_before_acquiring(broker: Broker, r: redis.Redis):
-    """BLPOP took the RQ job off the queue, then the worker died (or the reply was lost on the network)."""
-    _, (tid,) = submit(broker)
-    tier = int(r.hget(keys.task(tid), "tier"))
-    queue = f"rq:queue:{keys.queue_name(tier)}"
-    assert r.lpop(queue) == keys.rq_job_id(tid, 1)
-    assert reap_once(broker, audit_grace_ms=0)["redelivered"] == 1
-    assert r.lrange(queue, 0, -1) == [keys.rq_job_id(tid, 1)]
-    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
-    assert isinstance(lease, scripts.Lease) and lease.attempt == 1
-    assert r.zscore(keys.QUEUED, tid) is None
 
 
 def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: Broker, r: redis.Redis):

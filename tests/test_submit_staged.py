@@ -1,4 +1,4 @@
-"""A large job is written in stages (tasks, one visibility flip, deliveries), never all in one MULTI.
+"""A large job is written in stages (tasks in chunks, one visibility flip), never all in one MULTI.
 
 The thresholds are lowered here so a 30-task job takes the staged path; the code is the same that
 writes a 100,000-shard job (benchmarks/submit.py measures that)."""
@@ -25,24 +25,29 @@ def small_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(submit_module, "STAGE_CHUNK", 7)
 
 
-def deliveries(r: redis.Redis) -> int:
-    return sum(r.llen(f"rq:queue:{keys.queue_name(t)}") for t in range(3))
+def pending(r: redis.Redis) -> int:
+    """Queued tasks a dispatch could take: in the pending zset of a job that is in the ready index."""
+    return sum(r.zcard(keys.pending(*m.rsplit("/", 1))) for m in r.zrange(keys.READY, 0, -1))
+
+
+def rq_jobs(r: redis.Redis) -> int:
+    return len(r.keys("rq:job:*"))
 
 
 def payloads() -> list[dict]:
     return [{"i": i, "cost": 1 + i % 3} for i in range(N)]
 
 
-def test_a_staged_job_is_whole_in_order_and_delivered_heaviest_first(broker: Broker, r: redis.Redis, monkeypatch):
+def test_a_staged_job_is_whole_in_order_and_pending_by_cost(broker: Broker, r: redis.Redis, monkeypatch):
     res = broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
     st = broker.job_status(res.job_id)
     assert st.tasks.total == N and st.tasks.queued == N
     assert broker.task_ids(res.job_id) == [keys.task_id(res.job_id, i) for i in range(N)]
-    assert deliveries(r) == N and r.zcard(keys.QUEUED) == N
-    for tier in range(3):  # across chunks, each tier's queue runs heaviest first
-        ids = [rq_id.rsplit("_", 1)[0] for rq_id in r.lrange(f"rq:queue:{keys.queue_name(tier)}", 0, -1)]
-        costs = [float(r.hget(keys.task(tid), "cost")) for tid in ids]
-        assert costs == sorted(costs, reverse=True)
+    assert pending(r) == N and rq_jobs(r) == 0, "no RQ job exists before a worker takes a task"
+    # across chunks, one pending zset ordered by cost, payload order among equal costs
+    members = r.zrange(keys.pending(res.job_id, 0), 0, -1, withscores=True)
+    assert [cost for _m, cost in members] == sorted(1 + i % 3 for i in range(N))
+    assert [int(m) for m, cost in members if cost == 1] == list(range(0, N, 3))
     first = scripts.acquire(broker.scripts, r, keys.task_id(res.job_id, 2), "w", 30_000)
     assert not isinstance(first, str) and first.payload == '{"i": 2, "cost": 3}'
     monkeypatch.setattr(reaper, "ABANDONED_STAGING_MS", 0)
@@ -59,7 +64,7 @@ def test_a_submitter_dying_while_staging_leaves_no_visible_job_and_the_reaper_cl
     monkeypatch.setattr(Broker, "_make_visible", staticmethod(die))
     with pytest.raises(ConnectionError):
         broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
-    assert r.zcard(keys.JOBS) == 0 and deliveries(r) == 0 and r.zcard(keys.QUEUED) == 0
+    assert r.zcard(keys.JOBS) == 0 and pending(r) == 0 and r.zcard(keys.READY) == 0
     assert broker.jobs() == []
     assert r.zcard(keys.STAGING) == 1 and r.dbsize() > N
     assert reaper.reap_once(broker)["jobs_pruned"] == 0, "a submit still staging is left alone"
@@ -68,25 +73,14 @@ def test_a_submitter_dying_while_staging_leaves_no_visible_job_and_the_reaper_cl
     assert not r.keys("gpumesh:task:*") and not r.keys("gpumesh:job:*") and r.zcard(keys.STAGING) == 0
 
 
-def test_a_submitter_dying_while_delivering_loses_nothing(broker: Broker, r: redis.Redis, monkeypatch):
-    real = Broker.enqueue
-    calls = {"n": 0}
-
-    def enqueue_then_die(self, pipe, deliveries_, timeout=None):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise ConnectionError("the submitter died")
-        return real(self, pipe, deliveries_, timeout)
-
-    monkeypatch.setattr(Broker, "enqueue", enqueue_then_die)
-    with pytest.raises(ConnectionError):
-        broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
-    monkeypatch.setattr(Broker, "enqueue", real)
-    (job,) = [j.job_id for j in broker.jobs()]
-    assert broker.job_status(job).tasks.queued == N, "the job is visible and whole"
-    assert deliveries(r) == 7
-    assert reaper.reap_once(broker, audit_grace_ms=0)["redelivered"] == N - 7
-    assert deliveries(r) == N
+def test_a_staged_job_is_dispatched_like_any_other(broker: Broker, r: redis.Redis):
+    res = broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
+    r.zadd(keys.SCORES, {"w": 1.0})
+    taken = []
+    while isinstance(lease := scripts.dispatch(broker.scripts, r, "w", 30_000, 1.0), scripts.Lease):
+        taken.append(lease.index)
+    assert sorted(taken) == list(range(N)), "every staged task is takeable exactly once"
+    assert broker.job_status(res.job_id).tasks.running == N and r.zcard(keys.READY) == 0
 
 
 def test_concurrent_staged_submits_with_one_idempotency_key_make_one_job(broker: Broker, r: redis.Redis, env):
@@ -103,4 +97,4 @@ def test_concurrent_staged_submits_with_one_idempotency_key_make_one_job(broker:
     for t in threads:
         t.join(timeout=60)
     assert len(results) == 4 and len(set(results)) == 1
-    assert r.zcard(keys.JOBS) == 1 and deliveries(r) == N and r.llen(keys.job_tasks(results[0])) == N
+    assert r.zcard(keys.JOBS) == 1 and pending(r) == N and r.llen(keys.job_tasks(results[0])) == N

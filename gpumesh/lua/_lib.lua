@@ -38,14 +38,95 @@ local function maybe_finish(job_key, events_key, job_id, ms)
   end
 end
 
--- End a running attempt: back to 'queued' (and into the queued set the reaper audits) while attempts
--- remain, else 'failed'.
--- Returns {'queued', delivery number, tier} or {'failed', attempts, tier}.
+-- Names built here, not in KEYS: the dispatcher cannot know which job's queue it will take from before
+-- it looks (as dramatiq's dispatch.lua builds its queue keys). They mirror gpumesh/keys.py exactly.
+local PREFIX = 'gpumesh:'
+
+local function job_of(task_id)
+  return string.match(task_id, '^(.*)%-%d+$')
+end
+
+local function pending_key(job_id, klass)
+  return PREFIX .. 'job:' .. job_id .. ':pending:' .. klass
+end
+
+local function pad(index)
+  return string.format('%08d', tonumber(index))
+end
+
+-- Work arrived: every worker that found nothing at its last dispatch gets a token on its wake list
+-- (it blocks there), and the idle set empties. Waking one that still cannot run anything costs one
+-- dispatch; missing one would leave it asleep until its poll timeout.
+local function wake_idle(idle_key)
+  local idle = redis.call('SMEMBERS', idle_key)
+  for _, w in ipairs(idle) do
+    local k = PREFIX .. 'wake:' .. w
+    redis.call('RPUSH', k, '1')
+    redis.call('LTRIM', k, -1, -1)
+    redis.call('PEXPIRE', k, 60000)
+  end
+  if #idle > 0 then
+    redis.call('DEL', idle_key)
+  end
+end
+
+-- A task becomes takeable: into its job's pending zset of its requirement class, the job into the ready
+-- index at its priority, idle workers woken.
+local function make_pending(task_key, job_key, ready_key, idle_key, job_id)
+  local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
+  local cost, klass = tonumber(t[2] or 1) or 1, t[3] or '0'
+  redis.call('ZADD', pending_key(job_id, klass), cost, pad(t[1]))
+  redis.call('ZADD', ready_key, tonumber(redis.call('HGET', job_key, 'priority') or 0) or 0, job_id .. '/' .. klass)
+  redis.call('HINCRBYFLOAT', job_key, 'pending_cost', cost)
+  wake_idle(idle_key)
+end
+
+-- A queued task leaves its pending zset (taken, or cancelled); the ready index drops a drained class.
+local function unpend(task_key, job_key, ready_key, job_id)
+  local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
+  local klass = t[3] or '0'
+  local pk = pending_key(job_id, klass)
+  if redis.call('ZREM', pk, pad(t[1])) == 1 then
+    redis.call('HINCRBYFLOAT', job_key, 'pending_cost', -(tonumber(t[2] or 1) or 1))
+  end
+  if redis.call('EXISTS', pk) == 0 then
+    redis.call('ZREM', ready_key, job_id .. '/' .. klass)
+  end
+end
+
+-- queued -> running: the lease, the counters, the worker's current task. Returns the lease reply:
+-- {1, token, attempt, job id, index, payload, script sha, script name, timeout s, max attempts,
+--  signature, key id, expires at (s), server time (ms), task id}
+local function take(task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl, ms)
+  local attempt = redis.call('HINCRBY', task_key, 'attempts', 1)
+  local token = worker_id .. ':' .. attempt .. ':' .. ms
+  redis.call('SET', lease_key, token, 'PX', ttl)
+  redis.call('ZADD', leases_key, ms + ttl, task_id)
+  redis.call('HSET', task_key, 'status', 'running', 'worker', worker_id, 'lease', token, 'started_at', secs(ms))
+  move(job_key, 'queued', 'running')
+  local job = redis.call('HMGET', job_key, 'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id',
+    'expires_at', 'max_attempts')
+  if job[1] == 'queued' then
+    redis.call('HSET', job_key, 'status', 'running', 'started_at', secs(ms))
+  end
+  if redis.call('EXISTS', worker_key) == 1 then
+    redis.call('HSET', worker_key, 'current_task', task_id)
+  end
+  emit(events_key, 'task', task_id, 'running')
+  local t = redis.call('HMGET', task_key, 'index', 'payload', 'sig')
+  return {1, token, attempt, job[2], t[1], t[2], job[3], job[4], job[5], job[8], t[3] or '', job[6] or '',
+    job[7] or '0', ms, task_id}
+end
+
+-- End a running attempt: back to 'queued' (pending again, idle workers woken) while attempts remain,
+-- else 'failed'. Returns {'queued', attempts, 0} or {'failed', attempts, 0}.
 -- refund: the attempt does not count (a worker handing its task back on shutdown).
 -- final: fail for good whatever attempts remain.
-local function end_attempt(task_key, job_key, events_key, queued_key, stats_key, task_id, err, duration, refund, ms, final)
-  local t = redis.call('HMGET', task_key, 'attempts', 'max_attempts', 'tier', 'job')
-  local attempts, max_attempts = tonumber(t[1]), tonumber(t[2])
+local function end_attempt(task_key, job_key, events_key, ready_key, idle_key, stats_key, task_id, err, duration,
+                           refund, ms, final)
+  local attempts = tonumber(redis.call('HGET', task_key, 'attempts') or 0)
+  local max_attempts = tonumber(redis.call('HGET', job_key, 'max_attempts') or 1)
+  local job_id = job_of(task_id)
   if refund then
     attempts = redis.call('HINCRBY', task_key, 'attempts', -1)
   end
@@ -53,23 +134,80 @@ local function end_attempt(task_key, job_key, events_key, queued_key, stats_key,
     redis.call('HSET', task_key, 'error', err)
   end
   if attempts < max_attempts and not final then
-    -- each requeue is a new delivery with its own deterministic RQ job id (<task>_<delivery>)
-    local delivery = redis.call('HINCRBY', task_key, 'deliveries', 1)
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
-    redis.call('ZADD', queued_key, ms, task_id)
     move(job_key, 'running', 'queued')
+    make_pending(task_key, job_key, ready_key, idle_key, job_id)
     if not refund then
       redis.call('HINCRBY', stats_key, 'retried', 1)
     end
     emit(events_key, 'task', task_id, 'queued')
-    return {'queued', delivery, tonumber(t[3])}
+    return {'queued', attempts, 0}
   end
   redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(ms), 'duration', duration)
   move(job_key, 'running', 'failed')
   redis.call('HINCRBY', stats_key, 'failed', 1)
   emit(events_key, 'task', task_id, 'failed')
-  maybe_finish(job_key, events_key, t[4], ms)
-  return {'failed', attempts, tonumber(t[3])}
+  maybe_finish(job_key, events_key, job_id, ms)
+  return {'failed', attempts, 0}
+end
+
+-- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
+-- reqs: list of {key, op, value}; res: the worker's resources (strings and numbers).
+local function meets(req, res)
+  local have = res[req[1]]
+  local op, want = req[2], req[3]
+  if have == nil or have == cjson.null then
+    return op == '!='
+  end
+  local text = tostring(have)
+  if op == '>=' or op == '<=' then
+    local x, w = tonumber(text), tonumber(want)
+    if x == nil or w == nil or x ~= x or w ~= w then
+      return false
+    end
+    if op == '>=' then return x >= w end
+    return x <= w
+  end
+  if op == '~' then
+    return string.find(string.lower(text), string.lower(want), 1, true) ~= nil
+  end
+  local a, b = tonumber(text), tonumber(want)
+  local equal
+  if a ~= nil and b ~= nil then
+    equal = a == b
+  else
+    equal = string.lower(text) == string.lower(want)
+  end
+  if op == '=' then return equal end
+  return not equal
+end
+
+local function meets_all(reqs, res)
+  for _, req in ipairs(reqs) do
+    if not meets(req, res) then
+      return false
+    end
+  end
+  return true
+end
+
+-- The registered fleet's size and strength, recounted only after a worker joined or left (the
+-- dispatcher must not walk a thousand workers per task). Returns n, score sum, score max, version.
+local function fleet(scores_key, fleet_key)
+  local f = redis.call('HMGET', fleet_key, 'n', 'sum', 'max', 'dirty', 'v')
+  if f[1] and f[4] ~= '1' then
+    return tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), f[5] or '0'
+  end
+  local all = redis.call('ZRANGE', scores_key, 0, -1, 'WITHSCORES')
+  local n, sum, max = 0, 0, 0
+  for i = 2, #all, 2 do
+    local s = tonumber(all[i])
+    n = n + 1
+    sum = sum + s
+    if s > max then max = s end
+  end
+  redis.call('HSET', fleet_key, 'n', n, 'sum', sum, 'max', max, 'dirty', 0)
+  return n, sum, max, f[5] or '0'
 end
 
 -- Upper bounds (s) of the task duration histogram; gpumesh/metrics.py reads the same list.

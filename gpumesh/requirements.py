@@ -1,0 +1,111 @@
+"""Task requirements (``submit --require``, a payload's ``"requires"``) and worker resources: pure logic.
+
+A requirement is ``KEY=VALUE``, ``KEY!=VALUE``, ``KEY>=NUMBER``, ``KEY<=NUMBER`` or ``KEY~TEXT``
+(case-insensitive substring). A worker's resources are what its probe found (``device``, ``gpu``,
+``vram_gb``, ``vram_free_gb``, ``cpu_cores``, ``ram_gb``) overridden by ``worker --resource KEY=VALUE``.
+
+The dispatcher evaluates the same rules inside Redis (``meets`` in ``lua/_lib.lua``); both are
+tested against one table of cases, so a status that says "no live worker can run these" agrees
+with what the dispatcher does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
+# Longest operators first, so "vram_gb>=40" is not read as "vram_gb>" "=40".
+_EXPR = re.compile(r"^\s*(?P<key>[^=!<>~\s]+)\s*(?P<op>!=|>=|<=|=|~)\s*(?P<value>.*?)\s*$")
+MAX_REQUIREMENTS = 32
+
+
+@dataclass(frozen=True)
+class Requirement:
+    key: str
+    op: str  # '=', '!=', '>=', '<=', '~'
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.op}{self.value}"
+
+
+def _number(text: str) -> float | None:
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def parse(expr: str, where: str = "--require") -> Requirement:
+    """One EXPR, or a UsageError that says what is wrong with it and what is expected."""
+    if not isinstance(expr, str):
+        raise UsageError(f'{where}: a requirement must be a string such as "vram_gb>=40", got {expr!r}'[:200])
+    m = _EXPR.match(expr)
+    hint = "expected KEY=VALUE, KEY!=VALUE, KEY>=NUMBER, KEY<=NUMBER or KEY~TEXT, e.g. vram_gb>=40 or gpu~a100"
+    if not m:
+        raise UsageError(f"{where}: {expr!r} is not a requirement; {hint}"[:300])
+    key, op, value = m["key"], m["op"], m["value"]
+    if not KEY.fullmatch(key):
+        raise UsageError(f"{where}: {key!r} in {expr!r} is not a resource name (letters, digits, _ . -); {hint}"[:300])
+    if value == "" or any(c in value for c in "=<>~!") and op in ("=", "!=", "~"):
+        raise UsageError(f"{where}: {expr!r} has no single value after {op!r}; {hint}"[:300])
+    if op in (">=", "<=") and _number(value) is None:
+        raise UsageError(f"{where}: {expr!r} compares with {op} but {value!r} is not a number; {hint}"[:300])
+    return Requirement(key, op, value)
+
+
+def parse_all(exprs: Iterable[object], where: str = "--require") -> tuple[Requirement, ...]:
+    out = tuple(parse(e, where) for e in exprs)  # type: ignore[arg-type]
+    if len(out) > MAX_REQUIREMENTS:
+        raise UsageError(f"{where}: at most {MAX_REQUIREMENTS} requirements, got {len(out)}")
+    return out
+
+
+def parse_resource(text: str) -> tuple[str, str]:
+    """``worker --resource KEY=VALUE``."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not KEY.fullmatch(key) or value == "":
+        raise UsageError(
+            f"--resource {text!r}: expected KEY=VALUE with a resource name of letters, digits, _ . - "
+            "(e.g. --resource vram_gb=80 or --resource gpu=A100)"
+        )
+    return key, value
+
+
+def meets(req: Requirement, resources: Mapping[str, object]) -> bool:
+    """Whether one requirement holds for a worker with these resources (same rules as lua/_lib.lua)."""
+    have = resources.get(req.key)
+    if have is None:
+        return req.op == "!="  # a worker without the resource has any value but VALUE
+    text = str(have)
+    if req.op in (">=", "<="):
+        x, want = _number(text), _number(req.value)
+        if x is None or want is None:
+            return False
+        return x >= want if req.op == ">=" else x <= want
+    if req.op == "~":
+        return req.value.lower() in text.lower()
+    a, b = _number(text), _number(req.value)
+    equal = a == b if a is not None and b is not None else text.lower() == req.value.lower()
+    return equal if req.op == "=" else not equal
+
+
+def meets_all(reqs: Iterable[Requirement], resources: Mapping[str, object]) -> bool:
+    return all(meets(r, resources) for r in reqs)
+
+
+def canonical(reqs: Iterable[Requirement]) -> tuple[str, ...]:
+    """A requirement set as sorted unique strings: tasks with the same set share one pending queue."""
+    return tuple(sorted({str(r) for r in reqs}))
+
+
+def fmt_number(x: float) -> str:
+    """A probed number as a resource value: integers without '.0', others rounded to 0.1."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"

@@ -1,0 +1,283 @@
+"""Placement decided when a worker takes work: the placement rule, requirements, priorities and fair
+share, against a real Redis and real worker processes (scores and resources emulated with --score and
+--resource)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import redis
+
+from gpumesh import keys, requirements, scripts
+from gpumesh.broker import Broker
+from gpumesh.errors import UsageError
+from gpumesh.models import JobOptions
+
+from .conftest import ROOT, Workers, gpumesh, wait_until
+
+SLEEP = """import json, os, sys, time
+p = json.load(sys.stdin)
+time.sleep(p.get("sleep", 0) * p.get("cost", 1) / float(os.environ["GPUMESH_WORKER_SCORE"]))
+print(json.dumps({"worker": os.environ["GPUMESH_WORKER_ID"], "cost": p.get("cost", 1)}))
+"""
+
+
+def sleep_script(tmp_path: Path) -> Path:
+    path = tmp_path / "sleep.py"
+    path.write_text(SLEEP)
+    return path
+
+
+def submit(env, script: Path, payloads: list[dict], *args: str) -> str:
+    p = gpumesh("submit", str(script), "--payloads", "-", *args, env=env, input=json.dumps(payloads))
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def status(env, job: str) -> dict:
+    return json.loads(gpumesh("status", job, "--json", env=env).stdout)
+
+
+def wait_done(env, job: str, timeout: float = 60) -> dict:
+    return wait_until(lambda: (st := status(env, job))["status"] in ("done", "failed") and st, timeout=timeout,
+                      what=f"job {job} to end")  # fmt: skip
+
+
+def register(r: redis.Redis, worker: str, score: float, **resources: object) -> None:
+    """A worker as the dispatcher sees it (for the script-level tests)."""
+    r.hset(keys.worker(worker), mapping={"resources": json.dumps({"device": "cpu", **resources}), "score": score})
+    r.zadd(keys.SCORES, {worker: score})
+    sec, usec = r.time()
+    r.zadd(keys.WORKERS, {worker: sec * 1000 + usec // 1000})  # live: heartbeat now
+    r.hset(keys.FLEET, "dirty", 1)
+
+
+def take(broker: Broker, r: redis.Redis, worker: str, score: float) -> scripts.Lease | str:
+    return scripts.dispatch(broker.scripts, r, worker, 60_000, score)
+
+
+# -- requirements: one rule set, in Python and in Lua ----------------------------------------------
+
+CASES = [
+    ("vram_gb>=40", {"vram_gb": 80}, True),
+    ("vram_gb>=40", {"vram_gb": "24"}, False),
+    ("vram_gb>=40", {}, False),
+    ("vram_gb>=40", {"vram_gb": "lots"}, False),
+    ("vram_gb<=24", {"vram_gb": 24}, True),
+    ("gpu~a100", {"gpu": "NVIDIA A100-SXM4-80GB"}, True),
+    ("gpu~A100", {"gpu": "nvidia h100"}, False),
+    ("device=cuda", {"device": "CUDA"}, True),
+    ("device=cuda", {"device": "cpu"}, False),
+    ("device!=cpu", {"device": "cuda"}, True),
+    ("device!=cpu", {}, True),
+    ("cpu_cores=8", {"cpu_cores": 8.0}, True),
+    ("cpu_cores=8", {"cpu_cores": "8"}, True),
+    ("dataset=imagenet", {"dataset": "ImageNet"}, True),
+]
+
+
+def test_requirements_mean_the_same_in_python_and_in_the_dispatcher(broker: Broker, r: redis.Redis):
+    lib = scripts._source("wake").split("\n-- wake:")[0]
+    check = r.register_script(lib + "\nreturn meets_all(cjson.decode(ARGV[1]), cjson.decode(ARGV[2])) and 1 or 0")
+    for expr, resources, expected in CASES:
+        req = requirements.parse(expr)
+        assert requirements.meets(req, resources) is expected, (expr, resources)
+        lua = check(args=[json.dumps([[req.key, req.op, req.value]]), json.dumps(resources)])
+        assert bool(lua) is expected, (expr, resources, "lua")
+
+
+@pytest.mark.parametrize(
+    "expr", ["vram_gb>>40", "vram_gb>=forty", "=cuda", "gpu~", "no operator", "a b=c", "k=v=w", ""]
+)
+def test_a_malformed_requirement_is_refused_with_one_line(expr: str):
+    with pytest.raises(UsageError, match="expected KEY=VALUE"):
+        requirements.parse(expr)
+
+
+def test_malformed_requirements_exit_2_and_write_nothing(env, r: redis.Redis):
+    script = ROOT / "examples/grid_search.py"
+    before = r.dbsize()
+    p = gpumesh("submit", str(script), "--payloads", "-", "--require", "vram_gb>>40", env=env, input='[{"lr": 1}]')
+    assert p.returncode == 2 and "--require" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"lr": 1, "requires": ["gpu"]}]')
+    assert p.returncode == 2 and "payloads on stdin[0].requires" in p.stderr, p.stderr
+    p = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"lr": 1, "requires": "gpu~a"}]')
+    assert p.returncode == 2 and "must be a list" in p.stderr
+    p = gpumesh("submit", str(script), "--payloads", "-", "--priority", "x", env=env, input='[{"lr": 1}]')
+    assert p.returncode == 2
+    assert r.dbsize() == before, "nothing was written"
+
+
+# -- the placement rule, one dispatch at a time ------------------------------------------------------
+
+
+def test_the_strongest_takes_the_heaviest_and_a_lone_worker_the_lightest(broker: Broker, r: redis.Redis):
+    costs = [1, 16, 2, 8, 4, 1, 1, 1]
+    job = broker.submit("print(1)", "t.py", [{"cost": c} for c in costs], JobOptions()).job_id
+    register(r, "weak", 1.0)
+    lone = take(broker, r, "weak", 1.0)
+    assert isinstance(lone, scripts.Lease) and costs[lone.index] == 1, "alone: the lightest first"
+    for w, s in (("w2", 2.0), ("w4", 4.0), ("w8", 8.0)):
+        register(r, w, s)  # the fleet forms: the very next placement sees it
+    weak = take(broker, r, "weak", 1.0)
+    strong = take(broker, r, "w8", 8.0)
+    assert isinstance(strong, scripts.Lease) and costs[strong.index] == 16, "the heaviest to the strongest"
+    # within its horizon: cost <= score * max(queued cost / fleet score, heaviest / strongest) = 1 * 33/15
+    assert isinstance(weak, scripts.Lease) and costs[weak.index] == 2, "the weakest takes light work"
+    mid = take(broker, r, "w4", 4.0)  # now 15 queued: 4 * max(15/15, 8/8) = 4
+    assert isinstance(mid, scripts.Lease) and costs[mid.index] == 4
+    assert status_counts(broker, job)["running"] == 4
+
+
+def status_counts(broker: Broker, job: str) -> dict:
+    return broker.job_status(job).tasks.model_dump()
+
+
+def test_equal_workers_never_idle_while_work_waits(broker: Broker, r: redis.Redis):
+    broker.submit("print(1)", "t.py", [{"i": i} for i in range(3)], JobOptions())
+    for w in ("a", "b", "c"):
+        register(r, w, 5.0)
+    got = [take(broker, r, w, 5.0) for w in ("a", "b", "c")]
+    assert all(isinstance(g, scripts.Lease) for g in got)
+    assert sorted(g.index for g in got) == [0, 1, 2]  # type: ignore[union-attr]
+    assert isinstance(take(broker, r, "d", 5.0), str), "nothing left for a fourth worker"
+    assert r.sismember(keys.IDLE, "d"), "a worker that found nothing waits to be woken"
+
+
+def test_a_worker_never_gets_what_it_may_not_run_and_priority_comes_first(broker: Broker, r: redis.Redis):
+    low = broker.submit("print(1)", "t.py", [{"i": 0}, {"i": 1}], JobOptions()).job_id
+    gpu = broker.submit(
+        "print(1)", "t.py", [{"i": 0}, {"i": 1, "requires": ["gpu~a100"]}],
+        JobOptions(priority=5, requires=("vram_gb>=40",)),
+    ).job_id  # fmt: skip
+    register(r, "cpu", 100.0)
+    register(r, "h100", 10.0, device="cuda", gpu="NVIDIA H100", vram_gb=80)
+    first = take(broker, r, "h100", 10.0)
+    assert isinstance(first, scripts.Lease) and first.job_id == gpu and first.index == 0, "priority 5 first"
+    second = take(broker, r, "h100", 10.0)
+    assert isinstance(second, scripts.Lease) and second.job_id == low, "the A100 task is not for an H100"
+    cpu = take(broker, r, "cpu", 100.0)
+    assert isinstance(cpu, scripts.Lease) and cpu.job_id == low
+    assert isinstance(take(broker, r, "h100", 10.0), str), "nothing else it may run"
+    waiting = broker.job_status(gpu, waiting=True).waiting_for
+    assert [w.model_dump() for w in waiting] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1}]
+
+
+def test_jobs_of_equal_priority_share_the_workers(broker: Broker, r: redis.Redis):
+    big = broker.submit("print(1)", "t.py", [{"i": i} for i in range(50)], JobOptions()).job_id
+    for w in ("a", "b", "c", "d"):
+        register(r, w, 1.0)
+    assert isinstance(take(broker, r, "a", 1.0), scripts.Lease)
+    assert isinstance(take(broker, r, "b", 1.0), scripts.Lease)
+    small = broker.submit("print(1)", "t.py", [{"i": i} for i in range(4)], JobOptions()).job_id
+    c, d = take(broker, r, "c", 1.0), take(broker, r, "d", 1.0)
+    assert isinstance(c, scripts.Lease) and isinstance(d, scripts.Lease)
+    assert {c.job_id, d.job_id} == {small}, "the job with fewer running tasks goes first"
+    assert status_counts(broker, big)["running"] == 2 and status_counts(broker, small)["running"] == 2
+
+
+# -- real workers ----------------------------------------------------------------------------------
+
+
+def stop(workers: Workers) -> None:
+    for p in workers.procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in workers.procs:
+        p.wait(timeout=30)
+
+
+def test_the_heaviest_shard_goes_to_the_strongest_when_workers_start_and_submit_at_once(
+    env, workers: Workers, r: redis.Redis
+):
+    """The first version ran the heaviest grid-search shard on the weak worker in 3 of 3 rounds."""
+    example, payloads = ROOT / "examples/grid_search.py", json.loads((ROOT / "examples/payloads.json").read_text())
+    for _round in range(3):
+        r.flushall()
+        workers.start("--name", "weak", score=1)
+        workers.start("--name", "strong", score=50)
+        job = submit(env, example, payloads)
+        assert wait_done(env, job)["status"] == "done"
+        tasks = [r.hgetall(keys.task(keys.task_id(job, i))) for i in range(len(payloads))]
+        first = {}
+        for p, t in sorted(zip(payloads, tasks), key=lambda pt: float(pt[1]["started_at"])):
+            first.setdefault(t["worker"].split("-")[0], p["cost"])
+        assert first == {"strong": 8, "weak": 1}, first
+        stop(workers)
+
+
+def test_a_worker_that_joins_after_the_submit_takes_work_at_once(env, workers: Workers, tmp_path: Path):
+    """The first version left it idle while all four tasks ran on the other worker (12.1 s, not 6.5 s)."""
+    workers.start("--warm", score=1)
+    t0 = time.monotonic()
+    job = submit(env, sleep_script(tmp_path), [{"sleep": 2, "i": i} for i in range(4)])
+    workers.start("--warm", score=1)
+    st = wait_done(env, job)
+    elapsed = time.monotonic() - t0
+    assert st["status"] == "done"
+    rows = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert len({row["worker"] for row in rows}) == 2, "both workers ran tasks"
+    assert elapsed < 7.5, f"4 tasks of 2 s on two workers took {elapsed:.1f} s"
+
+
+def test_tasks_no_live_worker_can_run_wait_say_why_and_run_when_one_joins(env, workers: Workers, tmp_path: Path):
+    workers.start(score=5)
+    p = gpumesh("submit", str(sleep_script(tmp_path)), "--payloads", "-", "--require", "vram_gb>=40",
+                env=env, input=json.dumps([{"i": 0}, {"i": 1, "requires": ["gpu~a100"]}, {"i": 2}]))  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    assert "3 task(s)" not in p.stderr and "wait for a worker with" in p.stderr, p.stderr
+    time.sleep(1.0)  # the cpu worker had its chance
+    st = status(env, job)
+    assert st["tasks"]["queued"] == 3 and st["status"] == "queued"
+    assert sorted(st["waiting_for"], key=lambda w: w["tasks"]) == [
+        {"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1},
+        {"requires": ["vram_gb>=40"], "tasks": 2},
+    ]
+    human = gpumesh("status", job, env=env).stdout
+    assert "2 task(s) wait for a worker with vram_gb>=40" in human
+    workers.start("--resource", "vram_gb=80", "--resource", "gpu=NVIDIA H100", score=5)
+    wait_until(lambda: status(env, job)["tasks"]["done"] == 2, what="the two tasks an H100 with 80 GB may run")
+    st = status(env, job)
+    assert st["tasks"]["queued"] == 1 and st["waiting_for"] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1}]
+    workers.start("--resource", "vram_gb=80", "--resource", "gpu=A100-SXM4", score=5)
+    assert wait_done(env, job)["status"] == "done"
+    rows = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    workers_json = {w["id"]: w for w in json.loads(gpumesh("workers", "--json", env=env).stdout)}
+    for row in rows:
+        assert float(workers_json[row["worker"]]["resources"]["vram_gb"]) >= 40
+
+
+def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
+    env, workers: Workers, r: redis.Redis, tmp_path: Path
+):
+    """The first version made a 4-task job wait 17.1 s for a 300-task job ahead of it."""
+    script = sleep_script(tmp_path)
+    workers.start("--warm", score=1)
+    workers.start("--warm", score=1)
+    big = submit(env, script, [{"sleep": 0.1, "i": i} for i in range(300)])
+    wait_until(lambda: status(env, big)["tasks"]["done"] >= 4, what="the big job to be under way")
+    t0 = time.monotonic()
+    small = submit(env, script, [{"sleep": 0.1, "i": i} for i in range(4)])
+    assert wait_done(env, small, timeout=30)["status"] == "done"
+    latency = time.monotonic() - t0
+    assert latency < 3.0, f"the small job took {latency:.1f} s behind the big one"
+    urgent = submit(env, script, [{"sleep": 0.1, "i": i} for i in range(20)], "--priority", "5")
+    assert wait_done(env, urgent, timeout=30)["status"] == "done"
+    st = status(env, urgent)
+    assert st["priority"] == 5
+    # until its last task started, a worker that asked got priority 5 work, never the big job's
+    last_urgent = max(float(r.hget(keys.task(keys.task_id(urgent, i)), "started_at")) for i in range(20))
+    # from the moment the job was visible (a big-job task dispatched just before may still be starting)
+    start = datetime.fromisoformat(st["created_at"]).timestamp() + 0.05
+    started = [float(s) for s in (r.hget(keys.task(keys.task_id(big, i)), "started_at") for i in range(300)) if s]
+    assert not [s for s in started if start < s < last_urgent], "no big-job task started while priority 5 waited"
+    rows = json.loads(gpumesh("results", urgent, "--format", "json", env=env).stdout)
+    assert len({row["worker"] for row in rows}) == 2, "the urgent job ran on the whole fleet"
+    assert {j["job_id"]: j["priority"] for j in json.loads(gpumesh("jobs", "--json", env=env).stdout)}[urgent] == 5
