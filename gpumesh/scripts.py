@@ -16,7 +16,19 @@ from redis.commands.core import Script
 
 from . import keys
 
-NAMES = ("dispatch", "acquire", "complete", "fail", "heartbeat", "reap", "cancel", "retry", "speculate", "wake")
+NAMES = (
+    "dispatch",
+    "acquire",
+    "complete",
+    "fail",
+    "heartbeat",
+    "reap",
+    "cancel",
+    "retry",
+    "speculate",
+    "wake",
+    "stage",
+)
 
 
 @cache
@@ -121,6 +133,16 @@ def _lease(task_id: str, r: list[Any], backup: bool = False, fleet_version: str 
         task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]), int(r[9]), r[10], r[11],
         float(r[12]), int(r[13]), backup, fleet_version,
     )  # fmt: skip
+
+
+def stage(s: Scripts, client: Any, job_id: str, tasks: list[tuple[int, str, float, int]]) -> Any:
+    """Write a chunk of a job's tasks (index, payload JSON, cost, class) in one call; not yet visible."""
+    args: list[Any] = [job_id]
+    for index, payload, cost, klass in tasks:
+        args += [index, payload, repr(cost) if cost != 1.0 else "1", klass]
+    return s["stage"](
+        keys=[keys.job_tasks(job_id), *[keys.task(keys.task_id(job_id, t[0])) for t in tasks]], args=args, client=client
+    )
 
 
 def wake(s: Scripts, client: Any) -> Any:

@@ -173,26 +173,16 @@ class Submitter:
         self._write_tasks(p, job, 0, len(job.payloads))
         self._make_visible(p, job)
 
-    @staticmethod
-    def _write_tasks(p: Any, job: _Job, start: int, stop: int) -> None:
-        """Tasks ``start..stop``, their place in the job's task list and in its pending zsets; not yet
-        visible to anyone (no worker looks at a job before it is in the ready index).
+    def _write_tasks(self, p: Any, job: _Job, start: int, stop: int) -> None:
+        """Tasks ``start..stop``, their place in the job's task list and in its pending zsets (stage.lua);
+        not yet visible to anyone (no worker looks at a job before it is in the ready index).
 
         A task hash holds only what differs between tasks (the job hash holds the rest), and a
         default cost or class is not written: a queued task costs a few hundred bytes."""
-        task_ids = [keys.task_id(job.id, i) for i in range(start, stop)]
-        p.rpush(keys.job_tasks(job.id), *task_ids)
-        pending: dict[int, dict[str, float]] = {}
-        for i, tid in zip(range(start, stop), task_ids):
-            fields: dict[str, Any] = {"index": i, "payload": json.dumps(job.payloads[i]), "status": "queued"}
-            if job.costs[i] != 1.0:
-                fields["cost"] = job.costs[i]
-            if job.classes[i]:
-                fields["class"] = job.classes[i]
-            p.hset(keys.task(tid), mapping=fields)
-            pending.setdefault(job.classes[i], {})[keys.pending_member(i)] = job.costs[i]
-        for klass, members in pending.items():
-            p.zadd(keys.pending(job.id, klass), members)
+        for lo in range(start, stop, STAGE_CHUNK):
+            hi = min(stop, lo + STAGE_CHUNK)
+            chunk = [(i, json.dumps(job.payloads[i]), job.costs[i], job.classes[i]) for i in range(lo, hi)]
+            scripts.stage(self.scripts, p, job.id, chunk)
 
     def _make_visible(self, p: Any, job: _Job) -> None:
         """The job hash, the jobs index and the ready index: after this the job exists for everyone, and

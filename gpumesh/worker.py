@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 import redis
+from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
@@ -130,6 +131,13 @@ class MeshWorker(SimpleWorker):
         """Ask the dispatcher for work, deliver it to our own queue and let RQ pop it; idle, sleep until woken.
 
         ``timeout`` None is burst mode: return None as soon as there is nothing this worker may run."""
+        try:
+            return self._dequeue(timeout, max_idle_time)
+        except StopRequested:  # SIGTERM while idle: RQ raises out of wherever we are
+            self._hand_back_all("the worker is stopping")
+            raise
+
+    def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         idle_since = time.monotonic()
         while not (self._stop_requested or self.fatal):
             try:

@@ -281,3 +281,22 @@ def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
     rows = json.loads(gpumesh("results", urgent, "--format", "json", env=env).stdout)
     assert len({row["worker"] for row in rows}) == 2, "the urgent job ran on the whole fleet"
     assert {j["job_id"]: j["priority"] for j in json.loads(gpumesh("jobs", "--json", env=env).stdout)}[urgent] == 5
+
+
+def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env):
+    from gpumesh.reaper import reap_once
+    from gpumesh.settings import Settings
+
+    b = Broker(Settings.load(job_retention=1))
+    payloads = [{"i": 0}, {"i": 1, "requires": ["gpu~a100"]}, {"i": 2, "cost": 3}]
+    job = b.submit("print(1)", "t.py", payloads, JobOptions(requires=("device=cpu",))).job_id
+    register(r, "w", 1.0)
+    lease = take(b, r, "w", 1.0)
+    assert isinstance(lease, scripts.Lease)
+    assert b.cancel(job).status == "cancelled"
+    assert not r.keys(f"gpumesh:job:{job}:pending:*") and r.zcard(keys.READY) == 0, "nothing left to dispatch"
+    assert isinstance(take(b, r, "w", 1.0), str)
+    time.sleep(1.2)
+    assert reap_once(b)["jobs_pruned"] == 1
+    assert not r.keys(f"gpumesh:*{job}*"), r.keys(f"gpumesh:*{job}*")
+    b.close()
