@@ -82,39 +82,49 @@ local function make_pending(task_key, job_key, ready_key, idle_key, job_id)
 end
 
 -- A queued task leaves its pending zset (taken, or cancelled); the ready index drops a drained class.
-local function unpend(task_key, job_key, ready_key, job_id)
-  local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
-  local klass = t[3] or '0'
+-- index, cost, klass: the task's fields when the caller has them already (else read here).
+local function unpend(task_key, job_key, ready_key, job_id, index, cost, klass)
+  if index == nil then
+    local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
+    index, cost, klass = t[1], tonumber(t[2] or 1) or 1, t[3] or '0'
+  end
   local pk = pending_key(job_id, klass)
-  if redis.call('ZREM', pk, pad(t[1])) == 1 then
-    redis.call('HINCRBYFLOAT', job_key, 'pending_cost', -(tonumber(t[2] or 1) or 1))
+  if redis.call('ZREM', pk, pad(index)) == 1 then
+    redis.call('HINCRBYFLOAT', job_key, 'pending_cost', -cost)
   end
   if redis.call('EXISTS', pk) == 0 then
     redis.call('ZREM', ready_key, job_id .. '/' .. klass)
   end
 end
 
--- queued -> running: the lease, the counters, the worker's current task. Returns the lease reply:
+-- The task fields take() needs, read in one call (status first, so callers can check it).
+local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig'}
+-- The job fields take() needs; dispatch reads them with what it chooses by, in one call.
+local TAKE_JOB = {'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id', 'expires_at', 'max_attempts'}
+
+-- queued -> running: the lease, the counters, the worker's current task. t: TAKE_TASK of the task;
+-- job: TAKE_JOB of its job, or nil to read it here; worker_known: the worker hash exists.
+-- Returns the lease reply:
 -- {1, token, attempt, job id, index, payload, script sha, script name, timeout s, max attempts,
 --  signature, key id, expires at (s), server time (ms), task id}
-local function take(task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl, ms)
-  local attempt = redis.call('HINCRBY', task_key, 'attempts', 1)
+local function take(task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl, ms,
+                    t, job, worker_known)
+  local attempt = (tonumber(t[2]) or 0) + 1
   local token = worker_id .. ':' .. attempt .. ':' .. ms
   redis.call('SET', lease_key, token, 'PX', ttl)
   redis.call('ZADD', leases_key, ms + ttl, task_id)
-  redis.call('HSET', task_key, 'status', 'running', 'worker', worker_id, 'lease', token, 'started_at', secs(ms))
+  redis.call('HSET', task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
+    'started_at', secs(ms))
   move(job_key, 'queued', 'running')
-  local job = redis.call('HMGET', job_key, 'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id',
-    'expires_at', 'max_attempts')
+  job = job or redis.call('HMGET', job_key, unpack(TAKE_JOB))
   if job[1] == 'queued' then
     redis.call('HSET', job_key, 'status', 'running', 'started_at', secs(ms))
   end
-  if redis.call('EXISTS', worker_key) == 1 then
+  if worker_known or redis.call('EXISTS', worker_key) == 1 then
     redis.call('HSET', worker_key, 'current_task', task_id)
   end
   emit(events_key, 'task', task_id, 'running')
-  local t = redis.call('HMGET', task_key, 'index', 'payload', 'sig')
-  return {1, token, attempt, job[2], t[1], t[2], job[3], job[4], job[5], job[8], t[3] or '', job[6] or '',
+  return {1, token, attempt, job[2], t[3], t[4], job[3], job[4], job[5], job[8], t[5] or '', job[6] or '',
     job[7] or '0', ms, task_id}
 end
 

@@ -17,27 +17,37 @@
 local me, ttl, score = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local n, sum, max, version = fleet(KEYS[2], KEYS[3])
 local raw = redis.call('HGET', KEYS[4], 'resources')
-local resources = raw and cjson.decode(raw) or {}
+local resources  -- decoded only when some queued work has requirements
+-- what we choose by, then what take() needs, in one read per candidate job
+local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
+local NO_REQUIREMENTS = '[[]]'
 
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a task no longer queued)
   local entries = redis.call('ZREVRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-  local best, best_prio, best_running, best_created, best_job, best_class
+  local best, best_prio, best_running, best_created, best_job, best_class, best_fields
   for i = 1, #entries, 2 do
     local member, prio = entries[i], tonumber(entries[i + 1])
     if best and prio < best_prio then
       break
     end
     local job_id, klass = string.match(member, '^(.*)/(%d+)$')
-    local job = job_id and redis.call('HMGET', PREFIX .. 'job:' .. job_id, 'classes', 'running', 'created_at')
+    local job = job_id and redis.call('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
     if not job or not job[1] or redis.call('EXISTS', pending_key(job_id, klass)) == 0 then
       redis.call('ZREM', KEYS[1], member)  -- drained, cancelled or deleted
     else
-      local reqs = cjson.decode(job[1])[tonumber(klass) + 1] or {}
-      if meets_all(reqs, resources) then
+      local ok = true
+      if job[1] ~= NO_REQUIREMENTS then
+        local reqs = cjson.decode(job[1])[tonumber(klass) + 1] or {}
+        if #reqs > 0 then
+          resources = resources or (raw and cjson.decode(raw)) or {}
+          ok = meets_all(reqs, resources)
+        end
+      end
+      if ok then
         local running, created = tonumber(job[2]) or 0, tonumber(job[3]) or 0
         if not best or running < best_running or (running == best_running and created < best_created) then
           best, best_prio, best_running, best_created = member, prio, running, created
-          best_job, best_class = job_id, klass
+          best_job, best_class, best_fields = job_id, klass, job
         end
       end
     end
@@ -52,24 +62,30 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
   local pick
   if n > 1 then
     local heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
-    local queued_cost = tonumber(redis.call('HGET', job_key, 'pending_cost') or 0) or 0
+    local queued_cost = tonumber(best_fields[4] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
-    pick = redis.call('ZREVRANGEBYSCORE', pk, score * horizon * (1 + 1e-9), '-inf', 'LIMIT', 0, 1)[1]
+    pick = redis.call('ZREVRANGEBYSCORE', pk, score * horizon * (1 + 1e-9), '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
   end
-  pick = pick or redis.call('ZRANGE', pk, 0, 0)[1]
-  local task_id = best_job .. '-' .. tonumber(pick)
+  if not pick or not pick[1] then
+    pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
+  end
+  local index, cost = tonumber(pick[1]), tonumber(pick[2])
+  local task_id = best_job .. '-' .. index
   local task_key = PREFIX .. 'task:' .. task_id
-  local status = redis.call('HGET', task_key, 'status')
-  if status == 'queued' then
-    unpend(task_key, job_key, KEYS[1], best_job)
+  local t = redis.call('HMGET', task_key, unpack(TAKE_TASK))
+  if t[1] == 'queued' then
+    unpend(task_key, job_key, KEYS[1], best_job, index, cost, best_class)
     redis.call('SREM', KEYS[7], me)
-    local ms = now_ms()
+    local job = {}
+    for k = 1, #TAKE_JOB do
+      job[k] = best_fields[4 + k]
+    end
     local lease = take(task_key, PREFIX .. 'lease:' .. task_id, KEYS[5], job_key, KEYS[6], KEYS[4], task_id, me, ttl,
-      ms)
+      now_ms(), t, job, raw ~= nil)
     lease[#lease + 1] = version
     return lease
   end
-  redis.call('ZREM', pk, pick)  -- not queued any more: a stale entry, drop it and look again
+  redis.call('ZREM', pk, pick[1])  -- not queued any more: a stale entry, drop it and look again
   if redis.call('EXISTS', pk) == 0 then
     redis.call('ZREM', KEYS[1], best)
   end
