@@ -2,7 +2,16 @@
 
 Run as ``python -m gpumesh.capability`` in a child process so the worker itself never initialises
 CUDA (a process that forks after CUDA init breaks its children). Prints one JSON :class:`Capability`.
-Backends in order: torch (CUDA, then MPS, then CPU), numpy, pure Python.
+Backends in order: torch (CUDA, then MPS, then CPU), numpy, pure Python; ``GPUMESH_BENCH_BACKEND``
+(read by the child only) forces one.
+
+The score must mean the same thing each time it is measured: on a shared or throttled machine a single
+timed stretch scored from 11 to 262 GFLOP/s within minutes. Noise from other tenants, interrupts and frequency
+dips only ever slows a stretch down, so the score is the best of several short trials of a fixed-size
+matmul after a warm-up (benchmarks/bench_spread.py measures the spread of best against median).
+
+``measure`` benchmarks without touching the cache, ``save`` writes the cache that workers read, and
+``probe`` (what ``gpumesh worker`` calls) reads the cache or measures and saves on first use.
 """
 
 from __future__ import annotations
@@ -14,25 +23,51 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import GpumeshError
 from .models import Capability
 
-BENCH_SECONDS = 0.5
+TRIALS = 7
+TRIAL_SECONDS = 0.08  # warm-up + 7 trials: about 0.65 s of matmul, the child's imports come on top
+BACKENDS = ("torch", "numpy", "python")
+BACKEND_ENV = "GPUMESH_BENCH_BACKEND"
+
+Step = Callable[[], object]
 
 
-def _timed(step, flops_per_step: float, seconds: float) -> float:
-    if seconds <= 0:  # probe only (--score given): no measurement
-        return 0.0
-    step()  # warm-up: allocation, kernel selection, caches
-    n, start = 0, time.perf_counter()
-    while True:
-        step()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds and n >= 3:
-            return flops_per_step * n / elapsed / 1e9
+def trial_rates(step: Step, flops_per_step: float, trials: int = TRIALS, seconds: float = TRIAL_SECONDS) -> list[float]:
+    """GFLOP/s of each of ``trials`` back-to-back trials of at least ``seconds`` (and one step) each.
+
+    A warm-up of one trial's length comes first: allocation, kernel selection and caches, BLAS threads
+    spinning up, a CPU or GPU clocking up from idle would otherwise land in the first trial."""
+    if trials <= 0:
+        return []
+    rates = []
+    for i in range(trials + 1):
+        n, start = 0, time.perf_counter()
+        while True:
+            step()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        if i:  # trial 0 is the warm-up
+            rates.append(flops_per_step * n / elapsed / 1e9)
+    return rates
+
+
+def estimate(rates: list[float]) -> float:
+    """The best trial; 0 when nothing was measured (probe only). A slow trial is the machine being busy
+    (other tenants, interrupts, a frequency dip), not the machine being slow. Over blocks of 10 separate
+    runs on a quiet 2-core VM the best spread no more than the median of the same trials (numpy 35 % vs
+    39 %, pure Python 32 % vs 52 %; benchmarks/bench_spread.py measures it)."""
+    return max(rates, default=0.0)
+
+
+def _gib(n: float) -> float:
+    return round(n / 2**30, 1)
 
 
 def _cpu_name() -> str:
@@ -45,53 +80,80 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _host() -> dict[str, int | float]:
+    """Cores and RAM, cheap to probe and never touching CUDA, so a parent process may call it too."""
+    import psutil
+
+    try:  # the cores this process may run on: a taskset or cpuset leaves fewer than the machine has
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        cores = os.cpu_count() or 1
+    return {"cpu_cores": cores, "ram_gb": _gib(psutil.virtual_memory().total)}
+
+
 def _memory_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total)
 
 
-def _bench_torch(seconds: float) -> Capability:
+# Each backend returns the device it found (score 0), one matmul step and that step's FLOPs. The sizes are
+# fixed, so scores stay comparable with each other and with caches written before this version.
+def _torch() -> tuple[Capability, Step, float]:
     import torch
 
+    host = _host()
     if torch.cuda.is_available():
-        device, name = "cuda", torch.cuda.get_device_name(0)
-        memory = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(0).total_memory
+        free, _ = torch.cuda.mem_get_info(0)  # before our own matrices take their share
+        cap = Capability(
+            device="cuda", device_name=torch.cuda.get_device_name(0), memory_bytes=total, score_gflops=0,
+            backend="torch", vram_gb=_gib(total), vram_free_gb=_gib(free), **host,
+        )  # fmt: skip
         n, sync = 4096, torch.cuda.synchronize
     elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        device, name, memory, n = "mps", "Apple GPU (MPS)", _memory_bytes(), 2048
-        sync = torch.mps.synchronize
+        cap = Capability(
+            device="mps", device_name="Apple GPU (MPS)", memory_bytes=_memory_bytes(), score_gflops=0,
+            backend="torch", **host,
+        )  # fmt: skip
+        n, sync = 2048, torch.mps.synchronize
     else:
-        device, name, memory, n, sync = "cpu", _cpu_name(), _memory_bytes(), 512, lambda: None
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+        cap = Capability(
+            device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=0, backend="torch",
+            **host,
+        )  # fmt: skip
+        n, sync = 512, lambda: None
+    a = torch.randn(n, n, device=cap.device)
+    b = torch.randn(n, n, device=cap.device)
+    c = torch.empty(n, n, device=cap.device)
 
     def step() -> None:
-        (a @ b).sum().item() if device != "cpu" else a @ b
-        sync()
+        torch.matmul(a, b, out=c)  # into one buffer: the allocator is not what is measured
+        sync()  # GPU kernels are asynchronous: a step ends when the device has finished it
 
-    return Capability(
-        device=device,
-        device_name=name,
-        memory_bytes=memory,
-        score_gflops=_timed(step, 2 * n**3, seconds),
-        backend="torch",
-    )
+    return cap, step, 2 * n**3
 
 
-def _bench_numpy(seconds: float) -> Capability:
+def _numpy() -> tuple[Capability, Step, float]:
     import numpy as np
 
+    # BLAS threads stay at their default (every core this process may use): that is what a task's numpy
+    # gets. One thread is steadier while other processes compete for the cores (OpenBLAS's threads wait
+    # on each other: beside a running test suite two threads fell to 11 GFLOP/s where one kept 90-140 on
+    # this 2-core VM), but it would score a 64-core machine like a one-core one. So bench an idle machine:
+    # `gpumesh bench` shows the score before --save keeps it.
     n = 512
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     b = a.T.copy()
-    score = _timed(lambda: a @ b, 2 * n**3, seconds)
-    return Capability(
-        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="numpy"
-    )
+    c = np.empty_like(a)
+    cap = Capability(
+        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=0, backend="numpy",
+        **_host(),
+    )  # fmt: skip
+    return cap, lambda: np.matmul(a, b, out=c), 2 * n**3
 
 
-def _bench_python(seconds: float) -> Capability:
+def _python() -> tuple[Capability, Step, float]:
     n = 48
     a = [[(i * j) % 7 + 0.5 for j in range(n)] for i in range(n)]
     bt = [list(col) for col in zip(*a)]
@@ -99,46 +161,105 @@ def _bench_python(seconds: float) -> Capability:
     def step() -> None:
         [[sum(x * y for x, y in zip(row, col)) for col in bt] for row in a]
 
-    score = _timed(step, 2 * n**3, seconds)
-    return Capability(
-        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=score, backend="python"
+    cap = Capability(
+        device="cpu", device_name=_cpu_name(), memory_bytes=_memory_bytes(), score_gflops=0, backend="python",
+        comparable=False, **_host(),
+    )  # fmt: skip
+    return cap, step, 2 * n**3
+
+
+_SETUP = {"torch": _torch, "numpy": _numpy, "python": _python}
+
+
+def run(backend: str | None = None, trials: int = TRIALS) -> tuple[Capability, list[float]]:
+    """Probe and benchmark in this process (call it in a child: it may initialise CUDA); also the trial
+    rates the score is the best of. ``backend`` forces one (an ImportError if it is missing, never a
+    silent fallback); ``trials=0`` probes the device without measuring (score 0)."""
+    if backend is not None:
+        cap, step, flops = _SETUP[backend]()
+    else:
+        for name in BACKENDS:
+            try:
+                cap, step, flops = _SETUP[name]()
+                break
+            except ImportError:
+                continue
+    rates = trial_rates(step, flops, trials)
+    return cap.model_copy(update={"score_gflops": estimate(rates)}), rates
+
+
+def benchmark(backend: str | None = None, trials: int = TRIALS) -> Capability:
+    """:func:`run` without the trial rates."""
+    return run(backend, trials)[0]
+
+
+def warning(cap: Capability) -> str | None:
+    """One line to show wherever a score is shown or used, when it cannot be ranked against other machines."""
+    if cap.comparable:
+        return None
+    return (
+        f"warning: the score {cap.score_gflops:.3g} GFLOP/s comes from the pure-Python matmul, not numpy or torch: "
+        "it is not comparable with other machines' scores and ranks this machine far below them; "
+        "fix: pip install numpy, then gpumesh bench --save (or gpumesh worker --rebench)"
     )
 
 
-def benchmark(seconds: float = BENCH_SECONDS) -> Capability:
-    """Probe and benchmark in this process (call it in a child: it may initialise CUDA).
-
-    ``seconds=0`` probes the device without measuring (score 0)."""
-    for bench in (_bench_torch, _bench_numpy):
-        try:
-            return bench(seconds)
-        except ImportError:
-            continue
-    return _bench_python(seconds)
-
-
-def _cache_file(cache_dir: Path) -> Path:
+def cache_file(cache_dir: Path) -> Path:
+    """Where the capability of this host and these visible GPUs is cached."""
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"
     return cache_dir / f"capability-{socket.gethostname()}-gpu{gpus}.json"
 
 
+def load(cache_dir: Path) -> Capability | None:
+    """The cached capability, or None when there is none or it is corrupt.
+
+    A file from before the resource fields has no cores or RAM: those are probed here (cheap, no CUDA)
+    and, for cuda, the device memory it does hold is the VRAM; the score is kept as it was."""
+    try:
+        cap = Capability.model_validate_json(cache_file(cache_dir).read_text())
+    except (OSError, ValueError):
+        return None  # missing, unreadable or corrupt: measured again
+    if cap.cpu_cores == 0:
+        update: dict[str, object] = {**_host()}
+        if cap.device == "cuda" and cap.vram_gb is None:
+            update["vram_gb"] = _gib(cap.memory_bytes)
+        cap = cap.model_copy(update=update)
+    return cap
+
+
+def save(cache_dir: Path, cap: Capability) -> Path:
+    """Write the cache workers read; raises OSError. Written whole then renamed, so a worker starting
+    meanwhile reads the old file or the new one, never half of one."""
+    path = cache_file(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(cap.model_dump_json())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def measure(timeout: float = 300) -> Capability:
+    """Benchmark this machine in a child process; caches nothing (``gpumesh bench`` without --save)."""
+    return _run_child([], timeout)
+
+
 def probe(cache_dir: Path, refresh: bool = False, score: float | None = None, timeout: float = 300) -> Capability:
-    """This machine's capability: cached per host and visible GPUs, else measured in a child process.
+    """This machine's capability: cached per host and visible GPUs, else measured in a child process and
+    cached, so a worker's score stays what it was until someone re-measures on purpose.
 
     With ``score``, only the device is probed (no benchmark, nothing cached) and the score is taken as given."""
     if score is not None:
         cap = _run_child(["--probe-only"], timeout)
-        return cap.model_copy(update={"score_gflops": score, "backend": cap.backend + "+assumed"})
-    cache = _cache_file(cache_dir)
-    if not refresh and cache.is_file():
-        try:
-            return Capability.model_validate_json(cache.read_text())
-        except ValueError:
-            pass  # a corrupt cache is re-measured
-    cap = _run_child([], timeout)
+        # The operator vouches for an assumed score, whatever backend would have measured it.
+        return cap.model_copy(update={"score_gflops": score, "backend": cap.backend + "+assumed", "comparable": True})
+    if not refresh and (cached := load(cache_dir)) is not None:
+        return cached
+    cap = measure(timeout)
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(cap.model_dump_json())
+        save(cache_dir, cap)
     except OSError:
         pass  # a read-only home only costs a re-benchmark next time
     return cap
@@ -160,5 +281,23 @@ def _run_child(args: list[str], timeout: float) -> Capability:
     return Capability.model_validate_json(proc.stdout.strip().splitlines()[-1])
 
 
+def main(argv: list[str]) -> int:
+    """The child: ``[--probe-only] [--rates]``; prints the capability as the last line of stdout, after
+    the trial rates as ``{"rates": [...]}`` with --rates (benchmarks/bench_spread.py reads them)."""
+    backend = os.environ.get(BACKEND_ENV) or None  # the only place the variable is read
+    if backend is not None and backend not in BACKENDS:
+        print(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    try:
+        cap, rates = run(backend, 0 if "--probe-only" in argv else TRIALS)
+    except ImportError as e:  # only a forced backend gets here: the default falls back to the next one
+        print(f"{BACKEND_ENV}={backend}: {e}", file=sys.stderr)
+        return 2
+    if "--rates" in argv:
+        print(json.dumps({"rates": rates}))
+    print(json.dumps(cap.model_dump()))
+    return 0
+
+
 if __name__ == "__main__":
-    print(json.dumps(benchmark(0 if "--probe-only" in sys.argv else BENCH_SECONDS).model_dump()))
+    sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,7 @@ import redis
 from . import render
 from .broker import mask_url, translate
 from .cli import connect, emit_json, err, json_option, main, url_option
-from .errors import NotFound, UsageError
+from .errors import GpumeshError, NotFound, UsageError
 from .settings import Settings, config_path
 
 
@@ -133,18 +133,32 @@ def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
 
 @main.command()
 @json_option
-def bench(as_json: bool) -> None:
-    """Probe and benchmark this machine (in a child process) and cache the score workers use."""
+@click.option("--save", is_flag=True, help="Also cache the result as the score workers on this machine use.")
+def bench(as_json: bool, save: bool) -> None:
+    """Probe and benchmark this machine (in a child process) and show the result.
+
+    Nothing changes for workers unless --save: it writes the cached score a worker reads when it starts
+    (a running worker keeps the score it started with), so a noisy measurement never slips in unseen."""
     from . import capability
 
     settings = Settings.load()
     if not as_json:
         err.print("benchmarking (matmul, about a second)…")
-    cap = capability.probe(settings.cache_dir, refresh=True)
+    cap = capability.measure()
     if as_json:
         emit_json(cap.model_dump())
     else:
         render.out().print(render.capability_table(cap))
+    if (warning := capability.warning(cap)) is not None:
+        click.echo(warning, err=True)  # one line, never wrapped to a console's width: grep-able in logs
+    if save:
+        try:
+            path = capability.save(settings.cache_dir, cap)
+        except OSError as e:
+            raise GpumeshError(f"cannot write the capability cache in {settings.cache_dir}: {e}") from e
+        click.echo(f"saved to {path}: workers started from now on use it", err=True)
+    elif not as_json:
+        click.echo("not saved: gpumesh bench --save makes this the score workers use", err=True)
 
 
 @main.group()

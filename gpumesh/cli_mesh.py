@@ -109,7 +109,7 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
         verifier = Verifier(trusted)
     sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
     cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
-    warning = getattr(capability, "warning", lambda c: None)(cap)  # TODO helper
+    warning = capability.warning(cap)
     if warning:
         logging.getLogger("gpumesh.worker").warning(warning)
     cuda = os.environ.get("CUDA_VISIBLE_DEVICES")

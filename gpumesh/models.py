@@ -36,7 +36,9 @@ def _check_cost(payload: dict[str, Any]) -> dict[str, Any]:
     if "requires" in payload:
         reqs = payload["requires"]
         if not isinstance(reqs, list):
-            raise ValueError(f'requires must be a list of requirements such as ["vram_gb>=40"], got {json.dumps(reqs)[:60]}')
+            raise ValueError(
+                f'requires must be a list of requirements such as ["vram_gb>=40"], got {json.dumps(reqs)[:60]}'
+            )
         try:
             parse_all(reqs, "requires")
         except UsageError as exc:

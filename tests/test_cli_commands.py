@@ -83,7 +83,8 @@ def test_bench_json_shape(env):
     p = gpumesh("bench", "--json", env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     cap = json.loads(p.stdout)
-    assert set(cap) == {"device", "device_name", "memory_bytes", "score_gflops", "backend"}
+    assert set(cap) == {"device", "device_name", "memory_bytes", "score_gflops", "backend", "cpu_cores", "ram_gb",
+                        "vram_gb", "vram_free_gb", "comparable"}  # fmt: skip
     assert cap["score_gflops"] > 0 and cap["memory_bytes"] > 0
 
 

@@ -1,0 +1,138 @@
+"""Does the capability score agree with itself? Its spread over separate runs on one machine.
+
+    .venv/bin/python benchmarks/bench_spread.py [--runs 10] [--backends numpy,python] [--against HEAD]
+
+Runs the benchmark child that `gpumesh bench` and `gpumesh worker` run (`python -m gpumesh.capability`,
+here with --rates) --runs times per backend, each a separate process with GPUMESH_BENCH_BACKEND set, and
+prints per backend and estimator min, median, max and spread = (max - min) / median:
+  * best of N:   the score as shipped, the best of the child's timed trials;
+  * median of N: the median of the same trials, the estimator it was chosen over;
+  * REV:         with --against REV, gpumesh/capability.py as of that git revision, run in alternation
+                 with the current one so that drift on the machine hits both alike (numpy and torch are
+                 hidden from it by import, as it has no backend switch).
+A machine that is busy while this runs measures its load, not itself: on Linux each run also reports how
+many cores' worth of CPU other processes used meanwhile, and "busy" counts the runs where that passed 0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, machine, table
+
+# Runs a capability.py of another revision as the child would: as gpumesh.capability's __main__, with the
+# backends it must not pick hidden from its imports (None in sys.modules makes `import x` raise ImportError).
+OLD_CHILD = """import sys
+for name in {hidden!r}:
+    sys.modules[name] = None
+path = {path!r}
+exec(compile(open(path).read(), path, "exec"), {{"__name__": "__main__", "__package__": "gpumesh"}})
+"""
+HIDE = {"numpy": ["torch"], "python": ["torch", "numpy"], "torch": []}
+BUSY = 0.1  # cores' worth of CPU used by other processes during a run
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (Linux), to tell a quiet run from one with company."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def child(args: list[str], env: dict[str, str]) -> tuple[list[str], float | None]:
+    """One child's stdout lines, and the cores' worth of CPU that other processes used while it ran."""
+    busy0, own0, t0 = _busy_seconds(), _children_cpu(), time.monotonic()
+    proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    busy1, own1, wall = _busy_seconds(), _children_cpu(), time.monotonic() - t0
+    others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    return proc.stdout.strip().splitlines(), others
+
+
+def current(backend: str) -> tuple[float, list[float], float | None]:
+    """The shipped score, the trial rates it is the best of, and the others' CPU, from one child process."""
+    env = {**os.environ, "GPUMESH_BENCH_BACKEND": backend}
+    lines, others = child([sys.executable, "-m", "gpumesh.capability", "--rates"], env)
+    cap = json.loads(lines[-1])
+    assert cap["backend"] == backend, cap
+    return cap["score_gflops"], json.loads(lines[0])["rates"], others
+
+
+def old(path: Path, backend: str) -> tuple[float, float | None]:
+    code = OLD_CHILD.format(hidden=HIDE[backend], path=str(path))
+    env = {k: v for k, v in os.environ.items() if k != "GPUMESH_BENCH_BACKEND"}
+    lines, others = child([sys.executable, "-c", code], env)
+    cap = json.loads(lines[-1])
+    assert cap["backend"] == backend, cap
+    return cap["score_gflops"], others
+
+
+def row(backend: str, estimator: str, xs: list[float], others: list[float | None]) -> list[str]:
+    med = statistics.median(xs)
+    fmt = "{:.3g}".format
+    busy = "?" if None in others else str(sum(o > BUSY for o in others if o is not None))
+    spread = f"{(max(xs) - min(xs)) / med:.1%}"
+    return [backend, estimator, str(len(xs)), fmt(min(xs)), fmt(med), fmt(max(xs)), spread, busy]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--backends", default="numpy,python", help="comma-separated: torch, numpy, python")
+    ap.add_argument("--against", metavar="REV", help="also run gpumesh/capability.py of this git revision")
+    args = ap.parse_args()
+    command = " ".join([".venv/bin/python", "benchmarks/bench_spread.py", *sys.argv[1:]])
+    print(f"rerun: {command}")
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f} at start")
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpumesh-spread-") as tmp:
+        old_path: Path | None = None
+        if args.against:
+            source = subprocess.run(
+                ["git", "show", f"{args.against}:gpumesh/capability.py"], cwd=ROOT, capture_output=True,
+                text=True, check=True,
+            ).stdout  # fmt: skip
+            old_path = Path(tmp) / "capability_old.py"
+            old_path.write_text(source)
+        for backend in args.backends.split(","):
+            best, median, others, before, others_before = [], [], [], [], []
+            for i in range(args.runs):
+                score, rates, busy = current(backend)
+                best.append(score)
+                median.append(statistics.median(rates))
+                others.append(busy)
+                line = f"  {backend} run {i + 1}/{args.runs}: best {score:.3g} (others {busy or 0:.2f} cores)"
+                if old_path:
+                    score, busy = old(old_path, backend)
+                    before.append(score)
+                    others_before.append(busy)
+                    line += f", {args.against} {score:.3g} (others {busy or 0:.2f} cores)"
+                print(line, flush=True)
+            n = len(rates)
+            rows += [row(backend, f"best of {n} (shipped)", best, others)]
+            rows += [row(backend, f"median of {n}", median, others)]
+            if before:
+                rows.append(row(backend, f"{args.against} (old)", before, others_before))
+    print(f"load average {os.getloadavg()[0]:.2f} at end\n")
+    print(table(["backend", "estimator", "runs", "min GFLOP/s", "median", "max", "spread", "busy"], rows))
+
+
+if __name__ == "__main__":
+    main()
