@@ -116,3 +116,13 @@ def publish(name: str, title: str, body: str, command: str) -> None:
     pattern = re.compile(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->", re.S)
     text = pattern.sub(lambda _m: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
     DOC.write_text(text)
+
+
+def first_version(rev: str, dest: Path) -> Path:
+    """The package ``gpumesh/`` as it was at git revision ``rev``, extracted under ``dest`` (returned), to run
+    through PYTHONPATH=dest from a working directory outside the checkout (sys.path[0] would otherwise put
+    the checkout's own gpumesh/ first)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gpumesh"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest

@@ -1,20 +1,28 @@
-"""Throughput per worker, side by side in one run on this machine.
+"""Throughput per worker, side by side in one run on this machine, against the first version too.
 
-    python benchmarks/core.py [--shards 100] [--warm-shards 500] [--repeat 3]
+    python benchmarks/core.py [--shards 100] [--warm-shards 500] [--repeat 3] [--first-version 8c0e58b]
+                              [--versions-only]
 
 Starts its own redis-server on a free port and measures, alternating the contenders each round:
-  * floor:   a loop spawning `python -c <no-op script>` with a JSON payload on stdin (what any
-             fresh-interpreter executor pays per task);
   * gpumesh: one `gpumesh worker` draining a job of no-op shards (submit to last result), in
              fresh mode (a new interpreter per task, started while the one before runs) and warm
              mode (`--warm`, forked from a zygote);
+  * first version: the same, with the first version's package (git archive of --first-version,
+             run through PYTHONPATH from a directory outside the checkout): its worker and its submit,
+             same shard counts, rounds interleaved with this version's. The issue asks this version
+             to stay within 5 % of it (current ÷ first version ≥ 0.95), fresh and warm;
+  * floor:   a loop spawning `python -c <no-op script>` with a JSON payload on stdin (what any
+             fresh-interpreter executor pays per task);
   * one core: the floor and the fresh-mode worker again, each pinned to CPU 0 (`taskset -c 0`), so the
              next interpreter's head start cannot use the other core: what fresh mode gives when
              every core has a worker of its own;
   * plain RQ: one RQ SimpleWorker (JSON serializer) whose jobs each run the same script in a fresh
              `python -c` subprocess (benchmarks/rq_noop.py), enqueue to last result;
   * RQ's ceiling: the same RQ worker running a function that returns at once (RQ's own cost per job).
-Each contender has its own Redis database, so idle workers never take another's work.
+--versions-only measures the two versions alone (fresh and warm), nothing else.
+Every gpumesh round, either version's, is driven the same way: a driver process of that version
+(PYTHONPATH, working directory outside the checkout) submits the job and polls it to the end, timing
+inside itself. Each contender has its own Redis database, so idle workers never take another's work.
 """
 
 from __future__ import annotations
@@ -28,13 +36,52 @@ import time
 from pathlib import Path
 
 import redis
-from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
+from common import ROOT, PrivateRedis, first_version, med, publish, rounds, stop, table
 
+NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
+DRIVE = r"""
+import json, sys, time
+import gpumesh
 from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+url, n, script = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
+b = Broker(Settings(url=url))
+b.r.ping()
+t0 = time.perf_counter()
+job = b.submit(script, "noop.py", [{"i": i} for i in range(n)], JobOptions()).job_id
+while not b.job_status(job).finished:
+    time.sleep(0.01)
+elapsed = time.perf_counter() - t0
+st = b.job_status(job)
+assert st.tasks.done == n, st
+print(json.dumps({"rate": n / elapsed, "package": gpumesh.__file__}))
+"""
 
-NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
+
+class Version:
+    """One version of gpumesh, run from outside the checkout with its package on PYTHONPATH."""
+
+    def __init__(self, name: str, package_root: Path, cwd: Path, env: dict[str, str]) -> None:
+        self.name, self.root, self.cwd = name, package_root, str(cwd)
+        self.env = {**os.environ, **env, "PYTHONPATH": str(package_root)}
+
+    def worker(self, url: str, *extra: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [*prefix, sys.executable, "-m", "gpumesh", "worker", "--score", "1", "--log-level", "WARNING", *extra],
+            env={**self.env, "GPUMESH_URL": url}, cwd=self.cwd, start_new_session=True,
+        )  # fmt: skip
+
+    def drive(self, url: str, n: int) -> float:
+        """Tasks per second from submit to the job's last result, timed by a driver of this version."""
+        out = subprocess.run(
+            [sys.executable, "-c", DRIVE, url, str(n)], input=NOOP, env=self.env, cwd=self.cwd,
+            capture_output=True, text=True, check=True, timeout=600,
+        )  # fmt: skip
+        got = json.loads(out.stdout)
+        if not Path(got["package"]).is_relative_to(self.root):
+            raise RuntimeError(f"{self.name}: the driver imported {got['package']}, not the package under {self.root}")
+        return float(got["rate"])
 
 
 def floor(n: int, cpus: set[int] | None = None) -> float:
@@ -53,16 +100,6 @@ def floor(n: int, cpus: set[int] | None = None) -> float:
         os.sched_setaffinity(0, before)
 
 
-def through_gpumesh(broker: Broker, n: int) -> float:
-    t0 = time.perf_counter()
-    job = broker.submit(NOOP, "noop.py", [{"i": i} for i in range(n)], JobOptions()).job_id
-    while not broker.job_status(job).finished:
-        time.sleep(0.01)
-    elapsed = time.perf_counter() - t0
-    assert broker.job_status(job).tasks.done == n
-    return n / elapsed
-
-
 def through_plain_rq(url: str, n: int, func: str = "rq_noop.run") -> float:
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -79,72 +116,118 @@ def through_plain_rq(url: str, n: int, func: str = "rq_noop.run") -> float:
     return n / elapsed
 
 
+def wait_registered(url: str, n: int = 1) -> None:
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 60
+    while r.zcard("gpumesh:workers") < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no worker registered on {url} within 60 s")
+        time.sleep(0.05)
+    r.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=100, help="no-op shards per fresh-interpreter round")
     ap.add_argument("--warm-shards", type=int, default=500, help="no-op shards per warm and RQ-ceiling round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
+    ap.add_argument("--first-version", default="8c0e58b", help="git revision of the first version")
+    ap.add_argument("--versions-only", action="store_true", help="only this version against the first, fresh and warm")
     args = ap.parse_args()
 
     server = PrivateRedis()
     tmp = server.tmp
     env = {"XDG_CACHE_HOME": str(tmp / "cache")}
+    run_dir = tmp / "run"  # the versions' working directory: not the checkout
+    run_dir.mkdir()
+    current = Version("this version", ROOT, run_dir, env)
+    v1 = Version(f"first version ({args.first_version})", first_version(args.first_version, tmp / "v1"), run_dir, env)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        brokers = {
-            "fresh": Broker(Settings(url=server.db(1))),
-            "warm": Broker(Settings(url=server.db(2))),
-            "pinned": Broker(Settings(url=server.db(3))),
-        }
-        for mode, broker in brokers.items():
-            extra = ["--warm"] if mode == "warm" else []
-            prefix = ["taskset", "-c", "0"] if mode == "pinned" else []
-            procs.append(start_worker(broker.url, 1, *extra, env=env, prefix=prefix))
-            while not broker.live_scores():
-                time.sleep(0.05)
-        rq_bin = str(Path(sys.executable).parent / "rq")
-        procs.append(subprocess.Popen(
-            [rq_bin, "worker", "--url", server.url, "-w", "rq.worker.SimpleWorker", "--serializer",
-             "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "plain-rq-bench"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        ))  # fmt: skip
-        for b in brokers.values():
-            through_gpumesh(b, 20)  # warm-up: script cache, connections
-        through_plain_rq(server.url, 20)
-        floors, fresh, warm, plain, ceiling, floors1, fresh1 = [], [], [], [], [], [], []
-        for _ in range(args.repeat):
-            floors.append(floor(args.shards))
-            fresh.append(through_gpumesh(brokers["fresh"], args.shards))
-            floors1.append(floor(args.shards, {0}))
-            fresh1.append(through_gpumesh(brokers["pinned"], args.shards))
-            warm.append(through_gpumesh(brokers["warm"], args.warm_shards))
-            plain.append(through_plain_rq(server.url, args.shards))
-            ceiling.append(through_plain_rq(server.url, args.warm_shards, "rq_noop.nothing"))
-        f, m, w, p, c = med(floors), med(fresh), med(warm), med(plain), med(ceiling)
-        f1, m1 = med(floors1), med(fresh1)
+        # (version, mode) -> its own database; every one of them gets a worker of its own
+        dbs = {("current", "fresh"): 1, ("current", "warm"): 2, ("v1", "fresh"): 4, ("v1", "warm"): 5}
+        if not args.versions_only:
+            dbs[("current", "pinned")] = 3
+        versions = {"current": current, "v1": v1}
+        for (ver, mode), db in dbs.items():
+            extra = ("--warm",) if mode == "warm" else ()
+            prefix = ("taskset", "-c", "0") if mode == "pinned" else ()
+            procs.append(versions[ver].worker(server.db(db), *extra, prefix=prefix))
+        for db in dbs.values():
+            wait_registered(server.db(db))
+        if not args.versions_only:
+            rq_bin = str(Path(sys.executable).parent / "rq")
+            procs.append(subprocess.Popen(
+                [rq_bin, "worker", "--url", server.url, "-w", "rq.worker.SimpleWorker", "--serializer",
+                 "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "plain-rq-bench"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            ))  # fmt: skip
+            through_plain_rq(server.url, 20)
+        for (ver, _mode), db in dbs.items():
+            versions[ver].drive(server.db(db), 20)  # warm-up: script cache, connections, the zygote
+        x: dict[str, list[float]] = {}
+
+        def add(key: str, value: float) -> None:
+            x.setdefault(key, []).append(value)
+
+        for i in range(args.repeat):
+            pairs = [("v1", "current"), ("current", "v1")][i % 2]  # which version goes first alternates too
+            for ver in pairs:
+                add(f"{ver} fresh", versions[ver].drive(server.db(dbs[(ver, "fresh")]), args.shards))
+            for ver in pairs:
+                add(f"{ver} warm", versions[ver].drive(server.db(dbs[(ver, "warm")]), args.warm_shards))
+            if args.versions_only:
+                continue
+            add("floor", floor(args.shards))
+            add("floor1", floor(args.shards, {0}))
+            add("pinned", current.drive(server.db(dbs[("current", "pinned")]), args.shards))
+            add("plain", through_plain_rq(server.url, args.shards))
+            add("ceiling", through_plain_rq(server.url, args.warm_shards, "rq_noop.nothing"))
+        m = {k: med(v) for k, v in x.items()}
+        rev = args.first_version
+
+        def row(label: str, key: str) -> tuple[str, str, str]:
+            return (label, f"{m[key]:.1f}", rounds(x[key], "{:.1f}"))
+
         rows = [
-            ("floor: `python -c` spawn loop", f"{f:.1f}", rounds(floors, "{:.1f}")),
-            ("plain RQ, a `python -c` subprocess per job", f"{p:.1f}", rounds(plain, "{:.1f}")),
-            ("**gpumesh worker** (fresh interpreter per task, started ahead)", f"{m:.1f}", rounds(fresh, "{:.1f}")),
-            ("floor, on one core (CPU 0)", f"{f1:.1f}", rounds(floors1, "{:.1f}")),
-            ("**gpumesh worker**, on one core (`taskset -c 0`)", f"{m1:.1f}", rounds(fresh1, "{:.1f}")),
-            ("**gpumesh worker --warm** (forked from a zygote)", f"{w:.1f}", rounds(warm, "{:.1f}")),
-            ("RQ's ceiling: a no-op function, no subprocess", f"{c:.1f}", rounds(ceiling, "{:.1f}")),
+            row("**gpumesh worker** (fresh interpreter per task, started ahead)", "current fresh"),
+            row(f"first version ({rev}), fresh", "v1 fresh"),
+            row("**gpumesh worker --warm** (forked from a zygote)", "current warm"),
+            row(f"first version ({rev}), --warm", "v1 warm"),
         ]
+        fresh_ratio, warm_ratio = m["current fresh"] / m["v1 fresh"], m["current warm"] / m["v1 warm"]
         ratios = [
-            ("gpumesh fresh ÷ floor (target ≥ 0.80)", f"{m / f:.2f}"),
-            ("gpumesh fresh ÷ floor, both on one core", f"{m1 / f1:.2f}"),
-            ("gpumesh fresh ÷ plain RQ", f"{m / p:.2f}"),
-            ("gpumesh --warm ÷ floor", f"{w / f:.2f}"),
-            ("gpumesh --warm ÷ RQ's ceiling", f"{w / c:.2f}"),
+            ("gpumesh fresh ÷ first version fresh (target ≥ 0.95)", f"**{fresh_ratio:.2f}**"),
+            ("gpumesh --warm ÷ first version --warm (target ≥ 0.95)", f"**{warm_ratio:.2f}**"),
         ]
+        if not args.versions_only:
+            rows = [
+                row("floor: `python -c` spawn loop", "floor"),
+                row("plain RQ, a `python -c` subprocess per job", "plain"),
+                *rows[:2],
+                row("floor, on one core (CPU 0)", "floor1"),
+                row("**gpumesh worker**, on one core (`taskset -c 0`)", "pinned"),
+                *rows[2:],
+                row("RQ's ceiling: a no-op function, no subprocess", "ceiling"),
+            ]
+            f, w = m["floor"], m["current warm"]
+            ratios += [
+                ("gpumesh fresh ÷ floor (target ≥ 0.80)", f"{m['current fresh'] / f:.2f}"),
+                ("gpumesh fresh ÷ floor, both on one core", f"{m['pinned'] / m['floor1']:.2f}"),
+                ("gpumesh fresh ÷ plain RQ", f"{m['current fresh'] / m['plain']:.2f}"),
+                ("gpumesh --warm ÷ floor", f"{w / f:.2f}"),
+                ("gpumesh --warm ÷ RQ's ceiling", f"{w / m['ceiling']:.2f}"),
+            ]
         body = (
-            table(["contender (one worker, no-op shards)", "tasks/s, median", "rounds"], rows)
+            f"One worker, no-op shards: {args.shards} per fresh round, {args.warm_shards} per warm round; "
+            f"{args.repeat} rounds, the first version's and this version's interleaved (which goes first alternates).\n\n"
+            + table(["contender (one worker, no-op shards)", "tasks/s, median", "rounds"], rows)
             + "\n\n"
             + table(["ratio", "value"], ratios)
         )
         cmd = (
             f"python benchmarks/core.py --shards {args.shards} --warm-shards {args.warm_shards} --repeat {args.repeat}"
+            f" --first-version {rev}" + (" --versions-only" if args.versions_only else "")
         )
         publish("core", "Throughput per worker", body, cmd)
     finally:

@@ -1,150 +1,217 @@
-"""Makespan on an emulated uneven fleet: gpumesh's tiers (with and without --speculate) vs. one FIFO queue.
+"""Makespan on an emulated uneven fleet that is settled, forming, joining or changing: gpumesh's
+dispatcher against one FIFO queue and against the first version (tiers fixed at submit).
 
-    python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 3]
+    python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 2] [--first-version 8c0e58b]
 
-Four real `gpumesh worker --warm --score S` processes emulate a fleet whose strengths are 1, 2, 4
-and 8; each task sleeps cost × unit ÷ S, so a worker twice as strong finishes twice as fast. The
-same skewed mix of costs (most light, a few heavy, in a fixed shuffled order) runs through:
-  * gpumesh: tiered queues (heavy tasks to strong workers, strong workers also drain lighter tiers);
-  * gpumesh --speculate: the same, plus backup copies of stragglers once nothing is queued;
-  * FIFO: four plain RQ workers with the same strengths on one queue, tasks in submission order.
-The lower bound is max(Σcost ÷ Σscore, max cost ÷ max score) × unit: no schedule can beat it.
-A second fleet has a straggler: its score-4 worker (named "straggler") runs slower than its score
-claims, as a shared or throttled machine would: at a quarter of it, then (--severe) at a sixteenth,
-where a task it holds at the end outlasts the rest of the fleet. Its bounds use the real speeds.
+Real worker processes emulate a fleet whose strengths are 1, 2, 4 and 8 (`--score S`); each task
+sleeps cost × unit ÷ S, so a worker twice as strong finishes twice as fast. The same skewed mix of
+costs (most light, a few heavy, in a shuffled order that is the same for every contender) runs on
+four fleets, each started anew for every run:
+  * settled: every worker registered, and 2.5 s more, before the submit;
+  * forming: the workers are started 2 s before the submit (some may still be starting);
+  * joining: the job is submitted first, then the workers start weakest first, one a second;
+  * changing: settled, then the score-4 worker is stopped (SIGTERM) 3 s after the submit and a new
+    score-4 worker is started at 5 s.
+Contenders: this gpumesh (placement at dispatch; backup copies on by default), the same with
+--no-speculate, the first version (git archive of --first-version, through PYTHONPATH, tiers bound
+at submit), and four plain RQ workers on one FIFO queue with the same strengths.
+The lower bound is the least T at which the fleet's capacity, Σ s_i · (T − t_i) over the workers
+started at t_i, covers Σ cost, and at least min_i (t_i + c_max ÷ s_i) (DESIGN §5); the changing fleet's
+bound counts the stopped worker as if it stayed, so it is lower than the true one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import tarfile
 import time
+from io import BytesIO
 from pathlib import Path
 
 import redis
-from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
-
-from gpumesh.broker import Broker
-from gpumesh.models import JobOptions
-from gpumesh.settings import Settings
+from common import ROOT, PrivateRedis, med, publish, rounds, stop, table
 
 SLEEP = """import json, os, sys, time
 p = json.load(sys.stdin)
-speed = float(os.environ["GPUMESH_WORKER_SCORE"])
-if os.environ["GPUMESH_WORKER_ID"].startswith("straggler"):
-    speed /= p["slowdown"]  # a machine slower than its benchmark said: shared, throttled
-time.sleep(p["cost"] * p["unit"] / speed)
+time.sleep(p["cost"] * p["unit"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
 print(json.dumps({"cost": p["cost"]}))
 """
 COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
+SUBMIT_V1 = """import json, sys
+from gpumesh.broker import Broker
+from gpumesh.models import JobOptions
+from gpumesh.settings import Settings
+url, script, payloads = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
+print(Broker(Settings(url=url)).submit(script, "sleep.py", payloads, JobOptions()).job_id)
+"""
 
 
-def through_gpumesh(broker: Broker, payloads: list[dict], speculate: bool) -> float:
-    t0 = time.perf_counter()
-    job = broker.submit(SLEEP, "sleep.py", payloads, JobOptions(speculate=speculate)).job_id
-    while not broker.job_status(job).finished:
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - t0
-    assert broker.job_status(job).tasks.done == len(payloads)
-    return elapsed
+def lower_bound(starts: list[tuple[float, float]], costs: list[float]) -> float:
+    """Least T with Σ s·max(0, T − t) ≥ Σ cost, and T ≥ min (t + c_max / s); (score, start) pairs."""
+    work, lo, hi = sum(costs), 0.0, 1e6
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(s * max(0.0, mid - t) for s, t in starts) < work else (lo, mid)
+    return max(hi, min(t + max(costs) / s for s, t in starts))
 
 
-def through_fifo(url: str, payloads: list[dict]) -> float:
-    from rq import Queue
-    from rq.serializers import JSONSerializer
+class Contender:
+    def __init__(self, name: str, url: str, tmp: Path, env: dict[str, str], v1: Path | None = None,
+                 fifo: bool = False, speculate: bool = True) -> None:  # fmt: skip
+        self.name, self.url, self.tmp, self.v1, self.fifo, self.speculate = name, url, tmp, v1, fifo, speculate
+        self.env = {**os.environ, **env, "GPUMESH_URL": url}
+        self.cwd = str(tmp)  # not the checkout: its gpumesh/ would shadow PYTHONPATH's through sys.path[0]
+        if v1 is not None:
+            self.env["PYTHONPATH"] = str(v1)
+        self.r = redis.Redis.from_url(url, decode_responses=True)
 
-    q = Queue("fifo", connection=redis.Redis.from_url(url), serializer=JSONSerializer)
-    t0 = time.perf_counter()
-    q.enqueue_many([Queue.prepare_data("rq_noop.sleep_cost", args=(p["cost"], p["unit"])) for p in payloads])
-    while q.finished_job_registry.count < len(payloads):
-        assert q.failed_job_registry.count == 0
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - t0
-    q.connection.delete(q.finished_job_registry.key)
-    return elapsed
+    def worker(self, score: float) -> subprocess.Popen[bytes]:
+        if self.fifo:
+            cmd = [str(Path(sys.executable).parent / "rq"), "worker", "--url", self.url, "-w", "rq.worker.SimpleWorker",
+                   "--serializer", "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "fifo"]  # fmt: skip
+            env = {**self.env, "BENCH_SCORE": str(score)}
+        else:
+            cmd = [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--warm", "--log-level",
+                   "WARNING"]  # fmt: skip
+            env = self.env
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, cwd=self.cwd)  # fmt: skip
+
+    def registered(self) -> int:
+        if self.fifo:
+            return len(self.r.smembers("rq:workers"))
+        return self.r.zcard("gpumesh:workers")
+
+    def submit(self, payloads: list[dict]) -> str:
+        if self.fifo:
+            from rq import Queue
+            from rq.serializers import JSONSerializer
+
+            q = Queue("fifo", connection=redis.Redis.from_url(self.url), serializer=JSONSerializer)
+            q.enqueue_many([Queue.prepare_data("rq_noop.sleep_cost", args=(p["cost"], p["unit"])) for p in payloads])
+            return "fifo"
+        if self.v1 is not None:
+            out = subprocess.run([sys.executable, "-c", SUBMIT_V1, self.url, SLEEP], input=json.dumps(payloads),
+                                 env=self.env, capture_output=True, text=True, check=True, cwd=self.cwd)  # fmt: skip
+            return out.stdout.strip()
+        from gpumesh.broker import Broker
+        from gpumesh.models import JobOptions
+        from gpumesh.settings import Settings
+
+        b = Broker(Settings(url=self.url))
+        job = b.submit(SLEEP, "sleep.py", payloads, JobOptions(speculate=self.speculate)).job_id
+        b.close()
+        return job
+
+    def done(self, job: str, n: int) -> bool:
+        if self.fifo:
+            return int(self.r.zcard("rq:finished:fifo")) >= n
+        status = self.r.hget(f"gpumesh:job:{job}", "status")
+        assert status != "failed", f"{self.name}: job {job} failed"
+        return status == "done"
+
+
+def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> float:
+    c.r.flushdb()
+    procs: list[subprocess.Popen[bytes]] = []
+    schedule: list[tuple[float, float]] = []  # (seconds after the submit, score) of workers still to start
+    try:
+        if fleet in ("settled", "changing"):
+            procs = [c.worker(s) for s in scores]
+            while c.registered() < len(scores):
+                time.sleep(0.05)
+            time.sleep(2.5)  # the first version's workers learn their tiers at a heartbeat (1 s here)
+        elif fleet == "forming":
+            procs = [c.worker(s) for s in scores]
+            time.sleep(2.0)
+        else:
+            schedule = [(float(i), s) for i, s in enumerate(sorted(scores))]
+        job = c.submit(payloads)
+        t0 = time.perf_counter()
+        if fleet == "changing":
+            schedule = [(5.0, 4.0)]
+        stopped = fleet != "changing"
+        while not c.done(job, len(payloads)):
+            now = time.perf_counter() - t0
+            while schedule and schedule[0][0] <= now:
+                procs.append(c.worker(schedule.pop(0)[1]))
+            if not stopped and now >= 3.0:
+                stopped = True
+                procs[scores.index(4.0)].send_signal(signal.SIGTERM)  # leaves after its current task
+            time.sleep(0.02)
+        return time.perf_counter() - t0
+    finally:
+        stop(procs)
+
+
+def first_version(rev: str, dest: Path) -> Path:
+    """The first version's package, from git, to run through PYTHONPATH."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gpumesh"], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scores", default="1,2,4,8")
     ap.add_argument("--unit", type=float, default=1.0, help="seconds one unit of cost takes on a score-1 worker")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--severe", type=float, default=16, help="the severe straggler's slowdown")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--first-version", default="8c0e58b", help="git revision of the first version (tiers)")
+    ap.add_argument("--fleets", default="settled,forming,joining,changing")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
-
-    def bound_of(slowdown: float) -> float:
-        real = [s / slowdown if s == 4 else s for s in scores]
-        return max(sum(COSTS) / sum(real), max(COSTS) / max(real)) * args.unit
-
-    bound, slow_bound, severe_bound = bound_of(1), bound_of(4), bound_of(args.severe)
-
+    fleets = args.fleets.split(",")
     server = PrivateRedis()
-    tmp = server.tmp
-    env = {"XDG_CACHE_HOME": str(tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
+    env = {"XDG_CACHE_HOME": str(server.tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1", "GPUMESH_LEASE_TTL": "5"}
+    v1 = first_version(args.first_version, server.tmp / "v1")
+    contenders = [
+        Contender("gpumesh (dispatch, backups on)", server.db(1), server.tmp, env),
+        Contender("gpumesh --no-speculate", server.db(2), server.tmp, env, speculate=False),
+        Contender(f"first version ({args.first_version}, tiers)", server.db(3), server.tmp, env, v1=v1),
+        Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True),
+    ]
+    results: dict[tuple[str, str], list[float]] = {}
     try:
-        broker, slow = Broker(Settings(url=server.db(1))), Broker(Settings(url=server.db(3)))
-        for s in scores:
-            procs.append(start_worker(broker.url, s, "--warm", env=env))
-            procs.append(start_worker(slow.url, s, "--warm", *(["--name", "straggler"] if s == 4 else []), env=env))
-        while len(broker.live_scores()) < len(scores) or len(slow.live_scores()) < len(scores):
-            time.sleep(0.1)
-        time.sleep(2.5)  # two heartbeats: every worker has seen the whole fleet and knows its tier
-        rq_bin = str(Path(sys.executable).parent / "rq")
-        for s in scores:
-            procs.append(subprocess.Popen(
-                [rq_bin, "worker", "--url", server.db(2), "-w", "rq.worker.SimpleWorker", "--serializer",
-                 "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "fifo"],
-                env={**env, "BENCH_SCORE": str(s)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            ))  # fmt: skip
-        tiered, speculative, fifo, straggling, rescued, severe, severe_rescued = [], [], [], [], [], [], []
-        for seed in range(1, args.repeat + 1):  # each round its own submission order, the same for all
+        for seed in range(1, args.repeat + 1):
             order = COSTS[:]
             random.Random(seed).shuffle(order)
-            payloads = [{"i": i, "cost": c, "unit": args.unit, "slowdown": 4} for i, c in enumerate(order)]
-            harsh = [{**p, "slowdown": args.severe} for p in payloads]
-            tiered.append(through_gpumesh(broker, payloads, speculate=False))
-            time.sleep(1.5)  # let the losing copies of the last round be killed
-            speculative.append(through_gpumesh(broker, payloads, speculate=True))
-            time.sleep(1.5)
-            fifo.append(through_fifo(server.db(2), payloads))
-            straggling.append(through_gpumesh(slow, payloads, speculate=False))
-            time.sleep(1.5)
-            rescued.append(through_gpumesh(slow, payloads, speculate=True))
-            time.sleep(1.5)
-            severe.append(through_gpumesh(slow, harsh, speculate=False))
-            time.sleep(1.5)
-            severe_rescued.append(through_gpumesh(slow, harsh, speculate=True))
-            time.sleep(1.5)
-        wins = sum(int(b.r.hget("gpumesh:stats", "speculative_wins") or 0) for b in (broker, slow))
-        backups = sum(int(b.r.hget("gpumesh:stats", "speculated") or 0) for b in (broker, slow))
+            payloads = [{"i": i, "cost": c, "unit": args.unit} for i, c in enumerate(order)]
+            for fleet in fleets:
+                for c in contenders:
+                    t = run(c, fleet, scores, payloads)
+                    results.setdefault((fleet, c.name), []).append(t)
+                    print(f"round {seed} {fleet:9s} {c.name:40s} {t:6.2f} s", file=sys.stderr)
     finally:
-        stop(procs)
         server.stop()
-    rows = [
-        ("gpumesh tiers", f"{med(tiered):.2f}", f"{med(tiered) / bound:.2f}", rounds(tiered)),
-        ("gpumesh tiers + --speculate", f"{med(speculative):.2f}", f"{med(speculative) / bound:.2f}", rounds(speculative)),
-        ("one FIFO queue (plain RQ)", f"{med(fifo):.2f}", f"{med(fifo) / bound:.2f}", rounds(fifo)),
-        ("straggler fleet: gpumesh tiers", f"{med(straggling):.2f}", f"{med(straggling) / slow_bound:.2f}", rounds(straggling)),
-        ("straggler fleet: gpumesh tiers + --speculate", f"{med(rescued):.2f}", f"{med(rescued) / slow_bound:.2f}", rounds(rescued)),
-        (f"severe straggler (1/{args.severe:g} speed): gpumesh tiers", f"{med(severe):.2f}", f"{med(severe) / severe_bound:.2f}", rounds(severe)),
-        (f"severe straggler (1/{args.severe:g} speed): tiers + --speculate", f"{med(severe_rescued):.2f}", f"{med(severe_rescued) / severe_bound:.2f}", rounds(severe_rescued)),
-    ]  # fmt: skip
+    costs = [c * args.unit for c in COSTS]
+    bounds = {
+        "settled": lower_bound([(s, 0.0) for s in scores], costs),
+        "forming": lower_bound([(s, 0.0) for s in scores], costs),
+        "joining": lower_bound([(s, float(i)) for i, s in enumerate(sorted(scores))], costs),
+        "changing": lower_bound([(s, 0.0) for s in scores] + [(4.0, 5.0)], costs),
+    }
+    rows = []
+    for fleet in fleets:
+        for c in contenders:
+            xs = results[(fleet, c.name)]
+            rows.append((fleet, c.name, f"{med(xs):.2f}", f"{med(xs) / bounds[fleet]:.2f}", rounds(xs)))
+        rows.append((fleet, "lower bound", f"{bounds[fleet]:.2f}", "1.00", ""))
     body = (
-        f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} "
-        f"(Σ {sum(COSTS):.0f}); unit {args.unit} s; lower bound **{bound:.2f} s** "
-        f"(straggler fleet: **{slow_bound:.2f} s**, severe straggler: **{severe_bound:.2f} s**).\n\n"
-        + table(["schedule", "makespan, s (median)", "÷ lower bound (target ≤ 1.15)", "rounds"], rows)
-        + f"\n\nBackup copies started over the --speculate rounds: {backups}; won: {wins}."
+        f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} (Σ {sum(COSTS):.0f}); "
+        f"unit {args.unit} s; heartbeat 1 s. Targets (DESIGN §5): settled and forming ≤ 1.15 × the bound, "
+        "joining ≤ 1.25 ×.\n\n" + table(["fleet", "schedule", "makespan, s (median)", "÷ lower bound", "rounds"], rows)
     )
     publish(
-        "makespan", "Makespan on an uneven fleet", body,
+        "makespan", "Makespan on settled, forming, joining and changing fleets", body,
         f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
-        f" --severe {args.severe:g}",
+        f" --first-version {args.first_version}",
     )  # fmt: skip
 
 

@@ -3,7 +3,9 @@
     pip install py-spy && python benchmarks/profile_worker.py [--tasks 1000] [--mode warm|fresh]
 
 Runs one `gpumesh worker` under `py-spy record --idle`, drains a job of no-op shards, then sorts every
-sample of the worker's main thread into the part of the task's life it belongs to.
+sample of the worker's main thread into the part of the task's life it belongs to: dispatch.lua
+picks and leases the next task, the worker delivers it to its own RQ queue (Broker.deliver), RQ pops
+it from there and runs gpumesh's executor, which ends with complete.lua.
 """
 
 from __future__ import annotations
@@ -35,20 +37,27 @@ PARTS = [
     ),
     ("sandbox: fork from the zygote / start the interpreter", ["Zygote.spawn", "Popen.__init__", "_execute_child"]),
     ("sandbox: temp dir, script file, clean-up", ["mkdtemp", "_remove", "TemporaryFile", "clean_env"]),
-    ("gpumesh: acquire.lua", ["acquire (gpumesh"]),
+    ("gpumesh: dispatch.lua (pick and lease the next task)", ["dispatch (gpumesh"]),
+    ("gpumesh: deliver it to the worker's own RQ queue (RQ enqueue)", ["deliver (gpumesh", "_deliver (gpumesh"]),
+    ("gpumesh: backup-copy scan (speculate)", ["_speculate (gpumesh", "speculate (gpumesh"]),
     ("gpumesh: complete.lua", ["complete (gpumesh"]),
     ("gpumesh: ship the log lines", ["LogShipper"]),
+    ("RQ: pop the delivery from the worker's own queue", ["dequeue_any", "dequeue_job_and_maintain_ttl (rq"]),
+]
+# Only when no frame of the stack names one of PARTS: the deliver step runs RQ's enqueue code, and
+# must not count as RQ's bookkeeping because its innermost frames are RQ's.
+GENERIC = [
     ("gpumesh: other (executor, sandbox loop)", ["gpumesh/"]),
-    ("RQ: pop the next delivery", ["dequeue_job_and_maintain_ttl"]),
     ("RQ: per-job bookkeeping (state, registries, result)", ["rq/"]),
 ]
 
 
 def classify(frames: list[str]) -> str:
-    for frame in reversed(frames):
-        for part, needles in PARTS:
-            if any(n in frame for n in needles):
-                return part
+    for parts in (PARTS, GENERIC):
+        for frame in reversed(frames):
+            for part, needles in parts:
+                if any(n in frame for n in needles):
+                    return part
     return "other"
 
 
