@@ -15,9 +15,11 @@ four fleets, each started anew for every run:
 Contenders: this gpumesh (placement at dispatch; backup copies on by default), the same with
 --no-speculate, the first version (git archive of --first-version, through PYTHONPATH, tiers bound
 at submit), and four plain RQ workers on one FIFO queue with the same strengths.
-The lower bound is the least T at which the fleet's capacity, Σ s_i · (T − t_i) over the workers
-started at t_i, covers Σ cost, and at least min_i (t_i + c_max ÷ s_i) (DESIGN §5); the changing fleet's
-bound counts the stopped worker as if it stayed, so it is lower than the true one.
+The lower bound of each run is the least T at which the fleet's capacity, Σ s_i · (T − t_i) over the
+workers registered at t_i (after the submit; 0 when before), covers Σ cost, and at least
+min_i (t_i + c_max ÷ s_i) (DESIGN §5). Each contender's workers start as fast as they start, so each
+run has its own bound; the table gives the median of the per-run ratios. The changing fleet's bound
+counts the stopped worker as if it stayed, so it is lower than the true one.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class Contender:
         return status == "done"
 
 
-def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> float:
+def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> tuple[float, float]:
+    """(makespan, lower bound) of one run; the bound counts each worker from when it registered."""
     c.r.flushdb()
     procs: list[subprocess.Popen[bytes]] = []
     schedule: list[tuple[float, float]] = []  # (seconds after the submit, score) of workers still to start
@@ -134,6 +137,7 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
             schedule = [(float(i), s) for i, s in enumerate(sorted(scores))]
         job = c.submit(payloads)
         t0 = time.perf_counter()
+        joined = [0.0] * c.registered()  # seconds after the submit at which each worker registered
         if fleet == "changing":
             schedule = [(5.0, 4.0)]
         stopped = fleet != "changing"
@@ -144,10 +148,20 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
             if not stopped and now >= 3.0:
                 stopped = True
                 procs[scores.index(4.0)].send_signal(signal.SIGTERM)  # leaves after its current task
+            if len(joined) < len(scores) + (fleet == "changing"):
+                joined += [now] * max(0, c.registered() - len(joined) + (fleet == "changing" and stopped and now > 5))
             time.sleep(0.02)
-        return time.perf_counter() - t0
+        makespan = time.perf_counter() - t0
     finally:
         stop(procs)
+    joined += [makespan] * (len(scores) + (fleet == "changing") - len(joined))
+    if fleet == "joining":  # they start weakest first, a second apart: the k-th to register is the k-th started
+        starts = list(zip(sorted(scores), joined))
+    elif fleet == "changing":  # the stopped worker counted as if it stayed, the new one from when it registered
+        starts = [(s, 0.0) for s in scores] + [(4.0, joined[-1])]
+    else:  # started together: the earliest registrations credited to the strongest (the lowest bound)
+        starts = list(zip(sorted(scores, reverse=True), sorted(joined)))
+    return makespan, lower_bound(starts, [p["cost"] * p["unit"] for p in payloads])
 
 
 def first_version(rev: str, dest: Path) -> Path:
@@ -177,7 +191,7 @@ def main() -> None:
         Contender(f"first version ({args.first_version}, tiers)", server.db(3), server.tmp, env, v1=v1),
         Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True),
     ]
-    results: dict[tuple[str, str], list[float]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
         for seed in range(1, args.repeat + 1):
             order = COSTS[:]
@@ -185,28 +199,33 @@ def main() -> None:
             payloads = [{"i": i, "cost": c, "unit": args.unit} for i, c in enumerate(order)]
             for fleet in fleets:
                 for c in contenders:
-                    t = run(c, fleet, scores, payloads)
-                    results.setdefault((fleet, c.name), []).append(t)
-                    print(f"round {seed} {fleet:9s} {c.name:40s} {t:6.2f} s", file=sys.stderr)
+                    t, bound = run(c, fleet, scores, payloads)
+                    results.setdefault((fleet, c.name), []).append((t, bound))
+                    print(f"round {seed} {fleet:9s} {c.name:40s} {t:6.2f} s, bound {bound:.2f}", file=sys.stderr)
     finally:
         server.stop()
-    costs = [c * args.unit for c in COSTS]
-    bounds = {
-        "settled": lower_bound([(s, 0.0) for s in scores], costs),
-        "forming": lower_bound([(s, 0.0) for s in scores], costs),
-        "joining": lower_bound([(s, float(i)) for i, s in enumerate(sorted(scores))], costs),
-        "changing": lower_bound([(s, 0.0) for s in scores] + [(4.0, 5.0)], costs),
-    }
     rows = []
     for fleet in fleets:
         for c in contenders:
-            xs = results[(fleet, c.name)]
-            rows.append((fleet, c.name, f"{med(xs):.2f}", f"{med(xs) / bounds[fleet]:.2f}", rounds(xs)))
-        rows.append((fleet, "lower bound", f"{bounds[fleet]:.2f}", "1.00", ""))
+            runs = results[(fleet, c.name)]
+            ratios = [t / b for t, b in runs]
+            rows.append((fleet, c.name, f"{med([t for t, _ in runs]):.2f}", f"{med([b for _, b in runs]):.2f}",
+                         f"**{med(ratios):.2f}**", rounds(ratios)))  # fmt: skip
     body = (
         f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} (Σ {sum(COSTS):.0f}); "
         f"unit {args.unit} s; heartbeat 1 s. Targets (DESIGN §5): settled and forming ≤ 1.15 × the bound, "
-        "joining ≤ 1.25 ×.\n\n" + table(["fleet", "schedule", "makespan, s (median)", "÷ lower bound", "rounds"], rows)
+        "joining ≤ 1.25 ×.\n\n"
+        + table(
+            [
+                "fleet",
+                "schedule",
+                "makespan, s (median)",
+                "lower bound, s",
+                "÷ lower bound (median)",
+                "÷ bound, rounds",
+            ],
+            rows,
+        )
     )
     publish(
         "makespan", "Makespan on settled, forming, joining and changing fleets", body,

@@ -240,14 +240,18 @@ class MeshWorker(SimpleWorker):
             primary = scores.get(worker, 0.0)
             if spec != "1" or primary * SPECULATION_SPEEDUP > mine:
                 continue
+            # seconds per (cost / score); no estimate before a task of the job completed, or for a primary
+            # whose worker has left the fleet (no score)
+            unit = float(unit_sum) / float(unit_n) if unit_n and started and primary > 0 else None
+            c = float(cost or 1)
             if mode == "idle":
-                if queued == "0":
+                # back it up unless the estimate says our copy would end after the primary
+                useful = unit is None or unit * c / mine < float(started) + unit * c / primary - now
+                if queued == "0" and useful:
                     candidates.append((primary, float(started or 0), tid))
                 continue
-            if not unit_n or not started:
+            if unit is None:
                 continue  # no completed task yet: no estimate of how long a unit of cost takes
-            unit = float(unit_sum) / float(unit_n)  # seconds per (cost / score)
-            c = float(cost or 1)
             left = float(started) + unit * c / primary - now
             horizon = unit * float(pending_cost or 0) / max(sum(scores.values()), 1e-9)
             top = max((score for _m, score in ready), default=None)

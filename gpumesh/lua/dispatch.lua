@@ -6,7 +6,8 @@
 --     is the same in any order, and heavy tasks stay for stronger workers that may join); otherwise
 --     the heaviest it can finish within the horizon, i.e. cost <= score * max(W / S, c_max / s_max)
 --     (W the job's queued cost, S the fleet's total score), so the strongest takes the heaviest and
---     weaker workers lighter ones; when even the lightest is beyond its horizon it takes the lightest
+--     weaker workers lighter ones (a worker weaker than the strongest leaves the heaviest cost to it
+--     while a lighter task is there); when even the lightest is beyond its horizon it takes the lightest
 --     (no worker idles while work it may run waits; a backup copy can rescue a straggler);
 --  3. lease it (as acquire.lua). Finding nothing, the worker joins the idle set, woken when work arrives.
 -- KEYS[1] ready zset    KEYS[2] scores zset   KEYS[3] fleet hash    KEYS[4] worker hash
@@ -64,7 +65,15 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
     local heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
     local queued_cost = tonumber(best_fields[4] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
-    pick = redis.call('ZREVRANGEBYSCORE', pk, score * horizon * (1 + 1e-9), '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local limit = score * horizon * (1 + 1e-9)
+    pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if pick[1] and score < max and tonumber(pick[2]) >= tonumber(heaviest[2]) then
+      -- the heaviest cost is the strongest worker's, while a lighter task is there for this one
+      local lighter = redis.call('ZREVRANGEBYSCORE', pk, '(' .. heaviest[2], '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      if lighter[1] then
+        pick = lighter
+      end
+    end
   end
   if not pick or not pick[1] then
     pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
