@@ -86,21 +86,24 @@ class Executor:
 
     def run(self, task_id: str) -> dict[str, Any]:
         """Run the task the dispatcher leased to this worker; any other delivery is skipped."""
-        lease = self.w.dispatched.pop(task_id, None)
-        if lease is None:
+        held = self.w.dispatched.pop(task_id, None)
+        if held is None:
             log.info("skip %s: not dispatched to this worker (a stale or foreign delivery)", task_id)
             return {"task_id": task_id, "skipped": "not dispatched here"}
-        return self.run_lease(lease)
+        lease, leased_at = held
+        # Nothing renewed the lease between dispatch and now (a broker outage may have held RQ's pop):
+        # counted from the dispatch, a lease older than its TTL may be someone else's task by now.
+        return self.run_lease(lease, leased_at)
 
     def hand_back(self, lease: scripts.Lease, why: str) -> None:
         """Return a leased task that never started, without spending its attempt."""
         log.warning("%s: handing it back: %s", lease.task_id, why)
         self._finish_quietly(Running(lease), why, release=True)
 
-    def run_lease(self, lease: scripts.Lease) -> dict[str, Any]:
+    def run_lease(self, lease: scripts.Lease, leased_at: float | None = None) -> dict[str, Any]:
         """Run an acquired task, or a backup copy of a straggler (``lease.backup``), to its reported end."""
         task_id = lease.task_id
-        running = Running(lease)
+        running = Running(lease) if leased_at is None else Running(lease, last_renewal=leased_at)
         self.current = running
         log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
         try:

@@ -34,12 +34,24 @@ class Requirement:
         return f"{self.key}{self.op}{self.value}"
 
 
+NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
 def _number(text: str) -> float | None:
-    try:
-        x = float(text)
-    except ValueError:
+    """A decimal number, as the dispatcher's Lua reads one (no '1_0', 'inf', 'nan' or hex)."""
+    if not NUMBER.fullmatch(text):
         return None
+    x = float(text)
     return x if math.isfinite(x) else None
+
+
+def _text(value: object) -> str:
+    """A resource value as the dispatcher's Lua prints it (cjson numbers: %.14g, so 62.0 is '62')."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return format(value, ".14g")
+    return str(value)
 
 
 def parse(expr: str, where: str = "--require") -> Requirement:
@@ -84,7 +96,7 @@ def meets(req: Requirement, resources: Mapping[str, object]) -> bool:
     have = resources.get(req.key)
     if have is None:
         return req.op == "!="  # a worker without the resource has any value but VALUE
-    text = str(have)
+    text = _text(have)
     if req.op in (">=", "<="):
         x, want = _number(text), _number(req.value)
         if x is None or want is None:

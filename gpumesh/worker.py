@@ -100,7 +100,8 @@ class MeshWorker(SimpleWorker):
         self.resources = {**capability.resources(), **(resources or {})}  # declared ones override the probe
         self.executor = executor.Executor(self)
         self.my_queue = broker.queue(self.worker_id)
-        self.dispatched: dict[str, scripts.Lease] = {}  # task id -> lease delivered to our own queue
+        # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
+        self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
@@ -182,7 +183,7 @@ class MeshWorker(SimpleWorker):
 
     def _deliver(self, lease: scripts.Lease) -> None:
         """Put the leased task on our own RQ queue, so RQ pops and runs it like any job."""
-        self.dispatched[lease.task_id] = lease
+        self.dispatched[lease.task_id] = (lease, time.monotonic())
         try:
             self.broker.deliver(self.my_queue, lease)
         except redis.RedisError:
@@ -193,7 +194,7 @@ class MeshWorker(SimpleWorker):
     def _hand_back_all(self, why: str) -> None:
         """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
         while self.dispatched:
-            _tid, lease = self.dispatched.popitem()
+            _tid, (lease, _at) = self.dispatched.popitem()
             self.executor.hand_back(lease, why)
 
     def _sleep_until_woken(self, timeout: int) -> None:
@@ -220,11 +221,17 @@ class MeshWorker(SimpleWorker):
             return None
         with r.pipeline(transaction=False) as p:
             for tid in tids:
-                p.hmget(keys.task(tid), "status", "worker", "backup", "started_at", "cost")
+                p.hmget(keys.task(tid), "status", "worker", "backup_until", "started_at", "cost")
             p.time()
             *rows, (sec, usec) = p.execute()
         now = sec + usec / 1e6
-        running = [(tid, *row) for tid, row in zip(tids, rows) if row[0] == "running" and row[1] != me and not row[2]]
+        # no live backup yet (one whose worker died lapses at backup_until)
+        live_backup = [float(row[2] or 0) > now * 1000 for row in rows]
+        running = [
+            (tid, *row)
+            for tid, row, b in zip(tids, rows, live_backup)
+            if row[0] == "running" and row[1] != me and not b
+        ]
         jobs = sorted({keys.job_of_task(row[0]) for row in running})
         with r.pipeline(transaction=False) as p:
             for job in jobs:
@@ -315,6 +322,7 @@ class MeshWorker(SimpleWorker):
         try:
             return super().work(*args, **kwargs)
         finally:
+            self._hand_back_all("the worker is stopping")  # a stop that interrupted a delivery
             self._hb_stop.set()
             self._hb_thread.join(timeout=5)
             self._unregister()
@@ -424,6 +432,8 @@ class MeshWorker(SimpleWorker):
         scores = self.broker.live_scores()
         scores.setdefault(self.worker_id, self.capability.score_gflops)
         self._scores = scores
+        if running is not None and running.lease.backup_mode == "idle" and self._woken_with_work():
+            running.stop("the backup copy yielded to queued work")
         tier = scheduling.worker_tiers(scores, s.tiers)[self.worker_id]
         if tier != self._published or not beat.registered:
             self._published = tier
@@ -433,6 +443,14 @@ class MeshWorker(SimpleWorker):
             report = reaper.reap_once(self.broker)
             if any(report.values()):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
+
+    def _woken_with_work(self) -> bool:
+        """New work arrived since our last dispatch found none (its wake emptied the idle set), and it waits."""
+        with self.broker.r.pipeline(transaction=False) as p:
+            p.sismember(keys.IDLE, self.worker_id)
+            p.zcard(keys.READY)
+            idle, ready = p.execute()
+        return not idle and ready > 0
 
     def _broker_lost(self) -> None:
         """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""

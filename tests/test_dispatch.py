@@ -78,6 +78,11 @@ CASES = [
     ("cpu_cores=8", {"cpu_cores": 8.0}, True),
     ("cpu_cores=8", {"cpu_cores": "8"}, True),
     ("dataset=imagenet", {"dataset": "ImageNet"}, True),
+    ("ram_gb~62", {"ram_gb": 62.0}, True),  # a probed float prints as Lua prints it
+    ("ram_gb=62", {"ram_gb": 62.0}, True),
+    ("vram_gb>=40", {"vram_gb": "inf"}, False),  # decimals only, on both sides
+    ("vram_gb>=40", {"vram_gb": "0x40"}, False),
+    ("vram_gb>=40", {"vram_gb": 40.5}, True),
 ]
 
 

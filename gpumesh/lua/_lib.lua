@@ -163,6 +163,14 @@ end
 
 -- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
 -- reqs: list of {key, op, value}; res: the worker's resources (strings and numbers).
+-- A decimal number or nil, as requirements.py reads one (strtod alone would take 'inf', 'nan', hex).
+local function decimal(text)
+  if string.find(text, '^%s*[-+]?[%d%.]+[eE]?[-+]?%d*%s*$') then
+    return tonumber(text)
+  end
+  return nil
+end
+
 local function meets(req, res)
   local have = res[req[1]]
   local op, want = req[2], req[3]
@@ -171,8 +179,8 @@ local function meets(req, res)
   end
   local text = tostring(have)
   if op == '>=' or op == '<=' then
-    local x, w = tonumber(text), tonumber(want)
-    if x == nil or w == nil or x ~= x or w ~= w then
+    local x, w = decimal(text), decimal(want)
+    if x == nil or w == nil then
       return false
     end
     if op == '>=' then return x >= w end
@@ -181,7 +189,7 @@ local function meets(req, res)
   if op == '~' then
     return string.find(string.lower(text), string.lower(want), 1, true) ~= nil
   end
-  local a, b = tonumber(text), tonumber(want)
+  local a, b = decimal(text), decimal(want)
   local equal
   if a ~= nil and b ~= nil then
     equal = a == b

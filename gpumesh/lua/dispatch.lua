@@ -94,9 +94,8 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
     lease[#lease + 1] = version
     return lease
   end
-  redis.call('ZREM', pk, pick[1])  -- not queued any more: a stale entry, drop it and look again
-  if redis.call('EXISTS', pk) == 0 then
-    redis.call('ZREM', KEYS[1], best)
-  end
+  -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
+  unpend(task_key, job_key, KEYS[1], best_job, index, cost, best_class)
 end
+redis.call('SADD', KEYS[7], me)
 return {0, 'idle', version}
