@@ -1,14 +1,86 @@
-"""Capability tiers: pure functions, no I/O.
+"""Scheduling logic that needs no Redis: pure functions, no I/O.
 
-Workers are ranked by score and spread over K tiers so the weakest is tier 0 and the strongest K-1.
-A job's tasks, heaviest first, fill the tiers from the top, each tier taking a share of the job's total
-cost equal to its share of the live score. Workers take their own tier, then lighter ones, then heavier
-tiers that no live worker serves.
+Placement itself happens in Redis (lua/dispatch.lua). Here: which running tasks a worker should back
+up (the worker reads the facts, this decides), and the capability tiers that `gpumesh workers` shows
+and `submit` forecasts: workers ranked by score over K tiers (the weakest tier 0, the strongest K-1),
+a job's tasks, heaviest first, filling the tiers from the top by share of the live score.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunningTask:
+    """A running task another worker holds, without a live backup copy."""
+
+    task_id: str
+    job_id: str
+    worker: str
+    started: float  # server time, s
+    cost: float
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What a backup decision needs to know of a task's job."""
+
+    speculate: bool
+    queued: int
+    pending_cost: float
+    unit: float | None  # seconds per (cost / score) of its completed tasks; None before the first
+    priority: float
+
+    @classmethod
+    def from_fields(cls, row: Sequence[str | None]) -> JobProgress:
+        """From HMGET job speculate queued pending_cost unit_sum unit_n priority."""
+        spec, queued, pending_cost, unit_sum, unit_n, prio = row
+        unit = float(unit_sum or 0) / float(unit_n) if unit_n and float(unit_n) > 0 else None
+        return cls(spec == "1", int(queued or 0), float(pending_cost or 0), unit, float(prio or 0))
+
+
+def top_priority_jobs(ready: Sequence[tuple[str, float]]) -> tuple[float | None, set[str]]:
+    """(the highest priority with queued work, the jobs queued at it), from (job, priority) entries."""
+    top = max((prio for _job, prio in ready), default=None)
+    return top, {job for job, prio in ready if prio == top}
+
+
+def backup_candidates(
+    mode: str, mine: float, scores: Mapping[str, float], tasks: Sequence[RunningTask],
+    jobs: Mapping[str, JobProgress], top: tuple[float | None, set[str]], now: float, speedup: float, gain: float,
+) -> list[str]:  # fmt: skip
+    """Task ids a worker of score ``mine`` should back up, best first.
+
+    mode 'idle' (nothing dispatchable to it): tasks of jobs with nothing queued, the weakest primary
+    first, unless the job's timing says the copy would end after the primary. mode 'straggler' (the
+    fleet changed): a primary whose expected end lies beyond the time its job's queued work needs, and
+    that the copy would finish in under ``gain`` of its time left, for a job that is all the
+    top-priority queued work (other jobs' queued tasks go first); the longest left first. Either way
+    only primaries at most 1/``speedup`` as strong as this worker."""
+    top_prio, top_jobs = top
+    ranked: list[tuple[float, float, str]] = []
+    for t in tasks:
+        job = jobs[t.job_id]
+        primary = scores.get(t.worker, 0.0)
+        if not job.speculate or primary * speedup > mine:
+            continue
+        unit = job.unit if primary > 0 and t.started else None  # no estimate for a primary that left
+        left = t.started + unit * t.cost / primary - now if unit is not None else None
+        if mode == "idle":
+            useful = left is None or (unit is not None and unit * t.cost / mine < left)
+            if job.queued == 0 and useful:
+                ranked.append((primary, t.started, t.task_id))
+            continue
+        if left is None or unit is None:
+            continue  # no completed task yet: no estimate of how long a unit of cost takes
+        if (top_jobs - {t.job_id}) or (top_prio is not None and job.priority < top_prio):
+            continue  # other jobs' queued work goes first
+        horizon = unit * job.pending_cost / max(sum(scores.values()), 1e-9)
+        if left > horizon and unit * t.cost / mine < gain * left:
+            ranked.append((-left, t.started, t.task_id))
+    return [tid for _key, _started, tid in sorted(ranked)]
 
 
 def worker_tiers(scores: Mapping[str, float], k: int) -> dict[str, int]:

@@ -206,12 +206,8 @@ class MeshWorker(SimpleWorker):
             self._wait_for_broker()
 
     def _speculate(self, mode: str) -> scripts.Lease | None:
-        """A backup copy of the running task this worker would most likely rescue, if any.
-
-        mode 'idle': nothing is dispatchable to us; back up the weakest primary of a job with nothing
-        queued. mode 'straggler' (the fleet changed): a primary whose expected end is far beyond the
-        time its job's queued work needs, and that we would finish in under half its time left; only
-        for a job that is all the top-priority work there is, so other jobs' queued tasks go first."""
+        """A backup copy of the running task this worker would most likely rescue, if any: this reads the
+        running tasks and their jobs, scheduling.backup_candidates decides (mode 'idle' or 'straggler')."""
         r, me, mine = self.broker.r, self.worker_id, self.capability.score_gflops
         scores = self._scores or self.broker.live_scores()
         if not scores or mine < SPECULATION_SPEEDUP * min(scores.values()):
@@ -240,34 +236,16 @@ class MeshWorker(SimpleWorker):
                 p.zrevrange(keys.READY, 0, -1, withscores=True)
             (*info,) = p.execute()
         ready = info.pop() if mode == "straggler" else []
-        by_job = dict(zip(jobs, info))
-        candidates: list[tuple[float, float, str]] = []
-        for tid, _st, worker, _b, started, cost in running:
-            spec, queued, pending_cost, unit_sum, unit_n, prio = by_job[keys.job_of_task(tid)]
-            primary = scores.get(worker, 0.0)
-            if spec != "1" or primary * SPECULATION_SPEEDUP > mine:
-                continue
-            # seconds per (cost / score); no estimate before a task of the job completed, or for a primary
-            # whose worker has left the fleet (no score)
-            unit = float(unit_sum) / float(unit_n) if unit_n and started and primary > 0 else None
-            c = float(cost or 1)
-            if mode == "idle":
-                # back it up unless the estimate says our copy would end after the primary
-                useful = unit is None or unit * c / mine < float(started) + unit * c / primary - now
-                if queued == "0" and useful:
-                    candidates.append((primary, float(started or 0), tid))
-                continue
-            if unit is None:
-                continue  # no completed task yet: no estimate of how long a unit of cost takes
-            left = float(started) + unit * c / primary - now
-            horizon = unit * float(pending_cost or 0) / max(sum(scores.values()), 1e-9)
-            top = max((score for _m, score in ready), default=None)
-            others = {m.rsplit("/", 1)[0] for m, score in ready if score == top} - {keys.job_of_task(tid)}
-            if others or (top is not None and float(prio or 0) < top):
-                continue  # other jobs' queued work goes first
-            if left > horizon and unit * c / mine < STRAGGLER_GAIN * left:
-                candidates.append((-left, float(started), tid))
-        for _key, _started, tid in sorted(candidates)[:3]:
+        job_info = {job: scheduling.JobProgress.from_fields(row) for job, row in zip(jobs, info)}
+        tasks = [
+            scheduling.RunningTask(tid, keys.job_of_task(tid), worker, float(started or 0), float(cost or 1))
+            for tid, _st, worker, _b, started, cost in running
+        ]
+        top_jobs = scheduling.top_priority_jobs([(m.rsplit("/", 1)[0], score) for m, score in ready])
+        chosen = scheduling.backup_candidates(
+            mode, mine, scores, tasks, job_info, top_jobs, now, SPECULATION_SPEEDUP, STRAGGLER_GAIN
+        )
+        for tid in chosen[:3]:
             lease = scripts.speculate(
                 self.broker.scripts, r, tid, me, int(self.settings.lease_ttl * 1000), mine, SPECULATION_SPEEDUP, mode
             )

@@ -50,3 +50,24 @@ def test_no_live_worker_means_equal_count_quantiles():
     tiers = assign_task_tiers([float(c) for c in range(1, 10)], [0.0, 0.0, 0.0])
     assert sorted(tiers) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert tiers[8] == 2 and tiers[0] == 0  # heaviest (cost 9) top, lightest bottom
+
+
+def test_backup_candidates_idle_and_straggler():
+    from gpumesh.scheduling import JobProgress, RunningTask, backup_candidates
+
+    scores = {"weak": 1.0, "mid": 4.0, "strong": 10.0}
+    tasks = [RunningTask("j-0", "j", "weak", 100.0, 30.0), RunningTask("j-1", "j", "mid", 100.0, 30.0)]
+    done = {"j": JobProgress(True, 0, 0.0, 1.0, 0)}  # nothing queued; a unit of cost takes 1 s at score 1
+    # idle: only primaries at most half as strong (not mid: 4 × 2 > 7); the copy (4.3 s) ends before it (130 s)
+    assert backup_candidates("idle", 7.0, scores, tasks, done, (None, set()), 101.0, 2.0, 0.5) == ["j-0"]
+    off = {"j": JobProgress(False, 0, 0.0, 1.0, 0)}
+    assert backup_candidates("idle", 7.0, scores, tasks, off, (None, set()), 101.0, 2.0, 0.5) == []
+    queued = {"j": JobProgress(True, 5, 5.0, 1.0, 0)}
+    assert backup_candidates("idle", 7.0, scores, tasks, queued, (None, set()), 101.0, 2.0, 0.5) == []
+    # straggler: its job still has 5 units queued (0.33 s of fleet time) and is the only top job
+    assert backup_candidates("straggler", 7.0, scores, tasks, queued, (0.0, {"j"}), 101.0, 2.0, 0.5) == ["j-0"]
+    # another job at the top priority goes first
+    assert backup_candidates("straggler", 7.0, scores, tasks, queued, (0.0, {"j", "k"}), 101.0, 2.0, 0.5) == []
+    # no completed task of the job yet: no estimate, no straggler backup
+    blind = {"j": JobProgress(True, 5, 5.0, None, 0)}
+    assert backup_candidates("straggler", 7.0, scores, tasks, blind, (0.0, {"j"}), 101.0, 2.0, 0.5) == []
