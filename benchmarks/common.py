@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from gpumesh.server import free_port
+from gpumesh.server.broker_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"

@@ -42,7 +42,7 @@ NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i':
 DRIVE = r"""
 import json, sys, time
 import gpumesh
-from gpumesh.broker import Broker
+from gpumesh.store.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 url, n, script = sys.argv[1], int(sys.argv[2]), sys.stdin.read()

@@ -46,7 +46,7 @@ print(json.dumps({"cost": p["cost"]}))
 """
 COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
 SUBMIT_V1 = """import json, sys
-from gpumesh.broker import Broker
+from gpumesh.store.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 url, script, payloads = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
@@ -102,9 +102,9 @@ class Contender:
             out = subprocess.run([sys.executable, "-c", SUBMIT_V1, self.url, SLEEP], input=json.dumps(payloads),
                                  env=self.env, capture_output=True, text=True, check=True, cwd=self.cwd)  # fmt: skip
             return out.stdout.strip()
-        from gpumesh.broker import Broker
         from gpumesh.models import JobOptions
         from gpumesh.settings import Settings
+        from gpumesh.store.broker import Broker
 
         b = Broker(Settings(url=self.url))
         job = b.submit(SLEEP, "sleep.py", payloads, JobOptions(speculate=self.speculate)).job_id

@@ -27,10 +27,10 @@ import time
 
 from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
 
-from gpumesh import keys
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+from gpumesh.store import keys
+from gpumesh.store.broker import Broker
 
 SLEEP = "import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(p['s'])\nprint(json.dumps({'i': p['i']}))\n"
 FLEET = [  # (score, declared resources)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from common import PrivateRedis, publish, table
 
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
 
 RATE_HZ = 200
 NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
 
-from gpumesh import keys
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+from gpumesh.store import keys
+from gpumesh.store.broker import Broker
 
 TASK = """import json, os, sys, time
 json.load(sys.stdin)

@@ -51,10 +51,10 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from gpumesh import keys, scripts
-from gpumesh.broker import EXECUTOR, FAILURE_TTL, RESULT_TTL, Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import EXECUTOR, FAILURE_TTL, RESULT_TTL, Broker
 
 LEASE_MS = 30_000
 WORKER_TTL_MS = 60_000
@@ -62,8 +62,9 @@ SCORES = (1.0, 2.0, 4.0, 8.0)  # an uneven fleet, so dispatch's horizon pick has
 RESOURCES = {"device": "cpu", "gpu": "simulated", "cpu_cores": 2, "ram_gb": 8.0}
 PROBE = r"""
 import json, os, sys, time
-from gpumesh import keys, scripts
-from gpumesh.broker import Broker
+from gpumesh.store import keys
+from gpumesh.store import scripts
+from gpumesh.store.broker import Broker
 from gpumesh.settings import Settings
 url, go, ready, deliver = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 b = Broker(Settings(url=url))

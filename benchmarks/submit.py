@@ -22,14 +22,14 @@ import sys
 
 from common import PrivateRedis, med, publish, rounds, table
 
-from gpumesh.submit import STAGE_ABOVE, STAGE_CHUNK
+from gpumesh.store.submit import STAGE_ABOVE, STAGE_CHUNK
 
 ROUND = r"""
 import json, resource, sys, time
 import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
-from gpumesh.broker import Broker
+from gpumesh.store.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 

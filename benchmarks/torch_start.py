@@ -16,9 +16,9 @@ import time
 
 from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
 
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
 
 SCRIPT = """import json, sys
 import torch

@@ -1,3 +1,3 @@
-from .cli import main
+from gpumesh.cli.main import main
 
 main(prog_name="gpumesh")

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import GpumeshError
-from .models import Capability
+from gpumesh.errors import GpumeshError
+from gpumesh.models import Capability
 
 TRIALS = 7
 TRIAL_SECONDS = 0.08  # warm-up + 7 trials: about 0.65 s of matmul, the child's imports come on top

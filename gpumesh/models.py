@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from .errors import UsageError
-from .requirements import parse_all
+from gpumesh.errors import UsageError
+from gpumesh.requirements import parse_all
 
 TaskState = Literal["queued", "running", "done", "failed", "cancelled"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]

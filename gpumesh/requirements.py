@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import UsageError
+from gpumesh.errors import UsageError
 
 KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
 # Longest operators first, so "vram_gb>=40" is not read as "vram_gb>" "=40".

@@ -13,7 +13,7 @@ from typing import Any
 import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import UsageError
+from gpumesh.errors import UsageError
 
 ENV_PREFIX = "GPUMESH_"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from gpumesh.errors import UsageError
 
 CONTEXT = "gpumesh-task-v1"
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpumesh.broker import Broker
 from gpumesh.errors import UsageError
-from gpumesh.server import find_binary, free_port  # noqa: F401 - re-exported for the tests
+from gpumesh.server.broker_server import find_binary, free_port  # noqa: F401 - re-exported for the tests
 from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"GPUMESH_LEASE_TTL": "2", "GPUMESH_HEARTBEAT_INTERVAL": "0.4"}

@@ -10,8 +10,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from gpumesh import keys
 from gpumesh.cli import main
+from gpumesh.store import keys
 
 from .conftest import ROOT, RedisServer, Workers, free_port, gpumesh
 

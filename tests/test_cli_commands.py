@@ -14,10 +14,11 @@ import pytest
 import redis
 from rich.console import Console
 
-from gpumesh import keys, render
+from gpumesh.cli import render
 from gpumesh.errors import UsageError
 from gpumesh.models import JobStatus, TaskCounts
 from gpumesh.settings import Settings
+from gpumesh.store import keys
 
 from .conftest import ROOT, Workers, gpumesh
 

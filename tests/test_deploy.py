@@ -16,7 +16,7 @@ import psutil
 import pytest
 import redis
 
-from gpumesh import keys
+from gpumesh.store import keys
 
 from .conftest import ROOT, Workers, free_port, gpumesh, wait_until
 

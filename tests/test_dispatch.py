@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpumesh import keys, requirements, scripts
-from gpumesh.broker import Broker
+from gpumesh import requirements
 from gpumesh.errors import UsageError
 from gpumesh.models import JobOptions
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
 
 from .conftest import ROOT, Workers, gpumesh, wait_until
 
@@ -289,8 +290,8 @@ def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
 
 
 def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env):
-    from gpumesh.reaper import reap_once
     from gpumesh.settings import Settings
+    from gpumesh.worker.reaper import reap_once
 
     b = Broker(Settings.load(job_retention=1))
     payloads = [{"i": 0}, {"i": 1, "requires": ["gpu~a100"]}, {"i": 2, "cost": 3}]

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import redis
 
-from gpumesh import keys
+from gpumesh.store import keys
 
 from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until, written
 from .faultproxy import FaultProxy

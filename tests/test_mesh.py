@@ -18,7 +18,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from gpumesh import keys
+from gpumesh.store import keys
 
 from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until, written
 

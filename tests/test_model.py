@@ -27,11 +27,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gpumesh import keys, requirements, scripts
-from gpumesh.broker import Broker
+from gpumesh import requirements
 from gpumesh.models import JobOptions
-from gpumesh.reaper import reap_once
 from gpumesh.settings import Settings
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
+from gpumesh.worker.reaper import reap_once
 
 MAX_ATTEMPTS = 2
 STATES = ("queued", "running", "done", "failed", "cancelled")

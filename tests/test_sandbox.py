@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
-from gpumesh import sandbox
-from gpumesh.warm import Zygote
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.warm import Zygote
 
 from .conftest import pid_alive, wait_until
 
@@ -207,7 +207,8 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
         textwrap.dedent(
             f"""
             import json
-            from gpumesh import sandbox, warm
+            from gpumesh.sandbox import runner as sandbox
+            from gpumesh.sandbox import warm
             zygote = warm.Zygote() if {mode!r} == "warm" else None
             if zygote:
                 zygote.start()

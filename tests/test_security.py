@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from gpumesh.test_serve_and_local import Serve
 
 from .conftest import ROOT, free_port, gpumesh, wait_until
-from .test_serve_and_local import Serve
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
@@ -133,7 +133,7 @@ def _marker_script(tmp_path: Path) -> Path:
 
 
 def test_a_worker_that_trusts_keys_runs_only_validly_signed_tasks(env, signing_keys, tmp_path: Path, r: redis.Redis):
-    from gpumesh import keys as k
+    from gpumesh.store import keys as k
 
     priv, pub = signing_keys
     script = _marker_script(tmp_path)
@@ -176,7 +176,7 @@ def test_a_worker_that_trusts_keys_runs_only_validly_signed_tasks(env, signing_k
 
 
 def test_a_tampered_script_never_runs_even_without_signing(env, workers, r: redis.Redis, tmp_path: Path):
-    from gpumesh import keys as k
+    from gpumesh.store import keys as k
 
     script = _marker_script(tmp_path)
     job = gpumesh("submit", str(script), "--payloads", "-", env=env, input='[{"i": 1}]').stdout.strip()
@@ -308,7 +308,7 @@ def _make_tls(tmp: Path) -> tuple[Path, Path, Path]:
 
 
 def test_rediss_end_to_end_with_a_ca_made_at_test_time(env, tmp_path: Path):
-    from gpumesh.server import find_binary
+    from gpumesh.server.broker_server import find_binary
 
     ca, cert, key = _make_tls(tmp_path)
     port = free_port()

@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpumesh import sandbox, warm
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox import warm
 
 from .conftest import pid_alive, wait_until
 

@@ -7,14 +7,14 @@ import time
 from pathlib import Path
 
 import redis
+from gpumesh.test_state_machine import LEASE_MS, SCRIPT, assert_counters_match_tasks
 
-from gpumesh import keys, scripts
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
-from gpumesh.reaper import reap_once
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
+from gpumesh.worker.reaper import reap_once
 
 from .conftest import Workers, gpumesh, pid_alive, wait_until
-from .test_state_machine import LEASE_MS, SCRIPT, assert_counters_match_tasks
 
 EPOCH = "e"
 
@@ -132,7 +132,7 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
     assert task["attempts"] == "1" and r.hget(keys.STATS, "speculative_wins") == "1"
     wait_until(lambda: not pid_alive(slow_pid), timeout=10, what="the losing copy to be killed")
     assert "backup copy of attempt 1" in gpumesh("logs", tid, env=env).stderr
-    from gpumesh.metrics import MeshCollector
+    from gpumesh.server.metrics import MeshCollector
     from gpumesh.settings import Settings
 
     b = Broker(Settings.load())

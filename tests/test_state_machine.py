@@ -7,10 +7,10 @@ import time
 import pytest
 import redis
 
-from gpumesh import keys, scripts
-from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
-from gpumesh.reaper import reap_once
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
+from gpumesh.worker.reaper import reap_once
 
 from .conftest import RedisServer
 

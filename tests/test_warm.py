@@ -14,8 +14,8 @@ from pathlib import Path
 
 import redis
 
-from gpumesh import sandbox
-from gpumesh.warm import ZYGOTE_LOST, Zygote
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote
 
 from .conftest import gpumesh, pid_alive, wait_until
 

@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo
+from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo
 
 err = Console(stderr=True, highlight=False)
 

@@ -1,9 +1,9 @@
 """The sandbox's first process, in one of three modes.
 
-Fresh: ``python -m gpumesh.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
-Spare: ``python -m gpumesh.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
+Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
+Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
-Warm: ``python -m gpumesh.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
+Warm: ``python -m gpumesh.sandbox.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
 forks one supervisor per attempt that the worker asks for (see :func:`zygote`).
 
 The supervisor makes the task die with its parent (PR_SET_PDEATHSIG), adopts every orphan of the task

@@ -11,9 +11,9 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from . import keys
-from .broker import Broker
-from .errors import UsageError
+from gpumesh.errors import UsageError
+from gpumesh.store import keys
+from gpumesh.store.broker import Broker
 
 DURATION_BUCKETS = ("0.1", "0.5", "1", "5", "10", "30", "60", "300", "1800", "3600")  # as in lua/_lib.lua
 

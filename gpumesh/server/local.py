@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from .broker import Broker
-from .capability import probe
-from .errors import GpumeshError
-from .server import BrokerServer, free_port
-from .settings import Settings
+from gpumesh.capability import probe
+from gpumesh.errors import GpumeshError
+from gpumesh.server.broker_server import BrokerServer, free_port
+from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
 
 
 class LocalMesh:

@@ -5,7 +5,7 @@ small hash plus one member of its job's pending zset for its requirement class; 
 until a worker takes the task, so a queued task costs a few hundred bytes of broker memory.
 A job of up to STAGE_ABOVE tasks is written in one MULTI/EXEC; a larger one in stages (claim, tasks
 in chunks, one MULTI/EXEC to make it visible), so neither the client nor Redis's MULTI buffer holds
-it whole. :class:`Submitter` is a part of :class:`gpumesh.broker.Broker`.
+it whole. :class:`gpumesh.store.broker.Broker` submits through a :class:`Submitter`.
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
-from . import keys, requirements, scheduling, scripts
-from .errors import BrokerError, UsageError
-from .models import JobOptions, SubmitResult, payload_cost, payload_requires
-
-if TYPE_CHECKING:
-    from .settings import Settings
+from gpumesh import requirements, scheduling
+from gpumesh.errors import BrokerError, UsageError
+from gpumesh.models import JobOptions, SubmitResult, payload_cost, payload_requires
+from gpumesh.settings import Settings
+from gpumesh.store import keys, scripts
+from gpumesh.store.connection import translate
 
 STAGE_ABOVE = 10_000  # a larger job is written in stages (Submitter._submit_staged); a smaller one in one MULTI/EXEC
 STAGE_CHUNK = 5_000  # tasks per round trip while staging
@@ -69,16 +70,21 @@ def requirement_classes(
 
 
 class Submitter:
-    """Broker's submit methods (it provides ``r``, ``url``, ``settings``, ``scripts`` and ``_live``)."""
+    """Writes jobs through one client; ``live`` reads the server's time and the live workers' scores."""
 
-    r: redis.Redis
-    url: str
-    settings: Settings
-    scripts: Any
-
-    if TYPE_CHECKING:  # provided by Broker; declared here for the type checker only
-
-        def _live(self) -> tuple[int, dict[str, float]]: ...
+    def __init__(
+        self,
+        r: redis.Redis,
+        url: str,
+        settings: Settings,
+        scripts: scripts.Scripts,
+        live: Callable[[], tuple[int, dict[str, float]]],
+    ) -> None:
+        self.r = r
+        self.url = url
+        self.settings = settings
+        self.scripts = scripts
+        self._live = live
 
     def submit(
         self,
@@ -138,8 +144,6 @@ class Submitter:
             existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
             return self._same_request(job_id, existing, request, idempotency_key or "")
         except redis.RedisError as exc:
-            from .broker import translate  # broker.py imports this module
-
             raise translate(exc, self.url) from None
         return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier, priority=options.priority)
 
@@ -148,7 +152,7 @@ class Submitter:
         p: Any, signer: Any, job_id: str, sha: str, payloads: list[dict[str, Any]], options: JobOptions, expires: float,
         start: int = 0, stop: int | None = None,
     ) -> None:  # fmt: skip
-        from .signing import message
+        from gpumesh.signing import message
 
         if start == 0 and stop is None:
             p.hset(keys.job(job_id), mapping={"key_id": signer.key_id, "expires_at": f"{expires:.3f}"})

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from . import keys
+from gpumesh.store import keys
 
 NAMES = (
     "dispatch",
@@ -33,7 +33,7 @@ NAMES = (
 
 @cache
 def _source(name: str) -> str:
-    lua = resources.files("gpumesh") / "lua"
+    lua = resources.files("gpumesh.store") / "lua"
     return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 

@@ -32,11 +32,13 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from . import __version__, executor, keys, reaper, scheduling, scripts
-from .broker import EXECUTOR, Broker
-from .logship import LogShipper
-from .models import Capability
-from .sandbox import Limits
+from gpumesh import __version__, scheduling
+from gpumesh.models import Capability
+from gpumesh.sandbox.runner import Limits
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import EXECUTOR, Broker
+from gpumesh.worker import executor, reaper
+from gpumesh.worker.logship import LogShipper
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -98,10 +100,14 @@ class MeshWorker(SimpleWorker):
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.resources = {**capability.resources(), **(resources or {})}  # declared ones override the probe
-        self.executor = executor.Executor(self)
-        self.my_queue = broker.queue(self.worker_id)
+        self.logs = LogShipper(broker.r)
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
+        self.executor = executor.Executor(
+            executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
+                          verifier, self.dispatched)
+        )  # fmt: skip
+        self.my_queue = broker.queue(self.worker_id)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
@@ -111,7 +117,6 @@ class MeshWorker(SimpleWorker):
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
-        self.logs = LogShipper(broker.r)
         self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         super().__init__(
             [self.my_queue],
@@ -280,7 +285,7 @@ class MeshWorker(SimpleWorker):
                 delay = min(delay * 2, 10.0)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        executor.bind(self)
+        executor.bind(self.executor)
         self.epoch = self.broker.epoch()
         warning = self.broker.eviction_warning()
         if warning:

@@ -1,4 +1,4 @@
--- Helpers prepended to every gpumesh script by gpumesh/scripts.py (not a script of its own).
+-- Helpers prepended to every gpumesh script by gpumesh/store/scripts.py (not a script of its own).
 -- Time always comes from the server; workers' clocks never enter the state machine.
 
 local function now_ms()
@@ -39,7 +39,7 @@ local function maybe_finish(job_key, events_key, job_id, ms)
 end
 
 -- Names built here, not in KEYS: the dispatcher cannot know which job's queue it will take from before
--- it looks (as dramatiq's dispatch.lua builds its queue keys). They mirror gpumesh/keys.py exactly.
+-- it looks (as dramatiq's dispatch.lua builds its queue keys). They mirror gpumesh/store/keys.py exactly.
 local PREFIX = 'gpumesh:'
 
 local function job_of(task_id)
@@ -228,7 +228,7 @@ local function fleet(scores_key, fleet_key)
   return n, sum, max, f[5] or '0'
 end
 
--- Upper bounds (s) of the task duration histogram; gpumesh/metrics.py reads the same list.
+-- Upper bounds (s) of the task duration histogram; gpumesh/server/metrics.py reads the same list.
 local DURATION_BUCKETS = {0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600}
 
 local function observe_duration(hist_key, seconds)

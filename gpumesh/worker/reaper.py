@@ -12,9 +12,9 @@ import json
 
 from rq.queue import Queue
 
-from . import keys, scripts
-from .broker import Broker
-from .models import TERMINAL
+from gpumesh.models import TERMINAL
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
 
 ABANDONED_STAGING_MS = 3_600_000  # a staged job not made visible within an hour was abandoned by its submitter
 

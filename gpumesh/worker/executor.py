@@ -14,14 +14,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
-from . import keys, sandbox, scripts
-
-if TYPE_CHECKING:
-    from .worker import MeshWorker
+from gpumesh.models import Capability
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.warm import Zygote
+from gpumesh.signing import Verifier
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker
+from gpumesh.worker.logship import LogShipper
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -43,31 +46,47 @@ class Running:
             self.stop_reason = self.stop_reason or reason
 
 
-_worker: MeshWorker | None = None
+@dataclass
+class Host:
+    """What the executor needs of the worker it runs in, and nothing more."""
+
+    broker: Broker
+    worker_id: str
+    capability: Capability
+    cuda_visible_devices: str | None
+    limits: Callable[[float], sandbox.Limits]  # the sandbox limits of an attempt with this timeout
+    zygote: Zygote | None  # --warm: attempts fork from it instead of starting an interpreter
+    logs: LogShipper
+    verifier: Verifier | None  # set when this worker runs only signed tasks
+    # task id -> (lease delivered to the worker's own queue, when it was leased); run() takes from it
+    dispatched: dict[str, tuple[scripts.Lease, float]] = field(default_factory=dict)
 
 
-def bind(worker: MeshWorker | None) -> None:
-    """Called by the worker before it starts taking jobs."""
-    global _worker
-    _worker = worker
+_executor: Executor | None = None
+
+
+def bind(executor: Executor | None) -> None:
+    """Called by the worker before it starts taking jobs (and with None as it stops)."""
+    global _executor
+    _executor = executor
 
 
 def run_task(task_id: str) -> dict[str, Any]:
     """RQ entry point. Returns a short summary, which RQ stores for rq-dashboard; gpumesh keeps the real result."""
-    if _worker is None:
-        raise RuntimeError("gpumesh.executor.run_task runs only inside `gpumesh worker`")
-    return _worker.executor.run(task_id)
+    if _executor is None:
+        raise RuntimeError("gpumesh.worker.executor.run_task runs only inside `gpumesh worker`")
+    return _executor.run(task_id)
 
 
 class Executor:
-    def __init__(self, worker: MeshWorker) -> None:
-        self.w = worker
-        self.broker = worker.broker
-        self.settings = worker.broker.settings
+    def __init__(self, host: Host) -> None:
+        self.w = host
+        self.broker = host.broker
+        self.settings = host.broker.settings
         self._scripts_cache: dict[str, str] = {}
         self.current: Running | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
-        self.spares = sandbox.Spares() if worker.zygote is None else None
+        self.spares = sandbox.Spares() if host.zygote is None else None
 
     def close(self) -> None:
         if self.spares is not None:
@@ -206,7 +225,7 @@ class Executor:
         verifier = self.w.verifier
         if verifier is None:
             return None
-        from .signing import message
+        from gpumesh.signing import message
 
         msg = message(
             lease.job_id,

@@ -14,15 +14,15 @@ from urllib.parse import quote
 import click
 import redis
 
-from . import render
-from .broker import mask_url, translate
-from .cli import connect, emit_json, err, json_option, main, url_option
-from .errors import GpumeshError, NotFound, UsageError
-from .settings import Settings, config_path
+from gpumesh.cli import render
+from gpumesh.cli.helpers import connect, emit_json, err, json_option, url_option
+from gpumesh.errors import GpumeshError, NotFound, UsageError
+from gpumesh.settings import Settings, config_path
+from gpumesh.store.connection import mask_url, translate
 
 
 def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
-    from .server import default_data_dir
+    from gpumesh.server.broker_server import default_data_dir
 
     if url is None:
         d = data_dir or default_data_dir()
@@ -41,7 +41,7 @@ def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
     return client
 
 
-@main.group()
+@click.group()
 def keys() -> None:
     """Ed25519 keys for signed jobs: submitters sign, workers started with --trust verify."""
 
@@ -51,14 +51,14 @@ def keys() -> None:
 @click.option("--name", default="gpumesh-signing", show_default=True)
 def keys_generate(directory: Path, name: str) -> None:
     """Write NAME.key (private, mode 0600: keep it with the submitters) and NAME.pub (for the workers)."""
-    from .signing import generate
+    from gpumesh.signing import generate
 
     priv, pub = generate(directory, name)
     click.echo(f"{priv}\n{pub}")
     err.print(f"submit with --sign-key {priv}; start workers with --trust {pub}")
 
 
-@main.group()
+@click.group()
 def access() -> None:
     """Per-person worker credentials on a broker that `gpumesh serve` runs (run it on that machine)."""
 
@@ -81,7 +81,7 @@ def _access_opts(f: Any) -> Any:
 @_access_opts
 def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
     """Create (or rotate) the worker credential of NAME and print their join line."""
-    from .server import add_worker, broker_url, worker_user
+    from gpumesh.server.broker_server import add_worker, broker_url, worker_user
 
     admin = _admin(data_dir, url)
     password = add_worker(admin, name)
@@ -95,7 +95,7 @@ def access_add(name: str, host: str | None, data_dir: Path | None, url: str | No
 @_access_opts
 def access_revoke(name: str, data_dir: Path | None, url: str | None) -> None:
     """Delete NAME's worker credential; their connected workers are disconnected at once."""
-    from .server import revoke_worker
+    from gpumesh.server.broker_server import revoke_worker
 
     if not revoke_worker(_admin(data_dir, url), name):
         raise NotFound(f"no worker credential named {name!r}; `gpumesh access list` shows them")
@@ -106,13 +106,13 @@ def access_revoke(name: str, data_dir: Path | None, url: str | None) -> None:
 @_access_opts
 def access_list(data_dir: Path | None, url: str | None) -> None:
     """List the per-person worker credentials."""
-    from .server import list_workers
+    from gpumesh.server.broker_server import list_workers
 
     for name in list_workers(_admin(data_dir, url)):
         click.echo(name)
 
 
-@main.command()
+@click.command()
 @click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @url_option
@@ -120,7 +120,7 @@ def access_list(data_dir: Path | None, url: str | None) -> None:
 def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
     """Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device,
     task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."""
-    from .metrics import serve_metrics
+    from gpumesh.server.metrics import serve_metrics
 
     broker = connect(ctx, url)
     serve_metrics(broker, port, host)
@@ -131,7 +131,7 @@ def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
     stop.wait()
 
 
-@main.command()
+@click.command()
 @json_option
 @click.option("--save", is_flag=True, help="Also cache the result as the score workers on this machine use.")
 def bench(as_json: bool, save: bool) -> None:
@@ -139,7 +139,7 @@ def bench(as_json: bool, save: bool) -> None:
 
     Nothing changes for workers unless --save: it writes the cached score a worker reads when it starts
     (a running worker keeps the score it started with), so a noisy measurement never slips in unseen."""
-    from . import capability
+    from gpumesh import capability
 
     settings = Settings.load()
     if not as_json:
@@ -161,7 +161,7 @@ def bench(as_json: bool, save: bool) -> None:
         click.echo("not saved: gpumesh bench --save makes this the score workers use", err=True)
 
 
-@main.group()
+@click.group()
 def config() -> None:
     """Write or show the config file that every command reads (mode 0600)."""
 

@@ -15,12 +15,13 @@ from urllib.parse import quote, urlsplit
 import click
 import redis
 
-from . import render
-from .broker import Broker, translate
-from .cli import _job_input, connect, err, exit_for, job_options, json_option, main, url_option
-from .errors import BrokerError, UsageError
-from .reaper import reap_once
-from .settings import Settings
+from gpumesh.cli import render
+from gpumesh.cli.helpers import connect, err, exit_for, job_input, job_options, json_option, url_option
+from gpumesh.errors import BrokerError, UsageError
+from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
+from gpumesh.store.connection import translate
+from gpumesh.worker.reaper import reap_once
 
 # -- running a mesh --------------------------------------------------------------------------------
 
@@ -91,9 +92,9 @@ def worker_options(f: Any) -> Any:
 
 
 def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
-    from . import capability, logfmt
-    from .requirements import parse_resource
-    from .worker import MeshWorker
+    from gpumesh import capability, logfmt
+    from gpumesh.requirements import parse_resource
+    from gpumesh.worker.worker import MeshWorker
 
     logfmt.setup(opts["log_level"], opts["log_format"])
     declared = dict(parse_resource(r) for r in opts["resource"])
@@ -104,7 +105,7 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
     trusted = [*opts["trust"], *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
     verifier = None
     if trusted:
-        from .signing import Verifier
+        from gpumesh.signing import Verifier
 
         verifier = Verifier(trusted)
     sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
@@ -133,7 +134,7 @@ def _zygote(warm: bool, preload: str | None, python: str, cuda: str | None) -> A
         raise UsageError("--preload needs --warm (it names what the warm zygote imports)")
     if not warm:
         return None
-    from .warm import Zygote, ZygoteError
+    from gpumesh.sandbox.warm import Zygote, ZygoteError
 
     zygote = Zygote((preload or "").split(","), python=python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {})
     try:
@@ -174,7 +175,7 @@ def _sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
 def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
     import socket
 
-    from .supervisor import Supervisor, parse_gpus
+    from gpumesh.worker.supervisor import Supervisor, parse_gpus
 
     gpus = parse_gpus(opts["gpus"])
     args = [broker.url, "--log-level", opts["log_level"], "--log-format", opts["log_format"]]
@@ -190,7 +191,7 @@ def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None
     ctx.exit(sup.run())
 
 
-@main.command()
+@click.command()
 @click.argument("broker_url", metavar="[URL]", required=False)
 @worker_options
 @url_option
@@ -205,7 +206,7 @@ def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: 
     _run_worker(ctx, broker_url or url, opts)
 
 
-@main.command()
+@click.command()
 @click.argument("address", metavar="HOST:PORT")
 @click.option(
     "--token",
@@ -229,7 +230,7 @@ def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
     _run_worker(ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0", opts)
 
 
-@main.command()
+@click.command()
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface."
 )
@@ -258,8 +259,8 @@ def serve(
     never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
     Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
     """
-    from . import logfmt
-    from .server import BrokerServer, default_data_dir, is_loopback, lan_address
+    from gpumesh import logfmt
+    from gpumesh.server.broker_server import BrokerServer, default_data_dir, is_loopback, lan_address
 
     logfmt.setup("INFO", log_format)
     tunnel_url = None
@@ -277,7 +278,7 @@ def serve(
         broker = Broker(settings).ping()
         broker.epoch()
         if metrics_port:
-            from .metrics import serve_metrics
+            from gpumesh.server.metrics import serve_metrics
 
             serve_metrics(broker, metrics_port)
             logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
@@ -329,7 +330,7 @@ def serve(
         server.stop()
 
 
-@main.command()
+@click.command()
 @click.argument("script")
 @click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
 @click.option(
@@ -349,9 +350,9 @@ def run(
     Prints the results and exits with the job's code (0 done, 1 failed or cancelled). Everything it
     started is stopped on the way out.
     """
-    from .local import LocalMesh
+    from gpumesh.server.local import LocalMesh
 
-    source, payloads, options = _job_input(script, payloads_spec, opts)
+    source, payloads, options = job_input(script, payloads_spec, opts)
     fmt = "json" if as_json else fmt
     with LocalMesh(workers, Settings.load()) as mesh:
         assert mesh.broker is not None

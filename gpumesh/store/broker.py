@@ -10,84 +10,54 @@ import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from . import keys, requirements, scheduling, scripts
-from .errors import BrokerError, NotFound, UsageError
-from .models import TERMINAL, JobStatus, TaskResult, Waiting, WorkerInfo, ts
-from .settings import Settings
-from .submit import Submitter
+from gpumesh import requirements, scheduling
+from gpumesh.errors import NotFound
+from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
+from gpumesh.settings import Settings
+from gpumesh.signing import Signer
+from gpumesh.store import keys, scripts
+from gpumesh.store.connection import client, mask_url, translate
+from gpumesh.store.submit import Submitter
 
 log = logging.getLogger("gpumesh")
 
-EXECUTOR = "gpumesh.executor.run_task"  # the only function a gpumesh worker runs
+EXECUTOR = "gpumesh.worker.executor.run_task"  # the only function a gpumesh worker runs
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for logs and messages."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def _client(url: str, *, decode: bool, socket_timeout: float, retries: int) -> redis.Redis:
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise UsageError(f"broker URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
-    try:
-        return redis.Redis.from_url(
-            url,
-            decode_responses=decode,
-            socket_connect_timeout=3,
-            socket_timeout=socket_timeout,
-            health_check_interval=15,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        )
-    except ValueError as exc:
-        raise UsageError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
-
-
-def translate(exc: redis.RedisError, url: str) -> BrokerError:
-    """One line for a Redis error, without the password."""
-    text = str(exc).replace(urlsplit(url).password or "\0", "***")
-    if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text:
-        return BrokerError(f"the broker at {mask_url(url)} refused the credentials ({text}); check the URL's password")
-    if "OOM" in text or isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return BrokerError(
-            f"the broker at {mask_url(url)} is out of memory (maxmemory reached, noeviction) and refused the write; "
-            "nothing was written. Free memory (finished jobs) or raise maxmemory"
-        )
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-        return BrokerError(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
-    return BrokerError(f"the broker at {mask_url(url)} answered an error: {text}")
-
-
-class Broker(Submitter):
+class Broker:
     """A connection to the mesh's Redis plus the scripts and queues bound to it."""
 
     def __init__(self, settings: Settings, *, blocking_timeout: float = 0, retries: int = 2) -> None:
         self.settings = settings
         self.url = settings.url
         timeout = max(10.0, blocking_timeout + 10)
-        self.r = _client(self.url, decode=True, socket_timeout=timeout, retries=retries)
-        self.rq = _client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
+        self.r = client(self.url, decode=True, socket_timeout=timeout, retries=retries)
+        self.rq = client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
         self.scripts = scripts.Scripts(self.r)
+        self._submitter = Submitter(self.r, self.url, settings, self.scripts, self._live)
+
+    def submit(
+        self,
+        source: str,
+        script_name: str,
+        payloads: list[dict[str, Any]],
+        options: JobOptions,
+        idempotency_key: str | None = None,
+        signer: Signer | None = None,
+        expires_in: float = 7 * 86400,
+    ) -> SubmitResult:
+        """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
+
+        With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
+        returns the job the first one created instead of a second job."""
+        return self._submitter.submit(source, script_name, payloads, options, idempotency_key, signer, expires_in)
 
     def queue(self, worker_id: str) -> Queue:
         """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""

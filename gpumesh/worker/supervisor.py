@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .errors import UsageError
+from gpumesh.errors import UsageError
 
-log = logging.getLogger("gpumesh.supervisor")
+log = logging.getLogger("gpumesh.worker.supervisor")
 
 
 def list_gpus() -> list[str]:

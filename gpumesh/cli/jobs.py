@@ -1,191 +1,30 @@
-"""The ``gpumesh`` command: thin Click commands over the Python API (broker, worker, server, local).
-
-Data goes to stdout, progress and errors to stderr. Exit codes: 0 ok · 1 job ended failed/cancelled ·
-2 bad usage or input · 3 broker unreachable or refused the credentials · 4 not found.
-"""
+"""``gpumesh submit``, ``status``, ``jobs``, ``results``, ``workers``, ``top``, ``logs``, ``cancel`` and
+``retry``: the commands that submit and read jobs."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
-import redis
 
-from . import __version__, render
-from .broker import Broker, translate
-from .errors import GpumeshError, UsageError
-from .models import JobOptions, JobStatus, parse_payloads
-from .settings import Settings
-
-err = render.err
-
-
-class Group(click.Group):
-    """Turns every gpumesh error into one line and its exit code; a traceback only with --debug."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except GpumeshError as exc:
-            self._die(ctx, exc, exc.exit_code)
-        except redis.RedisError as exc:
-            self._die(ctx, translate(exc, (ctx.obj or {}).get("url", "")), 3)
-
-    @staticmethod
-    def _die(ctx: click.Context, exc: Exception, code: int) -> None:
-        if (ctx.obj or {}).get("debug"):
-            raise exc
-        click.echo(f"error: {exc}", err=True)
-        ctx.exit(code)
+from gpumesh.cli import render
+from gpumesh.cli.helpers import (
+    connect,
+    emit_json,
+    err,
+    exit_for,
+    job_input,
+    job_options,
+    json_option,
+    url_option,
+    wait_for,
+)  # fmt: skip
+from gpumesh.errors import UsageError
 
 
-url_option = click.option(
-    "--url",
-    metavar="URL",
-    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS "
-    "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
-
-
-def connect(ctx: click.Context, url: str | None) -> Broker:
-    settings = Settings.load(url=url)
-    ctx.obj["url"] = settings.url
-    broker = Broker(settings)
-    ctx.call_on_close(broker.close)
-    return broker.ping()
-
-
-def emit_json(data: Any) -> None:
-    click.echo(render.dump(data))
-
-
-def exit_for(ctx: click.Context, st: JobStatus) -> None:
-    if st.status != "done":
-        ctx.exit(1)
-
-
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="gpumesh")
-@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.pass_context
-def main(ctx: click.Context, debug: bool) -> None:
-    """Run data-parallel Python work on a mesh of uneven machines.
-
-    A job is a script plus a JSON list of payloads; each payload is one task. Workers benchmark
-    themselves and take tasks from the tier that matches their strength.
-
-    \b
-    One machine, one command:   gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2
-    A broker others can join:   gpumesh serve            (prints the worker and submit lines to copy)
-    """
-    ctx.ensure_object(dict)
-    ctx.obj["debug"] = debug
-
-
-# -- jobs ------------------------------------------------------------------------------------------
-
-
-def _read_payloads(spec: str) -> list[dict[str, Any]]:
-    if spec == "-":
-        return parse_payloads(sys.stdin.read(), "payloads on stdin")
-    try:
-        text = Path(spec).read_text()
-    except FileNotFoundError:
-        raise UsageError(f"payloads file {spec} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read payloads file {spec}: {exc}") from None
-    return parse_payloads(text, spec)
-
-
-def _read_script(spec: str) -> str:
-    path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"script {spec} does not exist or is not a file")
-    try:
-        source = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read script {spec}: {exc}") from None
-    try:
-        compile(source, spec, "exec")
-    except SyntaxError as exc:
-        raise UsageError(f"script {spec} has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    return source
-
-
-def _job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[str, list[dict[str, Any]], JobOptions]:
-    """Everything validated before anything is written anywhere."""
-    source = _read_script(script)
-    payloads = _read_payloads(payloads_spec)
-    try:
-        options = JobOptions(
-            name=opts["name"],
-            timeout=opts["timeout"],
-            max_attempts=opts["max_attempts"],
-            speculate=opts.get("speculate", True),
-            priority=opts.get("priority", 0),
-            requires=tuple(opts.get("require", ())),
-        )
-    except ValueError as exc:
-        first = exc.errors()[0]  # type: ignore[attr-defined]
-        flag = {"requires": "require"}.get(str(first["loc"][0]), str(first["loc"][0]))
-        raise UsageError(f"--{flag.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}") from None
-    return source, payloads, options
-
-
-def job_options(f: Any) -> Any:
-    """The options every command that starts a job shares (submit, run)."""
-    for option in reversed(
-        [
-            click.option("--name", default="", help="A name for the job."),
-            click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt."),
-            click.option(
-                "--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails."
-            ),
-            click.option(
-                "--priority",
-                type=int,
-                default=0,
-                show_default=True,
-                help="Higher runs first: a worker takes work of the highest priority it can run. Jobs of equal "
-                "priority share the workers out, so a small job is not stuck behind a big one.",
-            ),  # fmt: skip
-            click.option(
-                "--require",
-                multiple=True,
-                metavar="EXPR",
-                help="Run every task only on workers that meet EXPR (repeatable): KEY=VALUE, KEY!=VALUE, "
-                "KEY>=NUMBER, KEY<=NUMBER or KEY~TEXT (substring), e.g. vram_gb>=40, gpu~a100, device=cuda. "
-                'A payload may add its own: "requires": ["vram_gb>=80"].',
-            ),  # fmt: skip
-            click.option(
-                "--speculate/--no-speculate",
-                default=True,
-                show_default=True,
-                help="Let a worker at least twice as strong run a backup copy of a straggler (a task on a much "
-                "weaker worker); the first result wins and the other copy is killed, so a task may run twice "
-                "at once.",
-            ),  # fmt: skip
-        ]
-    ):
-        f = option(f)
-    return f
-
-
-def _wait(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
-    try:
-        return render.follow(lambda: broker.job_status(job_id), quiet=quiet)
-    except KeyboardInterrupt:
-        click.echo(
-            f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
-        )
-        ctx.exit(130)
-
-
-@main.command()
+@click.command()
 @click.argument("script")
 @click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
 @job_options
@@ -219,12 +58,12 @@ def submit(
     appears whole or not at all. If no live worker meets some tasks' requirements, submit warns and
     the tasks wait until one joins.
     """
-    source, payloads, options = _job_input(script, payloads_spec, opts)
+    source, payloads, options = job_input(script, payloads_spec, opts)
     broker = connect(ctx, url)
     key = sign_key or (Path(broker.settings.signing_key) if broker.settings.signing_key else None)
     signer = None
     if key is not None:
-        from .signing import Signer
+        from gpumesh.signing import Signer
 
         signer = Signer(key)
     res = broker.submit(
@@ -243,7 +82,7 @@ def submit(
         return
     if not as_json:
         err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
-    st = _wait(ctx, broker, res.job_id, quiet=as_json)
+    st = wait_for(ctx, broker, res.job_id, quiet=as_json)
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
@@ -251,7 +90,7 @@ def submit(
     exit_for(ctx, st)
 
 
-@main.command()
+@click.command()
 @click.argument("job_id")
 @click.option(
     "--watch", is_flag=True, help="Follow the job to its end with a progress bar; exit 1 if it did not succeed."
@@ -262,7 +101,7 @@ def submit(
 def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
     """Show a job's status and task counts, and which queued tasks no live worker may run."""
     broker = connect(ctx, url)
-    st = _wait(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id, waiting=True)
+    st = wait_for(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id, waiting=True)
     if as_json:
         emit_json(st.model_dump(mode="json"))
     elif not watch:
@@ -273,7 +112,7 @@ def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_jso
         exit_for(ctx, st)
 
 
-@main.command()
+@click.command()
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
 @url_option
 @json_option
@@ -287,7 +126,7 @@ def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None
         render.out().print(render.jobs_table(rows))
 
 
-@main.command()
+@click.command()
 @click.argument("job_id")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True,
               help="table for people; json, jsonl or csv for programs.")  # fmt: skip
@@ -315,7 +154,7 @@ def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url:
         click.echo(text, nl=False)
 
 
-@main.command()
+@click.command()
 @url_option
 @json_option
 @click.pass_context
@@ -328,7 +167,7 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
         render.out().print(render.workers_table(rows))
 
 
-@main.command()
+@click.command()
 @click.option(
     "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds between refreshes."
 )
@@ -354,7 +193,7 @@ def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> Non
         pass
 
 
-@main.command()
+@click.command()
 @click.argument("target", metavar="JOB|TASK")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job or task ends.")
 @url_option
@@ -379,7 +218,7 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
         ctx.exit(130)
 
 
-@main.command()
+@click.command()
 @click.argument("job_id")
 @url_option
 @json_option
@@ -393,7 +232,7 @@ def cancel(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> N
         click.echo(render.status_line(st))
 
 
-@main.command()
+@click.command()
 @click.argument("job_id")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it did not succeed.")
 @url_option
@@ -406,17 +245,10 @@ def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json:
     if not as_json:
         err.print(f"re-queued {n} failed task(s) of {job_id}" if n else f"job {job_id} has no failed task to retry")
     if wait and n:
-        st = _wait(ctx, broker, job_id, quiet=as_json)
+        st = wait_for(ctx, broker, job_id, quiet=as_json)
     if as_json:
         emit_json({"requeued": n, **st.model_dump(mode="json")})
     else:
         click.echo(render.status_line(st))
     if wait:
         exit_for(ctx, st)
-
-
-# The other commands live next door and register themselves on `main` when imported.
-from . import cli_admin, cli_mesh  # noqa: E402, F401
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from . import keys
+from gpumesh.store import keys
 
 log = logging.getLogger("gpumesh.worker")
 

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from gpumesh.sandbox.launch import clean_env, forget_launcher_command, launcher_command
+
 log = logging.getLogger("gpumesh.worker")
 
 ZYGOTE_LOST = "the warm zygote died"
@@ -111,7 +113,6 @@ class Zygote:
 
     def start(self, timeout: float = 300.0) -> None:
         """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
-        from .sandbox import clean_env, forget_launcher_command, launcher_command
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = launcher_command(self.python)

@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import redis
 
-from .errors import GpumeshError, UsageError
+from gpumesh.errors import GpumeshError, UsageError
 
 
 def is_loopback(host: str) -> bool:

@@ -25,19 +25,10 @@ from typing import Any
 
 import psutil
 
-from .launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX, remove_dir_of
-from .warm import WarmProcess, Zygote
+from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
+from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
+from gpumesh.sandbox.warm import WarmProcess, Zygote
 
-# Variables a task may need from the worker's environment; everything else (the broker URL and
-# password included) stays out.
-PASS_ENV = (
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM",
-    "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "HF_HOME", "TORCH_HOME", "XDG_CACHE_HOME",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-    "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PYTHONPATH", "VIRTUAL_ENV",
-)  # fmt: skip
-
-LAUNCHER_COPY = "_gpumesh_launcher.py"
 TRUNCATED = "[gpumesh] output truncated: the log cap of {cap} bytes was reached"
 STDERR_TAIL_LINES = 20
 
@@ -85,44 +76,13 @@ class Attempt:
         return f"exit code {rc}"
 
 
-def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
 def _launcher(limits: Limits, workdir: str) -> list[str]:
     """How to start the launcher: as a module of the worker's own interpreter, or, for another
     interpreter or user (which may not see the worker's site-packages), as a copy in the task's dir."""
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
-        return [python, "-u", "-m", "gpumesh.launcher"]
+        return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
     return [python, "-u", copy_launcher(workdir, limits.user)]
-
-
-def copy_launcher(directory: str, owner: tuple[int, int] | None = None) -> str:
-    """A copy of launcher.py (standard library only) in ``directory``, for an interpreter that may not see gpumesh."""
-    copy = os.path.join(directory, LAUNCHER_COPY)
-    shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
-    if owner is not None:
-        os.chown(copy, *owner)
-    return copy
-
-
-def launcher_command(python: str) -> list[str]:
-    """How a long-lived helper (the zygote, a spare) starts the launcher: as a module of the worker's
-    own interpreter, or, for another one, from a new private copy that the helper removes as it
-    starts (so a killed worker leaves none behind). If the command never runs, pass it to
-    :func:`forget_launcher_command`."""
-    if python == sys.executable:
-        return [python, "-u", "-m", "gpumesh.launcher"]
-    return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
-
-
-def forget_launcher_command(cmd: list[str]) -> None:
-    """Remove the private copy of a :func:`launcher_command` that did not start."""
-    remove_dir_of(cmd[-1], COPY_DIR_PREFIX)
 
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
@@ -137,7 +97,7 @@ def _startup_env(env: Mapping[str, str]) -> dict[str, str]:
 class Spares:
     """Fresh mode's head start: the next attempt's interpreter starts while the current attempt runs.
 
-    Each spare is a new ``python -m gpumesh.launcher --spare`` that runs exactly one attempt, so every
+    Each spare is a new ``python -m gpumesh.sandbox.launcher --spare`` that runs exactly one attempt, so every
     attempt still gets an interpreter no task has touched; it only stops waiting for one to start
     (20-60 ms on the machines measured, most of a no-op task). A spare starts from the clean
     environment (no broker URL, no credentials), holds stdout and stderr pipes of its own, and waits

@@ -1,0 +1,164 @@
+"""What every gpumesh command shares: one-line errors with exit codes, the common options, connecting,
+reading a job's input, waiting for a job (like rq's ``rq/cli/helpers.py``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+
+from gpumesh.cli import render
+from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.models import JobOptions, JobStatus, parse_payloads
+from gpumesh.settings import Settings
+from gpumesh.store.broker import Broker
+from gpumesh.store.connection import translate
+
+err = render.err
+
+
+class Group(click.Group):
+    """Turns every gpumesh error into one line and its exit code; a traceback only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GpumeshError as exc:
+            self._die(ctx, exc, exc.exit_code)
+        except redis.RedisError as exc:
+            self._die(ctx, translate(exc, (ctx.obj or {}).get("url", "")), 3)
+
+    @staticmethod
+    def _die(ctx: click.Context, exc: Exception, code: int) -> None:
+        if (ctx.obj or {}).get("debug"):
+            raise exc
+        click.echo(f"error: {exc}", err=True)
+        ctx.exit(code)
+
+
+url_option = click.option(
+    "--url",
+    metavar="URL",
+    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS "
+    "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
+
+
+def connect(ctx: click.Context, url: str | None) -> Broker:
+    settings = Settings.load(url=url)
+    ctx.obj["url"] = settings.url
+    broker = Broker(settings)
+    ctx.call_on_close(broker.close)
+    return broker.ping()
+
+
+def emit_json(data: Any) -> None:
+    click.echo(render.dump(data))
+
+
+def exit_for(ctx: click.Context, st: JobStatus) -> None:
+    if st.status != "done":
+        ctx.exit(1)
+
+
+# -- jobs ------------------------------------------------------------------------------------------
+
+
+def _read_payloads(spec: str) -> list[dict[str, Any]]:
+    if spec == "-":
+        return parse_payloads(sys.stdin.read(), "payloads on stdin")
+    try:
+        text = Path(spec).read_text()
+    except FileNotFoundError:
+        raise UsageError(f"payloads file {spec} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read payloads file {spec}: {exc}") from None
+    return parse_payloads(text, spec)
+
+
+def _read_script(spec: str) -> str:
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"script {spec} does not exist or is not a file")
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read script {spec}: {exc}") from None
+    try:
+        compile(source, spec, "exec")
+    except SyntaxError as exc:
+        raise UsageError(f"script {spec} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    return source
+
+
+def job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[str, list[dict[str, Any]], JobOptions]:
+    """Everything validated before anything is written anywhere."""
+    source = _read_script(script)
+    payloads = _read_payloads(payloads_spec)
+    try:
+        options = JobOptions(
+            name=opts["name"],
+            timeout=opts["timeout"],
+            max_attempts=opts["max_attempts"],
+            speculate=opts.get("speculate", True),
+            priority=opts.get("priority", 0),
+            requires=tuple(opts.get("require", ())),
+        )
+    except ValueError as exc:
+        first = exc.errors()[0]  # type: ignore[attr-defined]
+        flag = {"requires": "require"}.get(str(first["loc"][0]), str(first["loc"][0]))
+        raise UsageError(f"--{flag.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}") from None
+    return source, payloads, options
+
+
+def job_options(f: Any) -> Any:
+    """The options every command that starts a job shares (submit, run)."""
+    for option in reversed(
+        [
+            click.option("--name", default="", help="A name for the job."),
+            click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per attempt."),
+            click.option(
+                "--max-attempts", type=int, default=3, show_default=True, help="Attempts per task before it fails."
+            ),
+            click.option(
+                "--priority",
+                type=int,
+                default=0,
+                show_default=True,
+                help="Higher runs first: a worker takes work of the highest priority it can run. Jobs of equal "
+                "priority share the workers out, so a small job is not stuck behind a big one.",
+            ),  # fmt: skip
+            click.option(
+                "--require",
+                multiple=True,
+                metavar="EXPR",
+                help="Run every task only on workers that meet EXPR (repeatable): KEY=VALUE, KEY!=VALUE, "
+                "KEY>=NUMBER, KEY<=NUMBER or KEY~TEXT (substring), e.g. vram_gb>=40, gpu~a100, device=cuda. "
+                'A payload may add its own: "requires": ["vram_gb>=80"].',
+            ),  # fmt: skip
+            click.option(
+                "--speculate/--no-speculate",
+                default=True,
+                show_default=True,
+                help="Let a worker at least twice as strong run a backup copy of a straggler (a task on a much "
+                "weaker worker); the first result wins and the other copy is killed, so a task may run twice "
+                "at once.",
+            ),  # fmt: skip
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
+    try:
+        return render.follow(lambda: broker.job_status(job_id), quiet=quiet)
+    except KeyboardInterrupt:
+        click.echo(
+            f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
+        )
+        ctx.exit(130)

@@ -1,0 +1,122 @@
+"""The package's shape: no import cycles (lazy imports inside functions count too), the layers
+import only downwards, and ``gpumesh`` exports exactly its public API."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import gpumesh
+
+PACKAGE = Path(gpumesh.__file__).parent
+# Which layer may import which: a layer sees itself, the core modules and the layers listed here.
+# core = the modules at the top of the package (errors, models, settings, ...), pure or near it.
+LAYERS = {
+    "core": set(),
+    "store": set(),
+    "sandbox": set(),
+    "worker": {"store", "sandbox"},
+    "server": {"store"},
+    "api": {"store"},
+    "cli": {"api", "store", "worker", "server", "sandbox"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The gpumesh modules ``name`` imports, wherever in the file (a function's lazy import counts)."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("gpumesh")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if not base.startswith("gpumesh"):
+                continue
+            for a in node.names:  # `from gpumesh.cli import render` imports the module gpumesh.cli.render
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS and parts[1] != "api"):
+        return parts[1]
+    if module == "gpumesh.__main__":
+        return "cli"
+    return "api" if module in ("gpumesh", "gpumesh.api") else "core"
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(g[m]):
+            if n == m.rpartition(".")[0] or m.startswith(n + "."):
+                continue  # a submodule's import runs its own package's __init__: not a cycle of code
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n) :] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_layers_import_only_downwards() -> None:
+    wrong = []
+    for m, deps in graph().items():
+        mine = layer(m)
+        for d in deps:
+            theirs = layer(d)
+            if theirs in ("core", mine) or theirs in LAYERS[mine] or theirs == "api" and d == "gpumesh":
+                continue
+            wrong.append(f"{m} ({mine}) imports {d} ({theirs})")
+    assert wrong == []
+
+
+def test_the_launcher_imports_only_the_standard_library() -> None:
+    # It is the only code that runs in the task's process, and it is copied alone for other interpreters.
+    tree = ast.parse((PACKAGE / "sandbox" / "launcher.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {n.split(".")[0] for n in names} <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_the_task_process_imports_nothing_of_gpumesh_but_the_launcher() -> None:
+    code = "import sys, gpumesh.sandbox.launcher; print(sorted(m for m in sys.modules if m.startswith('gpumesh')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['gpumesh', 'gpumesh.sandbox', 'gpumesh.sandbox.launcher']"
+    heavy = "import sys, gpumesh.sandbox.launcher; print([m for m in ('redis', 'pydantic', 'rq', 'click') if m in sys.modules])"
+    assert (
+        subprocess.run([sys.executable, "-c", heavy], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
