@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import redis
-from gpumesh.test_state_machine import LEASE_MS, SCRIPT, assert_counters_match_tasks
 
 from gpumesh.models import JobOptions
 from gpumesh.store import keys, scripts
@@ -15,6 +14,7 @@ from gpumesh.store.broker import Broker
 from gpumesh.worker.reaper import reap_once
 
 from .conftest import Workers, gpumesh, pid_alive, wait_until
+from .test_lua_transitions import LEASE_MS, SCRIPT, assert_counters_match_tasks
 
 EPOCH = "e"
 
