@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from gpumesh.test_serve_and_local import Serve
 
 from .conftest import ROOT, free_port, gpumesh, wait_until
+from .test_serve_and_local import Serve
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
