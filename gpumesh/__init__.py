@@ -1,6 +1,69 @@
 """gpumesh: a compute mesh for data-parallel Python work on machines of uneven strength.
 
-Kept import-light on purpose: the sandbox launcher imports this package once per task.
+    >>> import gpumesh
+    >>> mesh = gpumesh.connect()                       # doctest: +SKIP
+    >>> job = mesh.submit("train.py", [{"lr": 0.1}])   # doctest: +SKIP
+
+The public names are in ``__all__``; everything else is internal. Kept import-light on purpose: the
+names load on first use, because the sandbox launcher (``gpumesh.sandbox.launcher``) runs inside
+every task and imports this package first.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.2.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "connect": "gpumesh.api",
+    "Mesh": "gpumesh.api",
+    "Job": "gpumesh.api",
+    "GpumeshError": "gpumesh.errors",
+    "UsageError": "gpumesh.errors",
+    "BrokerError": "gpumesh.errors",
+    "NotFound": "gpumesh.errors",
+    "JobEnded": "gpumesh.errors",
+    "JobOptions": "gpumesh.models",
+    "JobStatus": "gpumesh.models",
+    "SubmitResult": "gpumesh.models",
+    "TaskResult": "gpumesh.models",
+    "WorkerInfo": "gpumesh.models",
+}
+
+__all__ = [
+    "__version__",
+    "connect",
+    "Mesh",
+    "Job",
+    "GpumeshError",
+    "UsageError",
+    "BrokerError",
+    "NotFound",
+    "JobEnded",
+    "JobOptions",
+    "JobStatus",
+    "SubmitResult",
+    "TaskResult",
+    "WorkerInfo",
+]
+
+if TYPE_CHECKING:
+    from gpumesh.api import Job, Mesh, connect
+    from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, UsageError
+    from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpumesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)  # the public names; submodules and helpers are not part of the API

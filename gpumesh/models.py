@@ -55,7 +55,11 @@ Payload = Annotated[dict[str, Any], AfterValidator(_check_cost)]
 PAYLOADS = TypeAdapter(Annotated[list[Payload], Field(min_length=1)])
 
 
-def parse_payloads(text: str, source: str = "payloads") -> list[dict[str, Any]]:
+class Payloads(list[dict[str, Any]]):
+    """A payload list that passed :func:`check_payloads`, so submit does not check it a second time."""
+
+
+def parse_payloads(text: str, source: str = "payloads") -> Payloads:
     """Validate a JSON list of objects with an optional positive ``cost``; one clear UsageError otherwise."""
     try:
         data = json.loads(text)
@@ -64,8 +68,15 @@ def parse_payloads(text: str, source: str = "payloads") -> list[dict[str, Any]]:
             f"{source} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             'expected a list of objects such as [{"lr": 0.1}, {"lr": 0.01}]'
         ) from None
+    return check_payloads(data, source)
+
+
+def check_payloads(data: Any, source: str = "payloads") -> Payloads:
+    """The checks of :func:`parse_payloads` on data already decoded (what a Python caller passes)."""
+    if isinstance(data, Payloads):
+        return data
     try:
-        return PAYLOADS.validate_python(data, strict=True)
+        return Payloads(PAYLOADS.validate_python(data, strict=True))
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = err["loc"]
@@ -76,7 +87,27 @@ def parse_payloads(text: str, source: str = "payloads") -> list[dict[str, Any]]:
         where = f"{source}[{loc[0]}]"
         if err["type"] == "value_error":
             raise UsageError(f"{where}.{err['msg'].removeprefix('Value error, ')}") from None
-        raise UsageError(f"{where} must be a JSON object, got {json.dumps(data[loc[0]])[:60]}") from None
+        raise UsageError(f"{where} must be a JSON object, got {_show(data[loc[0]])}") from None
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)[:60]
+    except (TypeError, ValueError):
+        return type(value).__name__
+
+
+def check_script(source: str, name: str) -> str:
+    """A script's source, once it compiles; one UsageError naming the line otherwise."""
+    if not isinstance(source, str):
+        raise UsageError(f"script {name} must be Python source text, got {type(source).__name__}")
+    try:
+        compile(source, name, "exec")
+    except SyntaxError as exc:
+        raise UsageError(f"script {name} has a syntax error at line {exc.lineno}: {exc.msg}") from None
+    except ValueError as exc:  # e.g. a NUL byte in the source
+        raise UsageError(f"script {name} cannot be compiled: {exc}") from None
+    return source
 
 
 class JobOptions(BaseModel):

@@ -12,7 +12,7 @@ import redis
 
 from gpumesh.cli import render
 from gpumesh.errors import GpumeshError, UsageError
-from gpumesh.models import JobOptions, JobStatus, parse_payloads
+from gpumesh.models import JobOptions, JobStatus, check_script, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
@@ -88,11 +88,7 @@ def _read_script(spec: str) -> str:
         source = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read script {spec}: {exc}") from None
-    try:
-        compile(source, spec, "exec")
-    except SyntaxError as exc:
-        raise UsageError(f"script {spec} has a syntax error at line {exc.lineno}: {exc.msg}") from None
-    return source
+    return check_script(source, spec)
 
 
 def job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[str, list[dict[str, Any]], JobOptions]:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -13,15 +11,13 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import click
-import redis
 
 from gpumesh.cli import render
 from gpumesh.cli.helpers import connect, err, exit_for, job_input, job_options, json_option, url_option
-from gpumesh.errors import BrokerError, UsageError
+from gpumesh.errors import UsageError
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
-from gpumesh.store.connection import translate
-from gpumesh.worker.reaper import reap_once
+from gpumesh.worker import reaper
 
 # -- running a mesh --------------------------------------------------------------------------------
 
@@ -92,103 +88,25 @@ def worker_options(f: Any) -> Any:
 
 
 def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> None:
-    from gpumesh import capability, logfmt
-    from gpumesh.requirements import parse_resource
-    from gpumesh.worker.worker import MeshWorker
+    """Parse the worker flags and hand over to gpumesh.worker.build, which assembles and runs the worker."""
+    from gpumesh import logfmt
+    from gpumesh.worker import build
 
     logfmt.setup(opts["log_level"], opts["log_format"])
-    declared = dict(parse_resource(r) for r in opts["resource"])
-    broker = connect(ctx, url)
-    if opts["gpus"] is not None:
-        _supervise(ctx, broker, opts)
-        return
-    trusted = [*opts["trust"], *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
-    verifier = None
-    if trusted:
-        from gpumesh.signing import Verifier
-
-        verifier = Verifier(trusted)
-    sandbox_user = _sandbox_user(opts["sandbox_user"], broker.settings.sandbox_python or sys.executable)
-    cap = capability.probe(broker.settings.cache_dir, refresh=opts["rebench"], score=opts["score"])
-    warning = capability.warning(cap)
-    if warning:
-        logging.getLogger("gpumesh.worker").warning(warning)
-    cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
-    zygote = _zygote(opts["warm"], opts["preload"], broker.settings.sandbox_python, cuda)
-    w = MeshWorker(
-        broker, cap, name=opts["name"], cuda_visible_devices=cuda, parent_pid=opts["exit_with_parent"],
-        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote, resources=declared,
+    options = build.WorkerOptions(
+        name=opts["name"], score=opts["score"], rebench=opts["rebench"], burst=opts["burst"],
+        trust=tuple(opts["trust"]), sandbox_user=opts["sandbox_user"], warm=opts["warm"], preload=opts["preload"],
+        resources=tuple(opts["resource"]), exit_with_parent=opts["exit_with_parent"], gpus=opts["gpus"],
+        log_level=opts["log_level"], log_format=opts["log_format"],
+        rq_logging_level=logging.getLevelName(logging.getLogger("rq").level),
     )  # fmt: skip
-    try:
-        w.work(burst=opts["burst"], logging_level=logging.getLevelName(logging.getLogger("rq").level))
-    finally:
-        if zygote is not None:
-            zygote.close()
-    if w.fatal:
-        raise BrokerError(w.fatal)
+    from gpumesh.requirements import parse_resource
 
-
-def _zygote(warm: bool, preload: str | None, python: str, cuda: str | None) -> Any:
-    """Start the warm executor's zygote before joining, so a failing --preload is a startup error."""
-    if preload and not warm:
-        raise UsageError("--preload needs --warm (it names what the warm zygote imports)")
-    if not warm:
-        return None
-    from gpumesh.sandbox.warm import Zygote, ZygoteError
-
-    zygote = Zygote((preload or "").split(","), python=python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {})
-    try:
-        zygote.start()
-    except ZygoteError as exc:
-        raise UsageError(f"{exc}; check the module names, or drop --preload") from None
-    return zygote
-
-
-def _sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
-    if not name:
-        return None
-    import pwd
-
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        raise UsageError(f"--sandbox-user: no user named {name!r} on this machine") from None
-    if os.geteuid() != 0:
-        raise UsageError("--sandbox-user needs the worker to run as root (it switches to that user for each task)")
-    if entry.pw_uid == 0:
-        raise UsageError("--sandbox-user must not be root")
-    try:
-        ok = subprocess.run(
-            [python, "-c", "import json, ctypes, resource"], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[],
-            capture_output=True, cwd="/",
-        ).returncode == 0  # fmt: skip
-    except OSError:
-        ok = False
-    if not ok:
-        raise UsageError(
-            f"--sandbox-user {name} cannot run {python} (it must be able to read the interpreter and its "
-            "libraries); install Python where that user can read it and set GPUMESH_SANDBOX_PYTHON"
-        )
-    return entry.pw_uid, entry.pw_gid
-
-
-def _supervise(ctx: click.Context, broker: Broker, opts: dict[str, Any]) -> None:
-    import socket
-
-    from gpumesh.worker.supervisor import Supervisor, parse_gpus
-
-    gpus = parse_gpus(opts["gpus"])
-    args = [broker.url, "--log-level", opts["log_level"], "--log-format", opts["log_format"]]
-    args += ["--score", str(opts["score"])] if opts["score"] else []
-    args += ["--rebench"] if opts["rebench"] else []
-    args += ["--burst"] if opts["burst"] else []
-    args += [a for path in opts["trust"] for a in ("--trust", str(path))]
-    args += ["--sandbox-user", opts["sandbox_user"]] if opts["sandbox_user"] else []
-    args += ["--warm"] if opts["warm"] else []
-    args += ["--preload", opts["preload"]] if opts["preload"] else []
-    args += [a for r in opts["resource"] for a in ("--resource", r)]
-    sup = Supervisor(gpus, args, opts["name"] or socket.gethostname(), restart=not opts["burst"])
-    ctx.exit(sup.run())
+    for r in options.resources:  # a bad --resource is a usage error before anything connects
+        parse_resource(r)
+    code = build.run(connect(ctx, url), options)
+    if code:
+        ctx.exit(code)
 
 
 @click.command()
@@ -315,13 +233,7 @@ def serve(
             lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'"]
         click.echo("\n".join(lines), nl=True)
         sys.stdout.flush()
-        while not stop.wait(settings.heartbeat_interval):
-            try:
-                report = reap_once(broker)
-                if any(report.values()):
-                    logging.getLogger("gpumesh.serve").info("reaper: %s", report)
-            except redis.RedisError as exc:
-                logging.getLogger("gpumesh.serve").warning("reaper: %s", translate(exc, server.url))
+        reaper.reap_until(broker, stop, settings.heartbeat_interval)
         err.print("stopping the broker (append-only file flushed)")
         broker.close()
     finally:

@@ -22,7 +22,7 @@ import redis
 
 from gpumesh import requirements, scheduling
 from gpumesh.errors import BrokerError, UsageError
-from gpumesh.models import JobOptions, SubmitResult, payload_cost, payload_requires
+from gpumesh.models import JobOptions, SubmitResult, check_payloads, check_script, payload_cost, payload_requires
 from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
 from gpumesh.store.connection import translate
@@ -100,8 +100,10 @@ class Submitter:
 
         With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
         returns the job the first one created instead of a second job (WATCH makes the race safe)."""
-        if not payloads:
-            raise UsageError("a job needs at least one payload")
+        payloads = check_payloads(payloads)  # a no-op on what the CLI already checked
+        check_script(source, script_name)
+        if not isinstance(options, JobOptions):
+            raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")
         sha = hashlib.sha256(source.encode()).hexdigest()
         request = ""  # what an idempotent retry must repeat exactly; only computed when there is a key
         if idempotency_key:

@@ -9,14 +9,31 @@ it only leaves a lease that lapses.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 
+import redis
 from rq.queue import Queue
 
 from gpumesh.models import TERMINAL
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
+from gpumesh.store.connection import translate
 
 ABANDONED_STAGING_MS = 3_600_000  # a staged job not made visible within an hour was abandoned by its submitter
+
+
+def reap_until(b: Broker, stop: threading.Event, interval: float) -> None:
+    """``gpumesh serve``'s reaper: a pass every ``interval`` seconds until ``stop`` is set. A broker error
+    is logged and the next pass tries again (workers reap too, so nothing waits on this loop alone)."""
+    log = logging.getLogger("gpumesh.serve")
+    while not stop.wait(interval):
+        try:
+            report = reap_once(b)
+            if any(report.values()):
+                log.info("reaper: %s", report)
+        except redis.RedisError as exc:
+            log.warning("reaper: %s", translate(exc, b.url))
 
 
 def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:

@@ -14,7 +14,6 @@ cancellation, and takes its turn as the mesh's reaper.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,11 +31,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from gpumesh import __version__, scheduling
+from gpumesh import scheduling
 from gpumesh.models import Capability
 from gpumesh.sandbox.runner import Limits
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
+from gpumesh.store.registry import Registry
 from gpumesh.worker import executor, reaper
 from gpumesh.worker.logship import LogShipper
 
@@ -44,12 +44,6 @@ log = logging.getLogger("gpumesh.worker")
 
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
-
-
-def fleet_changed(p: Any) -> None:
-    """A worker joined or left: the dispatcher recounts the fleet, and workers look for stragglers again."""
-    p.hset(keys.FLEET, "dirty", 1)
-    p.hincrby(keys.FLEET, "v", 1)
 
 
 def refusal(job: Job) -> str | None:
@@ -108,6 +102,7 @@ class MeshWorker(SimpleWorker):
                           verifier, self.dispatched)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id)
+        self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
@@ -205,7 +200,7 @@ class MeshWorker(SimpleWorker):
     def _sleep_until_woken(self, timeout: int) -> None:
         self.set_state("idle")
         try:
-            self.broker.r.blpop([keys.wake(self.worker_id)], timeout=timeout)
+            self.registry.sleep_until_woken(timeout)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("broker unreachable while idle (%s); waiting for it", exc)
             self._wait_for_broker()
@@ -213,38 +208,19 @@ class MeshWorker(SimpleWorker):
     def _speculate(self, mode: str) -> scripts.Lease | None:
         """A backup copy of the running task this worker would most likely rescue, if any: this reads the
         running tasks and their jobs, scheduling.backup_candidates decides (mode 'idle' or 'straggler')."""
-        r, me, mine = self.broker.r, self.worker_id, self.capability.score_gflops
+        me, mine = self.worker_id, self.capability.score_gflops
         scores = self._scores or self.broker.live_scores()
         if not scores or mine < SPECULATION_SPEEDUP * min(scores.values()):
             return None  # no live worker is weak enough for us to rescue
-        tids = r.zrange(keys.LEASES, 0, 199)
-        if not tids:
+        now, running = self.registry.others_running()
+        if not running:
             return None
-        with r.pipeline(transaction=False) as p:
-            for tid in tids:
-                p.hmget(keys.task(tid), "status", "worker", "backup_until", "started_at", "cost")
-            p.time()
-            *rows, (sec, usec) = p.execute()
-        now = sec + usec / 1e6
-        # no live backup yet (one whose worker died lapses at backup_until)
-        live_backup = [float(row[2] or 0) > now * 1000 for row in rows]
-        running = [
-            (tid, *row)
-            for tid, row, b in zip(tids, rows, live_backup)
-            if row[0] == "running" and row[1] != me and not b
-        ]
-        jobs = sorted({keys.job_of_task(row[0]) for row in running})
-        with r.pipeline(transaction=False) as p:
-            for job in jobs:
-                p.hmget(keys.job(job), "speculate", "queued", "pending_cost", "unit_sum", "unit_n", "priority")
-            if mode == "straggler":
-                p.zrevrange(keys.READY, 0, -1, withscores=True)
-            (*info,) = p.execute()
-        ready = info.pop() if mode == "straggler" else []
+        jobs = sorted({keys.job_of_task(row.task_id) for row in running})
+        info, ready = self.registry.job_progress(jobs, with_ready=mode == "straggler")
         job_info = {job: scheduling.JobProgress.from_fields(row) for job, row in zip(jobs, info)}
         tasks = [
-            scheduling.RunningTask(tid, keys.job_of_task(tid), worker, float(started or 0), float(cost or 1))
-            for tid, _st, worker, _b, started, cost in running
+            scheduling.RunningTask(row.task_id, keys.job_of_task(row.task_id), row.worker, row.started_at, row.cost)
+            for row in running
         ]
         top_jobs = scheduling.top_priority_jobs([(m.rsplit("/", 1)[0], score) for m, score in ready])
         chosen = scheduling.backup_candidates(
@@ -252,7 +228,14 @@ class MeshWorker(SimpleWorker):
         )
         for tid in chosen[:3]:
             lease = scripts.speculate(
-                self.broker.scripts, r, tid, me, int(self.settings.lease_ttl * 1000), mine, SPECULATION_SPEEDUP, mode
+                self.broker.scripts,
+                self.broker.r,
+                tid,
+                me,
+                int(self.settings.lease_ttl * 1000),
+                mine,
+                SPECULATION_SPEEDUP,
+                mode,
             )
             if isinstance(lease, scripts.Lease):
                 log.info("backing up %s (%s): a much weaker worker runs it", tid, mode)
@@ -328,38 +311,12 @@ class MeshWorker(SimpleWorker):
         )
 
     def _register(self) -> None:
-        cap = self.capability
-        with self.broker.r.pipeline(transaction=True) as p:
-            p.hset(
-                keys.worker(self.worker_id),
-                mapping={
-                    "resources": json.dumps(self.resources),
-                    "name": self.display_name,
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "device": cap.device,
-                    "device_name": cap.device_name,
-                    "memory": cap.memory_bytes,
-                    "score": cap.score_gflops,
-                    "version": __version__,
-                    "current_task": "",
-                },
-            )
-            p.pexpire(keys.worker(self.worker_id), int(self.settings.worker_ttl * 1000))
-            p.zadd(keys.SCORES, {self.worker_id: cap.score_gflops})
-            fleet_changed(p)
-            p.execute()
+        ttl_ms = int(self.settings.worker_ttl * 1000)
+        self.registry.register(self.display_name, self.capability, self.resources, ttl_ms)
 
     def _unregister(self) -> None:
         try:
-            with self.broker.r.pipeline(transaction=True) as p:
-                p.delete(keys.worker(self.worker_id), keys.wake(self.worker_id), self.my_queue.key)
-                p.zrem(keys.WORKERS, self.worker_id)
-                p.zrem(keys.SCORES, self.worker_id)
-                p.srem(keys.IDLE, self.worker_id)
-                p.srem(self.queue_class.redis_queues_keys, self.my_queue.key)
-                fleet_changed(p)
-                p.execute()
+            self.registry.unregister()
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the registration expires by itself", exc)
 
@@ -420,7 +377,7 @@ class MeshWorker(SimpleWorker):
         tier = scheduling.worker_tiers(scores, s.tiers)[self.worker_id]
         if tier != self._published or not beat.registered:
             self._published = tier
-            self.broker.r.hset(keys.worker(self.worker_id), "tier", tier)  # shown by `gpumesh workers`, nothing more
+            self.registry.publish_tier(tier)
         self.broker.rq.expire(self.key, self.worker_ttl + 60)
         if self._reaper_turn():
             report = reaper.reap_once(self.broker)
@@ -428,12 +385,7 @@ class MeshWorker(SimpleWorker):
                 log.info("reaper: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v))
 
     def _woken_with_work(self) -> bool:
-        """New work arrived since our last dispatch found none (its wake emptied the idle set), and it waits."""
-        with self.broker.r.pipeline(transaction=False) as p:
-            p.sismember(keys.IDLE, self.worker_id)
-            p.zcard(keys.READY)
-            idle, ready = p.execute()
-        return not idle and ready > 0
+        return self.registry.woken_with_work()
 
     def _broker_lost(self) -> None:
         """The broker's epoch changed: its data (and our task) is gone. Kill the task, report nothing, stop."""
@@ -454,12 +406,4 @@ class MeshWorker(SimpleWorker):
         os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: no new work
 
     def _reaper_turn(self) -> bool:
-        """One reaper at a time across the mesh (an optimisation: reaping twice is harmless)."""
-        ttl = int(self.settings.heartbeat_interval * 2000) + 1000
-        r = self.broker.r
-        if r.set(keys.REAPER_LOCK, self.worker_id, nx=True, px=ttl):
-            return True
-        if r.get(keys.REAPER_LOCK) == self.worker_id:
-            r.pexpire(keys.REAPER_LOCK, ttl)
-            return True
-        return False
+        return self.registry.reaper_turn(int(self.settings.heartbeat_interval * 2000) + 1000)

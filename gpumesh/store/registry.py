@@ -1,0 +1,131 @@
+"""A worker's own records in the broker: its registration, its wake list, the reaper lock, and the
+reads the straggler scan needs. The worker decides; this module only reads and writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from gpumesh import __version__
+from gpumesh.models import Capability
+from gpumesh.store import keys
+
+
+def fleet_changed(p: Any) -> None:
+    """A worker joined or left: the dispatcher recounts the fleet, and workers look for stragglers again."""
+    p.hset(keys.FLEET, "dirty", 1)
+    p.hincrby(keys.FLEET, "v", 1)
+
+
+@dataclass(frozen=True)
+class RunningRow:
+    """A running task as the straggler scan sees it."""
+
+    task_id: str
+    worker: str
+    started_at: float
+    cost: float
+
+
+class Registry:
+    """The registration of one worker (``worker_id``) through the broker's text client ``r``."""
+
+    def __init__(self, r: redis.Redis, worker_id: str, rq_queue_key: str, rq_queues_set: str) -> None:
+        self.r = r
+        self.worker_id = worker_id
+        self._queue_key = rq_queue_key  # the worker's own RQ queue
+        self._queues_set = rq_queues_set  # RQ's set of every queue (rq:queues)
+
+    def register(self, name: str, cap: Capability, resources: dict[str, str], ttl_ms: int) -> None:
+        """Announce the worker (hash with a TTL, its score) and tell the dispatcher the fleet changed."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(
+                keys.worker(self.worker_id),
+                mapping={
+                    "resources": json.dumps(resources),
+                    "name": name,
+                    "hostname": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "device": cap.device,
+                    "device_name": cap.device_name,
+                    "memory": cap.memory_bytes,
+                    "score": cap.score_gflops,
+                    "version": __version__,
+                    "current_task": "",
+                },
+            )
+            p.pexpire(keys.worker(self.worker_id), ttl_ms)
+            p.zadd(keys.SCORES, {self.worker_id: cap.score_gflops})
+            fleet_changed(p)
+            p.execute()
+
+    def unregister(self) -> None:
+        """Remove every trace of the worker: registration, wake list, its queue; the fleet changed."""
+        with self.r.pipeline(transaction=True) as p:
+            p.delete(keys.worker(self.worker_id), keys.wake(self.worker_id), self._queue_key)
+            p.zrem(keys.WORKERS, self.worker_id)
+            p.zrem(keys.SCORES, self.worker_id)
+            p.srem(keys.IDLE, self.worker_id)
+            p.srem(self._queues_set, self._queue_key)
+            fleet_changed(p)
+            p.execute()
+
+    def publish_tier(self, tier: int) -> None:
+        """Shown by ``gpumesh workers``; nothing decides by it."""
+        self.r.hset(keys.worker(self.worker_id), "tier", tier)
+
+    def sleep_until_woken(self, timeout: int) -> None:
+        """Block on the worker's wake list (a requeue or a submit pushes to it) for at most ``timeout`` s."""
+        self.r.blpop([keys.wake(self.worker_id)], timeout=timeout)
+
+    def woken_with_work(self) -> bool:
+        """New work arrived since our last dispatch found none (its wake emptied the idle set), and it waits."""
+        with self.r.pipeline(transaction=False) as p:
+            p.sismember(keys.IDLE, self.worker_id)
+            p.zcard(keys.READY)
+            idle, ready = p.execute()
+        return not idle and ready > 0
+
+    def reaper_turn(self, ttl_ms: int) -> bool:
+        """One reaper at a time across the mesh (an optimisation: reaping twice is harmless)."""
+        if self.r.set(keys.REAPER_LOCK, self.worker_id, nx=True, px=ttl_ms):
+            return True
+        if self.r.get(keys.REAPER_LOCK) == self.worker_id:
+            self.r.pexpire(keys.REAPER_LOCK, ttl_ms)
+            return True
+        return False
+
+    def others_running(self, limit: int = 200) -> tuple[float, list[RunningRow]]:
+        """(server time in s, the running tasks of other workers that have no live backup copy yet).
+        A backup whose worker died lapses at its ``backup_until``."""
+        tids = self.r.zrange(keys.LEASES, 0, limit - 1)
+        if not tids:
+            return 0.0, []
+        with self.r.pipeline(transaction=False) as p:
+            for tid in tids:
+                p.hmget(keys.task(tid), "status", "worker", "backup_until", "started_at", "cost")
+            p.time()
+            *rows, (sec, usec) = p.execute()
+        now = sec + usec / 1e6
+        return now, [
+            RunningRow(tid, worker, float(started or 0), float(cost or 1))
+            for tid, (status, worker, backup_until, started, cost) in zip(tids, rows)
+            if status == "running" and worker != self.worker_id and float(backup_until or 0) <= now * 1000
+        ]
+
+    def job_progress(self, job_ids: list[str], with_ready: bool) -> tuple[list[list[str | None]], list[Any]]:
+        """Each job's progress fields (for scheduling.JobProgress), and the ready index when asked."""
+        with self.r.pipeline(transaction=False) as p:
+            for job in job_ids:
+                p.hmget(keys.job(job), "speculate", "queued", "pending_cost", "unit_sum", "unit_n", "priority")
+            if with_ready:
+                p.zrevrange(keys.READY, 0, -1, withscores=True)
+            (*info,) = p.execute()
+        ready = info.pop() if with_ready else []
+        return info, ready

@@ -1,0 +1,133 @@
+"""Assembling a worker from its options: the checks that must fail before it joins (sandbox user,
+``--preload``), the capability probe, the zygote, and the per-GPU supervisor. The CLI's ``worker`` and
+``join`` parse flags into a :class:`WorkerOptions` and call :func:`run`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpumesh import capability
+from gpumesh.errors import BrokerError, UsageError
+from gpumesh.requirements import parse_resource
+from gpumesh.sandbox.warm import Zygote, ZygoteError
+from gpumesh.signing import Verifier
+from gpumesh.store.broker import Broker
+
+log = logging.getLogger("gpumesh.worker")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What ``gpumesh worker`` was asked for (its flags, already parsed)."""
+
+    name: str | None = None
+    score: float | None = None  # a fixed score instead of the benchmark's
+    rebench: bool = False
+    burst: bool = False  # stop when no work is left
+    trust: tuple[Path, ...] = ()  # public keys: run only tasks signed by one of them
+    sandbox_user: str | None = None
+    warm: bool = False
+    preload: str | None = None
+    resources: tuple[str, ...] = ()  # KEY=VALUE, as --resource gives them
+    exit_with_parent: int | None = None
+    gpus: str | None = None  # one worker process per GPU, under a supervisor
+    log_level: str = "info"
+    log_format: str = "text"
+    rq_logging_level: str = field(default="INFO", compare=False)
+
+
+def run(broker: Broker, opts: WorkerOptions) -> int:
+    """Run a worker (or, with ``gpus``, a supervisor of one per GPU) until it stops; the exit code."""
+    if opts.gpus is not None:
+        return supervise(broker, opts)
+    declared = dict(parse_resource(r) for r in opts.resources)
+    trusted = [*opts.trust, *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
+    verifier = Verifier(trusted) if trusted else None
+    sandbox_user = check_sandbox_user(opts.sandbox_user, broker.settings.sandbox_python or sys.executable)
+    cap = capability.probe(broker.settings.cache_dir, refresh=opts.rebench, score=opts.score)
+    warning = capability.warning(cap)
+    if warning:
+        log.warning(warning)
+    cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
+    zygote = start_zygote(opts.warm, opts.preload, broker.settings.sandbox_python, cuda)
+    from gpumesh.worker.worker import MeshWorker  # imports RQ: only when a worker really starts
+
+    w = MeshWorker(
+        broker, cap, name=opts.name, cuda_visible_devices=cuda, parent_pid=opts.exit_with_parent,
+        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote, resources=declared,
+    )  # fmt: skip
+    try:
+        w.work(burst=opts.burst, logging_level=opts.rq_logging_level)
+    finally:
+        if zygote is not None:
+            zygote.close()
+    if w.fatal:
+        raise BrokerError(w.fatal)
+    return 0
+
+
+def start_zygote(warm: bool, preload: str | None, python: str, cuda: str | None) -> Zygote | None:
+    """Start the warm executor's zygote before joining, so a failing --preload is a startup error."""
+    if preload and not warm:
+        raise UsageError("--preload needs --warm (it names what the warm zygote imports)")
+    if not warm:
+        return None
+    zygote = Zygote((preload or "").split(","), python=python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {})
+    try:
+        zygote.start()
+    except ZygoteError as exc:
+        raise UsageError(f"{exc}; check the module names, or drop --preload") from None
+    return zygote
+
+
+def check_sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
+    """(uid, gid) of the user tasks run as, once checked that it can run ``python``; None without one."""
+    if not name:
+        return None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise UsageError(f"--sandbox-user: no user named {name!r} on this machine") from None
+    if os.geteuid() != 0:
+        raise UsageError("--sandbox-user needs the worker to run as root (it switches to that user for each task)")
+    if entry.pw_uid == 0:
+        raise UsageError("--sandbox-user must not be root")
+    try:
+        ok = subprocess.run(
+            [python, "-c", "import json, ctypes, resource"], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[],
+            capture_output=True, cwd="/",
+        ).returncode == 0  # fmt: skip
+    except OSError:
+        ok = False
+    if not ok:
+        raise UsageError(
+            f"--sandbox-user {name} cannot run {python} (it must be able to read the interpreter and its "
+            "libraries); install Python where that user can read it and set GPUMESH_SANDBOX_PYTHON"
+        )
+    return entry.pw_uid, entry.pw_gid
+
+
+def supervise(broker: Broker, opts: WorkerOptions) -> int:
+    """One ``gpumesh worker`` process per GPU, each pinned to its device, restarted when it crashes."""
+    from gpumesh.worker.supervisor import Supervisor, parse_gpus
+
+    gpus = parse_gpus(opts.gpus or "")
+    args = [broker.url, "--log-level", opts.log_level, "--log-format", opts.log_format]
+    args += ["--score", str(opts.score)] if opts.score else []
+    args += ["--rebench"] if opts.rebench else []
+    args += ["--burst"] if opts.burst else []
+    args += [a for path in opts.trust for a in ("--trust", str(path))]
+    args += ["--sandbox-user", opts.sandbox_user] if opts.sandbox_user else []
+    args += ["--warm"] if opts.warm else []
+    args += ["--preload", opts.preload] if opts.preload else []
+    args += [a for r in opts.resources for a in ("--resource", r)]
+    sup = Supervisor(gpus, args, opts.name or socket.gethostname(), restart=not opts.burst)
+    return sup.run()
