@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from gpumesh.errors import GpumeshError
 from gpumesh.models import Capability
@@ -80,7 +81,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _host() -> dict[str, int | float]:
+class _Host(TypedDict):
+    cpu_cores: int
+    ram_gb: float
+
+
+def _host() -> _Host:
     """Cores and RAM, cheap to probe and never touching CUDA, so a parent process may call it too."""
     import psutil
 

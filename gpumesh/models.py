@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -172,7 +172,7 @@ class JobStatus(BaseModel):
         return cls(
             job_id=job_id,
             name=h.get("name", ""),
-            status=h["status"],
+            status=cast(JobState, h["status"]),
             priority=int(h.get("priority", 0)),
             tasks=counts,
             created_at=ts(h.get("created_at")),
@@ -211,7 +211,7 @@ class TaskResult(BaseModel):
         return cls(
             index=int(h["index"]),
             task_id=task_id,
-            status=h["status"],
+            status=cast(JobState, h["status"]),
             result=json.loads(h["result"]) if h.get("result") else None,
             error=h.get("error") or None,
             attempts=int(h.get("attempts", 0)),

@@ -52,7 +52,7 @@ def generate(directory: Path, name: str = "gpumesh-signing") -> tuple[Path, Path
 
 def _raw_public(public_key: Any) -> bytes:
     ser = _serialization()
-    return public_key.public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw)
+    return bytes(public_key.public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw))
 
 
 def key_id(public_key: Any) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Group
 
 from gpumesh.cli import render
 from gpumesh.cli.helpers import (
@@ -47,7 +48,7 @@ from gpumesh.errors import UsageError
 @json_option
 @click.pass_context
 def submit(
-    ctx: click.Context, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None,
+    ctx: click.Context, /, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None,
     sign_key: Path | None, expires: float, url: str | None, as_json: bool, **opts: Any,
 ) -> None:  # fmt: skip
     """Submit SCRIPT with one task per payload; print the job id.
@@ -180,7 +181,10 @@ def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> Non
 
     broker = connect(ctx, url)
     console = render.out()
-    view = lambda: render.top_view(broker.workers(), broker.jobs(15))  # noqa: E731
+
+    def view() -> Group:
+        return render.top_view(broker.workers(), broker.jobs(15))
+
     if once or not console.is_terminal:
         console.print(view())
         return

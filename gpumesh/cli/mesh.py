@@ -114,7 +114,7 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 @worker_options
 @url_option
 @click.pass_context
-def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: Any) -> None:
+def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opts: Any) -> None:
     """Benchmark this machine, join the mesh at URL and run tasks until stopped.
 
     The benchmark runs once per machine and is cached; --score skips it. SIGTERM or Ctrl-C
@@ -133,7 +133,7 @@ def worker(ctx: click.Context, broker_url: str | None, url: str | None, **opts: 
 )
 @worker_options
 @click.pass_context
-def join(ctx: click.Context, address: str, token: str, **opts: Any) -> None:
+def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
     """Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form.
 
     Same as `gpumesh worker redis://:TOKEN@HOST:PORT/0`; a redis:// or rediss:// ADDRESS keeps its scheme.
@@ -255,7 +255,7 @@ def serve(
 @json_option
 @click.pass_context
 def run(
-    ctx: click.Context, script: str, payloads_spec: str, workers: int, fmt: str, as_json: bool, **opts: Any
+    ctx: click.Context, /, script: str, payloads_spec: str, workers: int, fmt: str, as_json: bool, **opts: Any
 ) -> None:
     """Run SCRIPT on a private local mesh: a broker and N workers on this machine, one command.
 

@@ -25,6 +25,7 @@ from urllib.parse import quote
 import redis
 
 from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.store.connection import command
 
 
 def is_loopback(host: str) -> bool:
@@ -82,7 +83,7 @@ def free_port() -> int:
     """A loopback port nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def lan_address() -> str:
@@ -90,7 +91,7 @@ def lan_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: connect() on UDP only picks a route
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
         except OSError:
             return socket.gethostbyname(socket.gethostname())
 
@@ -108,22 +109,20 @@ def add_worker(admin: redis.Redis, person: str) -> str:
     if not person.replace("-", "").replace("_", "").isalnum():
         raise UsageError(f"a worker name is letters, digits, - and _; got {person!r}")
     password = secrets.token_urlsafe(32)
-    admin.execute_command(
-        "ACL", "SETUSER", worker_user(person), "reset", "on", f">{password}", *ROLES["worker"].split()
-    )
-    admin.execute_command("ACL", "SAVE")
+    command(admin, "ACL", "SETUSER", worker_user(person), "reset", "on", f">{password}", *ROLES["worker"].split())
+    command(admin, "ACL", "SAVE")
     return password
 
 
 def revoke_worker(admin: redis.Redis, person: str) -> bool:
     """Delete a per-person credential; Redis closes the connections that used it."""
-    removed = int(admin.execute_command("ACL", "DELUSER", worker_user(person)))
-    admin.execute_command("ACL", "SAVE")
+    removed = int(command(admin, "ACL", "DELUSER", worker_user(person)))
+    command(admin, "ACL", "SAVE")
     return removed == 1
 
 
 def list_workers(admin: redis.Redis) -> list[str]:
-    users = [u.decode() if isinstance(u, bytes) else u for u in admin.execute_command("ACL", "USERS")]
+    users = [u.decode() if isinstance(u, bytes) else u for u in command(admin, "ACL", "USERS")]
     return sorted(u.removeprefix("worker-") for u in users if u.startswith("worker-"))
 
 
@@ -156,7 +155,8 @@ class BrokerServer:
         """One generated password per role, kept in a 0600 file so a restart keeps them."""
         path = self.data_dir / "credentials.json"
         if path.is_file():
-            return json.loads(path.read_text())
+            creds: dict[str, str] = json.loads(path.read_text())
+            return creds
         creds = {user: secrets.token_urlsafe(32) for user in USERS}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

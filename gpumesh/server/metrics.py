@@ -53,8 +53,8 @@ class MeshCollector:
         g = GaugeMetricFamily(
             "gpumesh_queue_depth", "Queued tasks waiting for a worker, by priority", labels=["priority"]
         )
-        for prio, depth in sorted(queued.items()):
-            g.add_metric([prio], depth)
+        for level, depth in sorted(queued.items()):
+            g.add_metric([level], depth)
         yield g
 
         live = Counter((str(w.tier), w.device) for w in b.workers())

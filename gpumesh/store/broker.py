@@ -21,7 +21,7 @@ from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskRe
 from gpumesh.settings import Settings
 from gpumesh.signing import Signer
 from gpumesh.store import keys, scripts
-from gpumesh.store.connection import client, mask_url, translate
+from gpumesh.store.connection import client, mask_url, text, translate
 from gpumesh.store.submit import Submitter
 
 log = logging.getLogger("gpumesh")
@@ -38,9 +38,10 @@ class Broker:
         self.settings = settings
         self.url = settings.url
         timeout = max(10.0, blocking_timeout + 10)
-        self.r = client(self.url, decode=True, socket_timeout=timeout, retries=retries)
+        self.redis = client(self.url, decode=True, socket_timeout=timeout, retries=retries)
+        self.r = text(self.redis)  # the same client, typed as it answers: str
         self.rq = client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
-        self.scripts = scripts.Scripts(self.r)
+        self.scripts = scripts.Scripts(self.redis)
         self._submitter = Submitter(self.r, self.url, settings, self.scripts, self._live)
 
     def submit(
@@ -84,7 +85,7 @@ class Broker:
         with self.r.pipeline(transaction=True) as p:
             p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
             p.get(keys.EPOCH)
-            return p.execute()[1]
+            return str(p.execute()[1])
 
     def eviction_warning(self) -> str | None:
         """A warning when Redis may evict keys (and so lose queued work), None when it cannot or we cannot tell."""

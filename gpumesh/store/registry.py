@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import redis
 
 from gpumesh import __version__
 from gpumesh.models import Capability
 from gpumesh.store import keys
+from gpumesh.store.connection import TextClient
 
 
 def fleet_changed(p: Any) -> None:
@@ -36,13 +36,13 @@ class RunningRow:
 class Registry:
     """The registration of one worker (``worker_id``) through the broker's text client ``r``."""
 
-    def __init__(self, r: redis.Redis, worker_id: str, rq_queue_key: str, rq_queues_set: str) -> None:
+    def __init__(self, r: TextClient, worker_id: str, rq_queue_key: str, rq_queues_set: str) -> None:
         self.r = r
         self.worker_id = worker_id
         self._queue_key = rq_queue_key  # the worker's own RQ queue
         self._queues_set = rq_queues_set  # RQ's set of every queue (rq:queues)
 
-    def register(self, name: str, cap: Capability, resources: dict[str, str], ttl_ms: int) -> None:
+    def register(self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int) -> None:
         """Announce the worker (hash with a TTL, its score) and tell the dispatcher the fleet changed."""
         with self.r.pipeline(transaction=True) as p:
             p.hset(

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -25,7 +25,7 @@ from gpumesh.errors import BrokerError, UsageError
 from gpumesh.models import JobOptions, SubmitResult, check_payloads, check_script, payload_cost, payload_requires
 from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
-from gpumesh.store.connection import translate
+from gpumesh.store.connection import TextClient, translate
 
 STAGE_ABOVE = 10_000  # a larger job is written in stages (Submitter._submit_staged); a smaller one in one MULTI/EXEC
 STAGE_CHUNK = 5_000  # tasks per round trip while staging
@@ -74,7 +74,7 @@ class Submitter:
 
     def __init__(
         self,
-        r: redis.Redis,
+        r: TextClient,
         url: str,
         settings: Settings,
         scripts: scripts.Scripts,
@@ -129,9 +129,10 @@ class Submitter:
             )
             if len(payloads) > STAGE_ABOVE:
                 return self._submit_staged(job, request, idempotency_key, signer, created + expires_in)
+            existing: list[Any]
             with self.r.pipeline(transaction=True) as p:
                 if idempotency_key:
-                    p.watch(keys.job(job_id))
+                    cast(Any, p).watch(keys.job(job_id))  # redis-py leaves Pipeline.watch untyped
                     existing = p.hmget(keys.job(job_id), "request", "total", "tiers")
                     if existing[0] is not None:
                         return self._same_request(job_id, existing, request, idempotency_key)

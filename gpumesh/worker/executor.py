@@ -193,17 +193,18 @@ class Executor:
                     "the script printed nothing; the result must be the last stdout line, as JSON",
                     out.duration,
                 )
+            result = out.last_line
             try:
-                json.loads(out.last_line)
+                json.loads(result)
             except ValueError:
-                return self._fail(running, f"the last stdout line is not JSON: {out.last_line[:200]!r}", out.duration)
+                return self._fail(running, f"the last stdout line is not JSON: {result[:200]!r}", out.duration)
             res = self._patiently(
                 lambda: scripts.complete(
                     self.broker.scripts,
                     self.broker.r,
                     lease,
                     self.w.worker_id,
-                    out.last_line,
+                    result,
                     out.duration,
                     self.w.capability.score_gflops,
                 )

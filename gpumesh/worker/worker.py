@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -62,7 +63,7 @@ class MeshJob(Job):
     """An RQ job whose function is pinned: nothing read from Redis chooses code to import."""
 
     @property
-    def func(self):  # type: ignore[override]
+    def func(self) -> Callable[[str], dict[str, Any]]:
         if self.func_name != EXECUTOR:
             raise PermissionError(f"refused: function {self.func_name!r} is not gpumesh's executor")
         return executor.run_task
@@ -94,7 +95,7 @@ class MeshWorker(SimpleWorker):
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
         self.resources = {**capability.resources(), **(resources or {})}  # declared ones override the probe
-        self.logs = LogShipper(broker.r)
+        self.logs = LogShipper(broker.redis)
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(
