@@ -19,6 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pydantic import ValidationError
+
 from gpumesh.errors import UsageError
 from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo, check_payloads
 from gpumesh.settings import Settings
@@ -84,8 +86,8 @@ class Mesh:
                 requires=tuple(requires),
                 speculate=True if speculate is None else speculate,
             )
-        except ValueError as exc:
-            first = exc.errors()[0]  # type: ignore[attr-defined]  # pydantic's ValidationError
+        except ValidationError as exc:
+            first = exc.errors()[0]
             raise UsageError(f"{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
         res = self.broker.submit(source, script_name, checked, options, idempotency_key=idempotency_key)
         return Job(self, res.job_id, res)

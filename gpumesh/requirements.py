@@ -54,7 +54,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def parse(expr: str, where: str = "--require") -> Requirement:
+def parse(expr: object, where: str = "--require") -> Requirement:
     """One EXPR, or a UsageError that says what is wrong with it and what is expected."""
     if not isinstance(expr, str):
         raise UsageError(f'{where}: a requirement must be a string such as "vram_gb>=40", got {expr!r}'[:200])
@@ -73,7 +73,7 @@ def parse(expr: str, where: str = "--require") -> Requirement:
 
 
 def parse_all(exprs: Iterable[object], where: str = "--require") -> tuple[Requirement, ...]:
-    out = tuple(parse(e, where) for e in exprs)  # type: ignore[arg-type]
+    out = tuple(parse(e, where) for e in exprs)
     if len(out) > MAX_REQUIREMENTS:
         raise UsageError(f"{where}: at most {MAX_REQUIREMENTS} requirements, got {len(out)}")
     return out

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 import redis
+from pydantic import ValidationError
 
 from gpumesh.cli import render
 from gpumesh.errors import GpumeshError, UsageError
@@ -104,8 +105,8 @@ def job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[st
             priority=opts.get("priority", 0),
             requires=tuple(opts.get("require", ())),
         )
-    except ValueError as exc:
-        first = exc.errors()[0]  # type: ignore[attr-defined]
+    except ValidationError as exc:
+        first = exc.errors()[0]
         flag = {"requires": "require"}.get(str(first["loc"][0]), str(first["loc"][0]))
         raise UsageError(f"--{flag.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}") from None
     return source, payloads, options

@@ -267,15 +267,16 @@ def run(
     source, payloads, options = job_input(script, payloads_spec, opts)
     fmt = "json" if as_json else fmt
     with LocalMesh(workers, Settings.load()) as mesh:
-        assert mesh.broker is not None
+        broker = mesh.broker
+        assert broker is not None
         err.print(f"local mesh: private broker and {workers} worker(s) up")
-        res = mesh.broker.submit(source, Path(script).name, payloads, options)
+        res = broker.submit(source, Path(script).name, payloads, options)
         try:
-            st = render.follow(lambda: mesh.broker.job_status(res.job_id), quiet=as_json)  # type: ignore[union-attr]
+            st = render.follow(lambda: broker.job_status(res.job_id), quiet=as_json)
         except KeyboardInterrupt:
             err.print("interrupted: stopping the local mesh")
             ctx.exit(130)
-        rows = mesh.broker.results(res.job_id)
+        rows = broker.results(res.job_id)
     if fmt == "table":
         render.out().print(render.results_table(rows))
     else:

@@ -24,6 +24,13 @@ import resource
 import signal
 import sys
 
+# Names the annotations need, for the type checker only: at run time this module imports socket and json
+# where warm mode needs them, never for a fresh attempt. (A plain False, not typing's: typing is no light import.)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+    from typing import Any
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
@@ -131,7 +138,7 @@ def remove_dir_of(path: str, prefix: str) -> None:
 
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
-    report: tuple[int, int] | None = None,
+    *, report: tuple[int, int] | None = None,
 ) -> int:  # fmt: skip
     """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it).
 
@@ -139,16 +146,7 @@ def supervise(
     script's tree then holds the attempt's stdout and stderr alone, and the outcome goes out once
     that tree is gone, so the worker does not wait for this process to exit and be reaped."""
     libc = ctypes.CDLL(None, use_errno=True)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    for limit, value in (
-        (resource.RLIMIT_CPU, int(cpu)),
-        (resource.RLIMIT_FSIZE, int(fsize)),
-        (resource.RLIMIT_NOFILE, int(nofile)),
-    ):
-        if value > 0:
-            _soft, hard = resource.getrlimit(limit)
-            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
+    _set_rlimits(int(cpu), int(fsize), int(nofile))
     if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
         os.setgroups([])
         os.setgid(int(gid))
@@ -161,7 +159,38 @@ def supervise(
         remove_dir_of(script, TASK_DIR_PREFIX)
         return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    # Handlers before the fork: a TERM that lands right after it must still reach the script.
+    _take_the_tree_down_on_term(grace)
+    status = _wait_for(_fork_script(script, report))
+    # The script is gone; nothing it started may outlive it.
+    if _has_children():
+        _signal_tree(signal.SIGKILL)
+    _reap_all()
+    orphaned = _parent_gone(int(parent))
+    if orphaned:
+        remove_dir_of(script, TASK_DIR_PREFIX)
+    # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
+    # gone: then the worker must learn that instead, from its socket closing as this process exits.
+    if report is not None and not orphaned:
+        # A worker that gave up on the attempt no longer reads; the zygote still reports our exit.
+        _reply(report[0], {"pid": os.getpid(), "status": status if status is not None else 70 << 8})
+    return _end_like(status)
 
+
+def _set_rlimits(cpu: int, fsize: int, nofile: int) -> None:
+    """No core dumps; the task's CPU seconds, file size and open files (0: the inherited limit), never
+    above a hard limit this process was given. RLIMIT_CPU keeps its hard limit: the soft one sends SIGXCPU."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile)):
+        if value > 0:
+            _soft, hard = resource.getrlimit(limit)
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
+
+
+def _take_the_tree_down_on_term(grace: str) -> None:
+    """On SIGTERM (the worker's kill, its timeout, or its death): TERM to the whole tree, KILL to
+    whatever is left ``grace`` seconds later. SIGINT is the worker's terminal's, not ours."""
     terminating = False
 
     def on_term(_sig: int, _frame: object) -> None:
@@ -175,10 +204,16 @@ def supervise(
     def on_alarm(_sig: int, _frame: object) -> None:
         _signal_tree(signal.SIGKILL)
 
-    # Handlers before the fork: a TERM that lands right after it must still reach the script.
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGALRM, on_alarm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _fork_script(script: str, report: tuple[int, int] | None) -> int:
+    """Fork the child that runs ``script``; in this process, return its pid.
+
+    In warm mode the script's tree then holds the attempt's stdout and stderr alone: this process
+    lets go of its stdout, and its stderr becomes ``report``'s log."""
     import gc
 
     gc.freeze()  # fewer copy-on-write faults in the child
@@ -193,44 +228,53 @@ def supervise(
         os.close(devnull)
         os.dup2(report[1], 2)  # our own errors still reach the worker's log
         os.close(report[1])
+    return child
 
-    status = None
-    while status is None:
+
+def _wait_for(child: int) -> int | None:
+    """The script's wait status, reaping any orphan that ends first; None if it was never ours to wait for."""
+    while True:
         try:
-            pid, st = os.waitpid(-1, 0)
+            pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
-            break
+            return None
         except InterruptedError:
             continue
         if pid == child:
-            status = st
-    # The script is gone; nothing it started may outlive it.
-    if _has_children():
-        _signal_tree(signal.SIGKILL)
+            return status
+
+
+def _reap_all() -> None:
+    """Wait until no process is left below this one (as a subreaper, every orphan of the task is ours)."""
     while True:
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
-            break
+            return
         except InterruptedError:
             continue
-    orphaned = _parent_gone(int(parent))
-    if orphaned:
-        remove_dir_of(script, TASK_DIR_PREFIX)
-    # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
-    # gone: then the worker must learn that instead, from its socket closing as this process exits.
-    if report is not None and not orphaned:
-        try:
-            msg = b'{"pid": %d, "status": %d}' % (os.getpid(), status if status is not None else 70 << 8)
-            os.write(report[0], msg)
-        except OSError:
-            pass  # the worker gave up on the attempt; the zygote still reports our exit
+
+
+def _end_like(status: int | None) -> int:
+    """End the way the script did: by the same signal, so the worker can name it, or with its exit code (70: unknown)."""
     if status is not None and os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)  # end the way the script did, so the worker can name the signal
+        sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled, nor reset
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     return os.WEXITSTATUS(status) if status is not None else 70
+
+
+def _reply(fd: int, msg: dict[str, Any]) -> None:
+    """Tell the worker about one attempt, on the attempt's reply socket: the zygote's {"pid"} or {"error"}, and the
+    outcome {"pid", "status"} from the supervisor and from the zygote. A worker that gave up on the attempt has
+    closed its end: nobody is left to tell, and nothing else changes."""
+    import json  # warm mode only: the zygote imported it before any fork
+
+    try:
+        os.write(fd, json.dumps(msg).encode())
+    except OSError:
+        pass
 
 
 # -- warm mode ---------------------------------------------------------------------------------------
@@ -261,7 +305,6 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     it dies with the worker, and its supervisors die with it (each takes its tree down with grace).
     """
     import json
-    import selectors
     import socket
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -269,6 +312,17 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     if _parent_gone(parent):
         sys.exit(70)
     ctrl = socket.socket(fileno=ctrl_fd)
+    _preload(ctrl, preload)
+    forks = _Forks(ctrl)
+    ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
+    forks.serve()
+
+
+def _preload(ctrl: socket.socket, preload: list[str]) -> None:
+    """Import ``preload`` and what every task needs, then freeze it all, to be shared with every fork.
+    A failure is told to the worker on ``ctrl`` in one line, and the zygote exits."""
+    import json
+
     for name in preload:
         try:
             __import__(name)
@@ -289,78 +343,104 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     gc.collect()
     gc.freeze()  # the preloaded modules stay shared with every task instead of being copied on write
 
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when tasks stop
-    replies: dict[int, socket.socket] = {}
-    sel = selectors.DefaultSelector()
-    sel.register(ctrl, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
 
-    def own() -> list[int]:
-        return [sel.fileno(), ctrl.fileno(), wake_r, wake_w, *(r.fileno() for r in replies.values())]
+class _Forks:
+    """The zygote's loop: a request from the worker goes to the spare supervisor forked for it, and a
+    supervisor's end goes to the worker, on that attempt's reply socket.
 
-    spare: tuple[int, socket.socket] | None = _fork_spare(own())
-    ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
+    SIGCHLD wakes the loop through a pipe (signal.set_wakeup_fd), so one select() waits for both."""
 
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj is ctrl:
-                try:
-                    msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 4)
-                except InterruptedError:
-                    continue
-                if not msg:  # the worker is gone; our supervisors get their death signal as we exit
-                    os._exit(0)
-                reply = socket.socket(fileno=fds[0])
-                pid = None
-                for _try in range(2):  # a spare that died meanwhile is replaced once
-                    spare = spare or _fork_spare(own())
-                    spare_pid, spare_sock = spare
-                    spare = None
-                    try:
-                        socket.send_fds(spare_sock, [msg], fds)
-                        pid = spare_pid
-                        break
-                    except OSError:
-                        continue
-                    finally:
-                        spare_sock.close()
-                for fd in fds[1:]:
-                    os.close(fd)
-                try:
-                    reply.send(json.dumps({"pid": pid} if pid else {"error": "could not fork the attempt"}).encode())
-                except OSError:
-                    pass  # the worker gave up on this attempt; the status is reaped below all the same
-                if pid:
-                    replies[pid] = reply
+    def __init__(self, ctrl: socket.socket) -> None:
+        import selectors
+
+        self.ctrl = ctrl
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when tasks stop
+        self.replies: dict[int, socket.socket] = {}  # a running supervisor's pid: its attempt's reply socket
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctrl, selectors.EVENT_READ)
+        self.sel.register(self.wake_r, selectors.EVENT_READ)
+        self.spare: tuple[int, socket.socket] | None = _fork_spare(self.own())
+
+    def own(self) -> list[int]:
+        """The zygote's descriptors, which a forked supervisor closes."""
+        return [
+            self.sel.fileno(),
+            self.ctrl.fileno(),
+            self.wake_r,
+            self.wake_w,
+            *(r.fileno() for r in self.replies.values()),
+        ]
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.sel.select():
+                if key.fileobj is self.ctrl:
+                    self.take_request()
                 else:
-                    reply.close()
-                spare = _fork_spare(own())  # the next attempt's supervisor, forked while this one runs
-            else:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
-                    if spare is not None and pid == spare[0]:  # the spare died before its attempt came
-                        spare[1].close()
-                        spare = None
-                    reply = replies.pop(pid, None)
-                    if reply is not None:
-                        try:
-                            reply.send(json.dumps({"pid": pid, "status": status}).encode())
-                        except OSError:
-                            pass
-                        reply.close()
+                    self.reap()
+
+    def take_request(self) -> None:
+        """Hand the worker's next request to a spare, tell the worker its pid, and fork the next spare."""
+        import socket
+
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 4)
+        except InterruptedError:
+            return
+        if not msg:  # the worker is gone; our supervisors get their death signal as we exit
+            os._exit(0)
+        reply = socket.socket(fileno=fds[0])
+        pid = self.hand_to_spare(msg, fds)
+        for fd in fds[1:]:
+            os.close(fd)
+        # If the worker gave up on this attempt, the status is reaped all the same.
+        _reply(reply.fileno(), {"pid": pid} if pid else {"error": "could not fork the attempt"})
+        if pid:
+            self.replies[pid] = reply
+        else:
+            reply.close()
+        self.spare = _fork_spare(self.own())  # the next attempt's supervisor, forked while this one runs
+
+    def hand_to_spare(self, msg: bytes, fds: list[int]) -> int | None:
+        """Send the request and its descriptors to the waiting spare: the pid of the supervisor that took it."""
+        import socket
+
+        for _try in range(2):  # a spare that died meanwhile is replaced once
+            spare_pid, spare_sock = self.spare or _fork_spare(self.own())
+            self.spare = None
+            try:
+                socket.send_fds(spare_sock, [msg], fds)
+                return spare_pid
+            except OSError:
+                continue
+            finally:
+                spare_sock.close()
+        return None
+
+    def reap(self) -> None:
+        """Reap every child that ended; tell the worker the status of each attempt's supervisor."""
+        try:
+            os.read(self.wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.spare is not None and pid == self.spare[0]:  # the spare died before its attempt came
+                self.spare[1].close()
+                self.spare = None
+            reply = self.replies.pop(pid, None)
+            if reply is not None:
+                _reply(reply.fileno(), {"pid": pid, "status": status})
+                reply.close()
 
 
 def spare(ctrl_fd: int, parent: int) -> int:
@@ -383,7 +463,7 @@ def spare(ctrl_fd: int, parent: int) -> int:
     return _become_attempt(json.loads(msg), fds, parent)
 
 
-def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imported inside: warm mode only)
+def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:
     """Fork the next attempt's supervisor ahead of time; it waits for its request on a socket.
 
     Forking a process that imported torch costs ~20 ms here: paid while the previous attempt runs,
@@ -423,7 +503,7 @@ def _fork_spare(own: list[int]) -> tuple[int, socket.socket]:  # noqa: F821 (imp
             os._exit(code)
 
 
-def _become_attempt(req: dict, fds: list[int], parent: int, report: int | None = None) -> int:
+def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: int | None = None) -> int:
     """In a spare: take the attempt's session, stdio (``fds``: stdin[, stdout, stderr]), working
     directory and environment, then supervise it. ``parent``: the zygote, or the worker, to die with."""
     os.setsid()
@@ -434,8 +514,9 @@ def _become_attempt(req: dict, fds: list[int], parent: int, report: int | None =
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    tempfile = sys.modules.get("tempfile")
-    if tempfile is not None:
+    if "tempfile" in sys.modules:  # imported already (by --preload): no cost, and no import the task did not ask for
+        import tempfile
+
         tempfile.tempdir = None  # read TMPDIR again: the task's own directory
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not

@@ -27,6 +27,7 @@ import psutil
 
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
 from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
+from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
 TRUNCATED = "[gpumesh] output truncated: the log cap of {cap} bytes was reached"
@@ -166,9 +167,7 @@ def _discard(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait()
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    close_pipes(proc)
 
 
 def tree_rss(pid: int) -> int:
@@ -186,7 +185,7 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def _kill_hard(proc: subprocess.Popen[bytes] | WarmProcess) -> None:
+def _kill_hard(proc: AttemptProcess) -> None:
     """Last resort when the launcher did not end in time: KILL it and every descendant we can see."""
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
@@ -224,54 +223,92 @@ def run(
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
     try:
-        with open(script, "w") as f:
-            f.write(source)
-        os.mkdir(output_dir)
-        full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
-        if limits.user is not None:  # the task's user owns its directory and nothing of the worker's
-            for path in (workdir, script, output_dir):
-                os.chown(path, *limits.user)
-            for name in ("USER", "LOGNAME"):
-                full_env.pop(name, None)
-            full_env["HOME"] = workdir
-        with tempfile.TemporaryFile() as stdin:
-            stdin.write(payload.encode())
-            stdin.seek(0)
-            rlimits = [
-                limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
-                *(limits.user if limits.user else ("-", "-")),
-            ]  # fmt: skip
-            proc: subprocess.Popen[bytes] | WarmProcess | None = None
-            if zygote is not None:
-                proc = zygote.spawn(script, workdir, full_env, rlimits, stdin.fileno())
-            elif spares is not None:
-                proc = spares.start(limits, script, workdir, full_env, rlimits, stdin.fileno())
-            if proc is None:
-                proc = subprocess.Popen(
-                    [*_launcher(limits, workdir), str(os.getpid()), script, *map(str, rlimits)],
-                    stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    cwd=workdir, env=full_env, start_new_session=True, close_fds=True,
-                )  # fmt: skip
-        exit_fd = proc.exit_fd if isinstance(proc, WarmProcess) else _pidfd(proc.pid)
-        try:
-            _supervise(proc, exit_fd, out, limits, on_line, should_stop, started)
-        except BaseException:  # the worker is going down (cold shutdown, backstop timeout): take the task with it
-            _kill_hard(proc)
-            proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                pipe.close()  # type: ignore[union-attr]
-            raise
-        finally:
-            if isinstance(proc, WarmProcess):
-                proc.close()
-            elif exit_fd is not None:
-                os.close(exit_fd)
-        if isinstance(proc, WarmProcess) and proc.lost:
-            out.killed = out.killed or proc.lost
+        full_env = _prepare(source, workdir, script, output_dir, env, limits)
+        proc = _start(payload, workdir, script, full_env, limits, zygote, spares)
+        _watch(proc, out, limits, on_line, should_stop, started)
     finally:
         out.duration = time.monotonic() - started
         _remove(workdir, script, output_dir)
     return out
+
+
+def _prepare(
+    source: str, workdir: str, script: str, output_dir: str, env: Mapping[str, str], limits: Limits
+) -> dict[str, str]:
+    """Write the script and the output dir into the attempt's directory, and return the attempt's environment.
+    With ``limits.user`` the task's user owns its directory and nothing of the worker's."""
+    with open(script, "w") as f:
+        f.write(source)
+    os.mkdir(output_dir)
+    full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
+    if limits.user is not None:
+        for path in (workdir, script, output_dir):
+            os.chown(path, *limits.user)
+        for name in ("USER", "LOGNAME"):
+            full_env.pop(name, None)
+        full_env["HOME"] = workdir
+    return full_env
+
+
+def _start(
+    payload: str,
+    workdir: str,
+    script: str,
+    env: dict[str, str],
+    limits: Limits,
+    zygote: Zygote | None,
+    spares: Spares | None,
+) -> AttemptProcess:
+    """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold."""
+    with tempfile.TemporaryFile() as stdin:
+        stdin.write(payload.encode())
+        stdin.seek(0)
+        rlimits: list[Any] = [
+            limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
+            *(limits.user if limits.user else ("-", "-")),
+        ]  # fmt: skip
+        proc: AttemptProcess | None = None
+        if zygote is not None:
+            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno())
+        elif spares is not None:
+            proc = spares.start(limits, script, workdir, env, rlimits, stdin.fileno())
+        if proc is None:
+            proc = subprocess.Popen(
+                [*_launcher(limits, workdir), str(os.getpid()), script, *map(str, rlimits)],
+                stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=workdir, env=env, start_new_session=True, close_fds=True,
+            )  # fmt: skip
+        return proc
+
+
+def _watch(
+    proc: AttemptProcess,
+    out: Attempt,
+    limits: Limits,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+    started: float,
+) -> None:
+    """Supervise the attempt to its end, woken the moment it ends: by a warm attempt's reply socket, or
+    by a pidfd instead of Popen.wait's sleep-and-poll (milliseconds a task)."""
+    warm = proc if isinstance(proc, WarmProcess) else None
+    pidfd = None if warm is not None else _pidfd(proc.pid)
+    try:
+        _Supervision(
+            proc, warm.exit_fd if warm is not None else pidfd, out, limits, on_line, should_stop, started
+        ).run()
+    except BaseException:  # the worker is going down (cold shutdown, backstop timeout): take the task with it
+        _kill_hard(proc)
+        proc.wait()
+        close_pipes(proc)
+        raise
+    finally:
+        if warm is not None:
+            warm.close()
+        if pidfd is not None:
+            os.close(pidfd)
+    if warm is not None and warm.lost:
+        out.killed = out.killed or warm.lost
 
 
 def _remove(workdir: str, script: str, output_dir: str) -> None:
@@ -285,31 +322,90 @@ def _remove(workdir: str, script: str, output_dir: str) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(
-    proc: subprocess.Popen[bytes] | WarmProcess,
-    exit_fd: int | socket.socket | None,
-    out: Attempt,
-    limits: Limits,
-    on_line: Callable[[str, str], None],
-    should_stop: Callable[[], str | None],
-    started: float,
-) -> None:
-    sel = selectors.DefaultSelector()
-    assert proc.stdout and proc.stderr
-    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    # Wake the moment the attempt ends, instead of Popen.wait's sleep-and-poll (milliseconds a task).
-    if exit_fd is not None:
-        sel.register(exit_fd, selectors.EVENT_READ, "exit")
-    partial = {"stdout": b"", "stderr": b""}
-    logged = 0
-    deadline = started + limits.timeout
-    term_sent_at: float | None = None
-    next_rss = started + 0.2
-    pipes_closed_at: float | None = None
+class _Supervision:
+    """The worker's side of one running attempt: its output streamed to ``on_line`` line by line (capped),
+    the last stdout line kept as the result, and the attempt killed (TERM to the launcher, which takes its
+    tree down; KILL past the grace) on the worker's stop reason, the timeout or the memory cap.
 
-    def emit(stream: str, raw: bytes) -> None:
-        nonlocal logged
+    One loop step at a time: read what is ready, see whether the attempt is over, enforce the limits."""
+
+    def __init__(
+        self,
+        proc: AttemptProcess,
+        exit_fd: int | socket.socket | None,
+        out: Attempt,
+        limits: Limits,
+        on_line: Callable[[str, str], None],
+        should_stop: Callable[[], str | None],
+        started: float,
+    ) -> None:
+        self.proc = proc
+        self.out = out
+        self.limits = limits
+        self.on_line = on_line
+        self.should_stop = should_stop
+        self.sel = selectors.DefaultSelector()
+        assert proc.stdout and proc.stderr
+        self.sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+        self.sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        if exit_fd is not None:  # readable the moment the attempt ends
+            self.sel.register(exit_fd, selectors.EVENT_READ, "exit")
+        self.partial = {"stdout": b"", "stderr": b""}  # each stream's line so far, not yet ended by a newline
+        self.logged = 0  # bytes passed to on_line
+        self.deadline = started + limits.timeout
+        self.term_sent_at: float | None = None
+        self.next_rss = started + 0.2
+        self.pipes_closed_at: float | None = None  # when the launcher was found gone with a pipe still open
+
+    def run(self) -> None:
+        """Supervise until the attempt has ended and its output is read; then take its exit code."""
+        while True:
+            now = time.monotonic()
+            self._read_ready()
+            if self.proc.poll() is not None and self._over(now):
+                break
+            self._enforce(now)
+        close_pipes(self.proc)
+        self.out.returncode = self.proc.wait()
+
+    def _read_ready(self) -> None:
+        """Wait up to 0.1 s for output or the attempt's end, and take what came."""
+        if not self.sel.get_map():
+            try:
+                self.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            return
+        for key, _ in self.sel.select(timeout=0.1):
+            if key.data == "exit":
+                self.sel.unregister(key.fileobj)
+                self.proc.poll()
+            else:
+                self._read(key)
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        """Read one chunk of a stream: emit each line it ends, and at EOF the unfinished last one."""
+        stream = key.data
+        chunk = os.read(key.fd, 65536)
+        if not chunk:
+            self.sel.unregister(key.fileobj)
+            if self.partial[stream]:
+                self._emit(stream, self.partial[stream])
+                self.partial[stream] = b""
+            return
+        lines = (self.partial[stream] + chunk).split(b"\n")
+        self.partial[stream] = lines.pop()
+        if (
+            len(self.partial[stream]) > self.limits.result_bytes + self.limits.log_bytes
+        ):  # a runaway line with no newline
+            lines.append(self.partial[stream])
+            self.partial[stream] = b""
+        for raw in lines:
+            self._emit(stream, raw)
+
+    def _emit(self, stream: str, raw: bytes) -> None:
+        """One line: the result (stdout's last non-empty one) or the stderr tail, and the log up to its cap."""
+        out, limits = self.out, self.limits
         line = raw.decode("utf-8", "replace").rstrip("\r")
         if stream == "stdout" and line.strip():
             if len(raw) > limits.result_bytes:
@@ -320,74 +416,49 @@ def _supervise(
             out.stderr_tail.append(line)
         if out.log_truncated:
             return
-        logged += len(raw) + 1
-        if logged > limits.log_bytes:
+        self.logged += len(raw) + 1
+        if self.logged > limits.log_bytes:
             out.log_truncated = True
-            on_line("stderr", TRUNCATED.format(cap=limits.log_bytes))
+            self.on_line("stderr", TRUNCATED.format(cap=limits.log_bytes))
         else:
-            on_line(stream, line)
+            self.on_line(stream, line)
 
-    def kill(reason: str) -> None:
-        nonlocal term_sent_at
-        if term_sent_at is None:
-            out.killed = out.killed or reason
-            term_sent_at = time.monotonic()
+    def _over(self, now: float) -> bool:
+        """The launcher has ended: over once its pipes are closed too. A descendant that escaped it and still
+        holds one gets a second to finish writing, then KILL."""
+        if not any(k.data != "exit" for k in self.sel.get_map().values()):
+            return True
+        self.pipes_closed_at = self.pipes_closed_at or now
+        if now - self.pipes_closed_at > 1.0:
+            _kill_hard(self.proc)
+            return True
+        return False
+
+    def _enforce(self, now: float) -> None:
+        """Kill the attempt for the worker's reason, the timeout or the memory cap; KILL it if TERM was not enough."""
+        if self.term_sent_at is not None:
+            if now - self.term_sent_at > self.limits.grace + 2.0 and self.proc.poll() is None:
+                _kill_hard(self.proc)
+            return
+        reason = self.should_stop()
+        if reason:
+            self._kill(reason)
+        elif now > self.deadline:
+            self._kill("timeout")
+        elif self.limits.memory_bytes and now >= self.next_rss:
+            self.next_rss = now + 0.25
+            if tree_rss(self.proc.pid) > self.limits.memory_bytes:
+                self._kill("memory")
+
+    def _kill(self, reason: str) -> None:
+        """TERM to the launcher, once: it takes the tree down, with grace. The first reason is the one reported."""
+        if self.term_sent_at is None:
+            self.out.killed = self.out.killed or reason
+            self.term_sent_at = time.monotonic()
             try:
-                proc.send_signal(signal.SIGTERM)
+                self.proc.send_signal(signal.SIGTERM)
             except OSError:
                 pass
-
-    while True:
-        now = time.monotonic()
-        if sel.get_map():
-            for key, _ in sel.select(timeout=0.1):
-                stream = key.data
-                if stream == "exit":
-                    sel.unregister(key.fileobj)
-                    proc.poll()
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    if partial[stream]:
-                        emit(stream, partial[stream])
-                        partial[stream] = b""
-                    continue
-                lines = (partial[stream] + chunk).split(b"\n")
-                partial[stream] = lines.pop()
-                if len(partial[stream]) > limits.result_bytes + limits.log_bytes:  # a runaway line with no newline
-                    lines.append(partial[stream])
-                    partial[stream] = b""
-                for raw in lines:
-                    emit(stream, raw)
-        else:
-            try:
-                proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is not None:
-            if not any(k.data != "exit" for k in sel.get_map().values()):
-                break
-            # The launcher is gone but a pipe is still open (a descendant escaped it): drain briefly.
-            pipes_closed_at = pipes_closed_at or now
-            if now - pipes_closed_at > 1.0:
-                _kill_hard(proc)
-                break
-        if term_sent_at is None:
-            reason = should_stop()
-            if reason:
-                kill(reason)
-            elif now > deadline:
-                kill("timeout")
-            elif limits.memory_bytes and now >= next_rss:
-                next_rss = now + 0.25
-                if tree_rss(proc.pid) > limits.memory_bytes:
-                    kill("memory")
-        elif now - term_sent_at > limits.grace + 2.0 and proc.poll() is None:
-            _kill_hard(proc)
-    for f in (proc.stdout, proc.stderr):
-        f.close()
-    out.returncode = proc.wait()
 
 
 def _pidfd(pid: int) -> int | None:

@@ -46,7 +46,8 @@ def _recv_json(sock: socket.socket, timeout: float | None) -> dict[str, Any] | N
 
 
 class WarmProcess:
-    """One attempt's supervisor, forked by the zygote: the part of ``Popen`` that the sandbox uses."""
+    """One attempt's supervisor, forked by the zygote, seen as the part of ``Popen`` that the sandbox uses
+    (:class:`~gpumesh.sandbox.process.AttemptProcess`)."""
 
     def __init__(self, pid: int, reply: socket.socket, stdout: IO[bytes], stderr: IO[bytes]) -> None:
         self.pid = pid
