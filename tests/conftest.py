@@ -1,4 +1,5 @@
-"""Fixtures: a real redis-server on a free port (never the machine's own 6379), real worker processes."""
+"""Fixtures: a real redis-server on a free port (never the machine's own 6379), real worker processes,
+an in-process worker for tests that only need jobs to run, and the rule that every test names its kind."""
 
 from __future__ import annotations
 
@@ -6,20 +7,47 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+from rq.timeouts import TimerDeathPenalty
 
 from gpumesh.errors import UsageError
+from gpumesh.models import Capability
 from gpumesh.server.broker_server import find_binary, free_port  # noqa: F401 - re-exported for the tests
 from gpumesh.settings import Settings
+from gpumesh.store import keys
 from gpumesh.store.broker import Broker
+
+pytest_plugins = ["pytester"]  # tests/test_markers.py runs the marker rule on a test suite of its own
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"GPUMESH_LEASE_TTL": "2", "GPUMESH_HEARTBEAT_INTERVAL": "0.4"}
+
+# -- every test names its kind ----------------------------------------------------------------------
+
+# The four kinds (registered with their descriptions in pyproject.toml); each test carries exactly one.
+KINDS = ("core", "processes", "faults", "security")
+
+
+def kinds_of(item: pytest.Item) -> list[str]:
+    return sorted({m.name for m in item.iter_markers() if m.name in KINDS})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `pytest -m core` checks every test too
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = [f"{item.nodeid}: {', '.join(kinds_of(item)) or 'none'}" for item in items if len(kinds_of(item)) != 1]
+    if wrong:
+        raise pytest.UsageError(
+            f"every test needs exactly one of the marks {', '.join(KINDS)} (pyproject.toml describes them); "
+            "these have none or several:\n  " + "\n  ".join(wrong)
+        )
 
 
 class RedisServer:
@@ -146,6 +174,152 @@ def workers(env: dict[str, str], r: redis.Redis, tmp_path: Path) -> Iterator[Wor
     w = Workers(env, r, tmp_path)
     yield w
     w.stop_all()
+
+
+class MeshWorkers:
+    """A gpumesh MeshWorker run in a thread of the test process, against the test Redis: for tests that
+    only need their jobs to run, not a real ``gpumesh worker`` process (its signals, kills, restarts,
+    sandbox user or log output). Tasks still run in real sandboxed interpreters. ``start`` waits until
+    the worker has registered; teardown stops it cleanly (any task still running is killed, unreported).
+
+    One at a time: the executor RQ calls is bound process-wide (gpumesh.worker.executor.bind)."""
+
+    def __init__(self, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, capability: Capability) -> None:
+        self.r, self.monkeypatch, self.capability = r, monkeypatch, capability
+        self.worker: Any = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.zygote: Any = None
+
+    def build(
+        self, name: str | None = None, score: float = 10, warm: bool = False, resources: dict[str, str] | None = None,
+        **extra_env: str,
+    ) -> Any:  # fmt: skip
+        """A MeshWorker put together as `gpumesh worker --score SCORE [--warm]` does, not yet working."""
+        from gpumesh.worker.worker import MeshWorker
+
+        assert self.worker is None, "one in-process worker per test (the executor binding is process-wide)"
+        for k, v in extra_env.items():
+            self.monkeypatch.setenv(k, v)
+        if warm:
+            from gpumesh.sandbox.warm import Zygote
+
+            self.zygote = Zygote()
+            self.zygote.start()
+        cap = self.capability.model_copy(update={"score_gflops": score})
+
+        class InProcessMeshWorker(MeshWorker):
+            # RQ's signal handlers and its SIGALRM job timeout belong to the main thread (and to
+            # pytest-timeout): in a thread, the timeout is a timer and no handler is installed.
+            death_penalty_class = TimerDeathPenalty
+
+            def _install_signal_handlers(self) -> None:
+                pass
+
+            def procline(self, message: str) -> None:
+                pass  # leave the test process's title alone
+
+            def unsubscribe(self) -> None:
+                # RQ joins its pubsub thread for up to 1 s, and the thread waits for a message: told to stop
+                # first, the unsubscribe reply ends its wait at once.
+                if self.pubsub_thread:
+                    self.pubsub_thread.stop()
+                super().unsubscribe()
+
+        self.worker = InProcessMeshWorker(Broker(Settings.load()), cap, name=name, zygote=self.zygote,
+                                          resources=resources)  # fmt: skip
+        return self.worker
+
+    def start(self, *args: Any, **kwargs: Any) -> Any:
+        """Build a worker and run it in a thread until teardown (or ``stop``); returns the MeshWorker."""
+        w = self.build(*args, **kwargs)
+
+        def work() -> None:
+            try:
+                w.work(burst=False, logging_level=None)
+            except BaseException as exc:  # noqa: BLE001 - reported by stop(), in the test's own thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=work, name="gpumesh-test-worker", daemon=True)
+        self.thread.start()
+        wait_until(
+            lambda: self.r.zscore(keys.WORKERS, w.worker_id) is not None or not self.thread.is_alive(),
+            what="the in-process worker to register",
+        )
+        assert self.thread.is_alive(), f"the in-process worker stopped at start: {self.error!r}"
+        return w
+
+    def burst(self, *args: Any, **kwargs: Any) -> bool:
+        """Build a worker and run it here, in burst mode, until nothing is left that it may run."""
+        w = self.build(*args, **kwargs)
+        try:
+            return w.work(burst=True, logging_level=None)
+        finally:
+            self._close()
+
+    def stop(self, timeout: float = 30) -> None:
+        w, thread = self.worker, self.thread
+        if thread is not None:
+            w._stop_requested = True  # what RQ's warm shutdown sets; MeshWorker's loop checks it
+            running = w.executor.current
+            if running is not None:
+                running.stop("lease lost: the in-process test worker is stopping")  # killed, not reported
+            self.r.lpush(keys.wake(w.worker_id), "stop")  # out of its wait for work at once
+            thread.join(timeout)
+            assert not thread.is_alive(), "the in-process worker did not stop"
+            self.thread = None
+            self._close()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise AssertionError(f"the in-process worker failed: {error!r}") from error
+
+    def _close(self) -> None:
+        if self.worker is not None:
+            self.worker.broker.close()
+            self.worker = None
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
+
+
+@pytest.fixture(scope="session")
+def probed_capability(tmp_path_factory: pytest.TempPathFactory) -> Capability:
+    """This machine's device, probed once (as `gpumesh worker --score` does); each worker sets its score."""
+    from gpumesh import capability
+
+    return capability.probe(tmp_path_factory.mktemp("capability"), score=10)
+
+
+@pytest.fixture
+def mesh_worker(
+    env: dict[str, str], r: redis.Redis, monkeypatch: pytest.MonkeyPatch, probed_capability: Capability
+) -> Iterator[MeshWorkers]:
+    """An in-process worker (see MeshWorkers): ``mesh_worker.start(name=..., score=...)`` or ``.burst()``."""
+    m = MeshWorkers(r, monkeypatch, probed_capability)
+    yield m
+    m.stop()
+
+
+class Ran:
+    """What an in-process CLI run gives back, shaped like subprocess.CompletedProcess."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def cli(*args: str, input: str | None = None) -> Ran:
+    """Run the CLI in the test process (Click's runner), against the environment the ``env`` fixture set:
+    the same commands, exit codes and streams as ``gpumesh(...)``, without an interpreter's start-up.
+    An exception the CLI lets out is a traceback on stderr and exit code 1, as in a real process."""
+    from click.testing import CliRunner
+
+    from gpumesh.cli import main
+
+    res = CliRunner().invoke(main, list(args), input=input, prog_name="gpumesh")
+    stderr = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit) and res.exc_info is not None:
+        stderr += "".join(traceback.format_exception(*res.exc_info))
+    return Ran(res.exit_code, res.stdout, stderr)
 
 
 @pytest.fixture(params=["fresh", "warm"])

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpumesh import capability
 from gpumesh.models import Capability
 
@@ -39,6 +41,7 @@ def cache_files(home: Path) -> list[Path]:
     return sorted((home / "cache").rglob("capability-*.json"))
 
 
+@pytest.mark.processes
 def test_bench_shows_without_writing_the_cache(tmp_path: Path):
     p = bench(tmp_path, "--json")
     cap = Capability.model_validate_json(p.stdout)
@@ -53,6 +56,7 @@ def test_bench_shows_without_writing_the_cache(tmp_path: Path):
     assert "not saved" in table.stderr and cache_files(tmp_path) == []
 
 
+@pytest.mark.processes
 def test_bench_save_writes_the_cache_workers_read(tmp_path: Path):
     p = bench(tmp_path, "--json", "--save")
     [path] = cache_files(tmp_path)
@@ -62,6 +66,7 @@ def test_bench_save_writes_the_cache_workers_read(tmp_path: Path):
     assert capability.probe(tmp_path / "cache" / "gpumesh") == saved  # what `gpumesh worker` gets, unmeasured
 
 
+@pytest.mark.processes
 def test_pure_python_backend_is_marked_not_comparable(tmp_path: Path):
     p = bench(tmp_path, "--json", **{capability.BACKEND_ENV: "python"})
     cap = json.loads(p.stdout)
@@ -73,6 +78,7 @@ def test_pure_python_backend_is_marked_not_comparable(tmp_path: Path):
     assert "not comparable" in table.stdout and "pip install numpy" in table.stderr
 
 
+@pytest.mark.processes
 def test_unknown_or_missing_backend_fails_and_says_which(tmp_path: Path):
     p = subprocess.run(
         [sys.executable, "-m", "gpumesh", "bench"],
@@ -81,6 +87,7 @@ def test_unknown_or_missing_backend_fails_and_says_which(tmp_path: Path):
     assert p.returncode == 1 and "GPUMESH_BENCH_BACKEND='fortran'" in p.stderr and "torch, numpy, python" in p.stderr
 
 
+@pytest.mark.core
 def test_worker_probe_measures_once_then_reads_the_cache(tmp_path: Path):
     first = capability.probe(tmp_path)  # the call `gpumesh worker` makes, in a child process
     assert capability.cache_file(tmp_path).is_file() and first.score_gflops > 0
@@ -90,6 +97,7 @@ def test_worker_probe_measures_once_then_reads_the_cache(tmp_path: Path):
     assert not (tmp_path / "other").exists()  # an assumed score is never cached
 
 
+@pytest.mark.core
 def test_cache_from_before_the_resource_fields_still_loads(tmp_path: Path):
     old = {"device": "cpu", "device_name": "Some CPU", "memory_bytes": 8 * 2**30, "score_gflops": 42.0,
            "backend": "numpy"}  # fmt: skip
@@ -105,6 +113,7 @@ def test_cache_from_before_the_resource_fields_still_loads(tmp_path: Path):
     assert capability.load(tmp_path).vram_gb == 80.0  # a cuda cache's memory is the device's
 
 
+@pytest.mark.core
 def test_resources_shape():
     cpu = Capability(device="cpu", device_name="Xeon", memory_bytes=2**34, score_gflops=100, backend="numpy",
                      cpu_cores=8, ram_gb=16.0)  # fmt: skip
@@ -114,6 +123,7 @@ def test_resources_shape():
                                "vram_gb": 79.1, "vram_free_gb": 78.5}  # fmt: skip
 
 
+@pytest.mark.core
 def test_warning_only_for_a_score_that_cannot_be_compared():
     cap = Capability(device="cpu", device_name="x", memory_bytes=1, score_gflops=0.02, backend="python")
     assert capability.warning(cap) is None

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from gpumesh.cli import main
 from gpumesh.store import keys
 
-from .conftest import ROOT, RedisServer, Workers, free_port, gpumesh
+from .conftest import ROOT, MeshWorkers, RedisServer, cli, free_port, gpumesh
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
@@ -32,6 +32,7 @@ PAYLOADS = str(ROOT / "examples/payloads.json")
         (["--payloads", "-", "--timeout", "-5"], "[{}]", "--timeout"),
     ],
 )
+@pytest.mark.processes
 def test_bad_submit_input_exits_2_with_one_line_and_writes_nothing(env, r: redis.Redis, args, stdin, message):
     p = gpumesh("submit", EXAMPLE, *args, env=env, input=stdin)
     assert p.returncode == 2, p.stderr
@@ -40,6 +41,7 @@ def test_bad_submit_input_exits_2_with_one_line_and_writes_nothing(env, r: redis
     assert r.dbsize() == 0
 
 
+@pytest.mark.processes
 def test_missing_or_broken_script_exits_2(env, r: redis.Redis, tmp_path: Path):
     p = gpumesh("submit", str(tmp_path / "nope.py"), "--payloads", PAYLOADS, env=env)
     assert p.returncode == 2 and "script" in p.stderr and "does not exist" in p.stderr
@@ -50,6 +52,7 @@ def test_missing_or_broken_script_exits_2(env, r: redis.Redis, tmp_path: Path):
     assert r.dbsize() == 0
 
 
+@pytest.mark.processes
 def test_unreachable_broker_exits_3_within_seconds(env):
     t0 = time.monotonic()
     p = gpumesh("status", "abc", "--url", f"redis://127.0.0.1:{free_port()}/0", env=env)
@@ -58,6 +61,7 @@ def test_unreachable_broker_exits_3_within_seconds(env):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.security
 def test_wrong_password_exits_3_and_never_prints_the_password(env, tmp_path: Path):
     server = RedisServer(tmp_path, password="right-horse").start()
     try:
@@ -79,23 +83,27 @@ def test_wrong_password_exits_3_and_never_prints_the_password(env, tmp_path: Pat
         server.stop()
 
 
+@pytest.mark.processes
 def test_bad_url_is_a_usage_error(env):
     p = gpumesh("jobs", "--url", "http://example.invalid", env=env)
     assert p.returncode == 2 and "must start with redis://" in p.stderr
 
 
 @pytest.mark.parametrize("command", [["status", "nope"], ["results", "nope"], ["cancel", "nope"], ["logs", "nope"]])
+@pytest.mark.processes
 def test_unknown_job_exits_4(env, r: redis.Redis, command):
     p = gpumesh(*command, env=env)
     assert p.returncode == 4, p.stderr
     assert "no job" in p.stderr or "no task" in p.stderr
 
 
+@pytest.mark.processes
 def test_debug_shows_the_traceback(env):
     p = gpumesh("--debug", "status", "nope", env=env)
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 
+@pytest.mark.processes
 def test_submit_json_shape_and_tier_counts(env, r: redis.Redis):
     p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--name", "sweep", "--json", env=env)
     assert p.returncode == 0
@@ -109,6 +117,7 @@ def test_submit_json_shape_and_tier_counts(env, r: redis.Redis):
     assert st["name"] == "sweep" and st["status"] == "queued" and st["tasks"]["queued"] == 6
 
 
+@pytest.mark.processes
 def test_submit_of_10000_shards_writes_everything(env, r: redis.Redis, tmp_path: Path):
     payloads = tmp_path / "many.json"
     payloads.write_text(json.dumps([{"i": i, "cost": 1 + i % 7} for i in range(10_000)]))
@@ -120,9 +129,10 @@ def test_submit_of_10000_shards_writes_everything(env, r: redis.Redis, tmp_path:
     assert r.hget(keys.task(keys.task_id(job, 9_999)), "payload") == '{"i": 9999, "cost": 4}'
 
 
-def test_workers_json_shape(env, workers: Workers):
-    workers.start("--name", "gpu-box", score=12.5)
-    rows = json.loads(gpumesh("workers", "--json", env=env).stdout)
+@pytest.mark.core
+def test_workers_json_shape(env, mesh_worker: MeshWorkers):
+    mesh_worker.start(name="gpu-box", score=12.5)
+    rows = json.loads(cli("workers", "--json").stdout)
     assert len(rows) == 1
     row = rows[0]
     assert set(row) == {"id", "name", "hostname", "device", "device_name", "score_gflops", "tier", "state",
@@ -132,20 +142,22 @@ def test_workers_json_shape(env, workers: Workers):
     assert row["state"] == "idle" and row["tier"] == 2
 
 
-def test_results_formats_and_logs(env, workers: Workers):
-    workers.start()
-    p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env)
+@pytest.mark.core
+def test_results_formats_and_logs(env, mesh_worker: MeshWorkers):
+    mesh_worker.start()
+    p = cli("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait")
     assert p.returncode == 0, p.stderr
     job = p.stdout.split()[0]
-    lines = gpumesh("results", job, "--format", "jsonl", env=env).stdout.splitlines()
+    lines = cli("results", job, "--format", "jsonl").stdout.splitlines()
     assert [json.loads(line)["index"] for line in lines] == list(range(6))
-    csv_out = gpumesh("results", job, "--format", "csv", env=env).stdout.splitlines()
+    csv_out = cli("results", job, "--format", "csv").stdout.splitlines()
     assert csv_out[0] == "index,task_id,status,result,error,attempts,worker,duration_s" and len(csv_out) == 7
-    logs = gpumesh("logs", keys.task_id(job, 0), env=env)
+    logs = cli("logs", keys.task_id(job, 0))
     assert "lr=0.5 epochs=80 on " in logs.stderr
     assert '"loss"' in logs.stdout
 
 
+@pytest.mark.core
 def test_human_output_renders(env, broker):
     runner = CliRunner()
     res = runner.invoke(main, ["submit", EXAMPLE, "--payloads", PAYLOADS, "--name", "demo"])

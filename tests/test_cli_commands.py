@@ -20,23 +20,25 @@ from gpumesh.models import JobStatus, TaskCounts
 from gpumesh.settings import Settings
 from gpumesh.store import keys
 
-from .conftest import ROOT, Workers, gpumesh
+from .conftest import ROOT, MeshWorkers, cli, gpumesh
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
 
 
-def test_status_watch_follows_to_the_end_with_plain_lines_off_a_terminal(env, workers: Workers):
-    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, env=env).stdout.strip()
-    workers.start()
-    p = gpumesh("status", job, "--watch", env=env)
+@pytest.mark.core
+def test_status_watch_follows_to_the_end_with_plain_lines_off_a_terminal(env, mesh_worker: MeshWorkers):
+    job = cli("submit", EXAMPLE, "--payloads", PAYLOADS).stdout.strip()
+    mesh_worker.start()
+    p = cli("status", job, "--watch")
     assert p.returncode == 0
     assert p.stderr.strip().splitlines()[-1] == f"{job} done: 6/6 done, 0 running, 0 queued, 0 failed"
-    p = gpumesh("status", job, "--watch", "--json", env=env)
+    p = cli("status", job, "--watch", "--json")
     assert json.loads(p.stdout)["status"] == "done" and p.stderr == ""
 
 
-def test_retry_requeues_failed_tasks_with_fresh_attempts(env, workers: Workers, r: redis.Redis, tmp_path: Path):
+@pytest.mark.core
+def test_retry_requeues_failed_tasks_with_fresh_attempts(env, mesh_worker: MeshWorkers, r: redis.Redis, tmp_path: Path):
     fixed = tmp_path / "fixed"
     script = tmp_path / "flaky.py"
     script.write_text(
@@ -44,42 +46,43 @@ def test_retry_requeues_failed_tasks_with_fresh_attempts(env, workers: Workers, 
         f"if p['i'] == 1 and not os.path.exists({str(fixed)!r}):\n    sys.exit('not yet')\n"
         "print(json.dumps(p))\n"
     )
-    workers.start()
-    p = gpumesh(
-        "submit", str(script), "--payloads", "-", "--max-attempts", "2", "--wait", env=env, input='[{"i": 0}, {"i": 1}]'
-    )
+    mesh_worker.start()
+    p = cli("submit", str(script), "--payloads", "-", "--max-attempts", "2", "--wait", input='[{"i": 0}, {"i": 1}]')
     assert p.returncode == 1
     job = p.stdout.split()[0]
     assert r.hget(keys.task(keys.task_id(job, 1)), "attempts") == "2"
     fixed.touch()
-    p = gpumesh("retry", job, "--wait", "--json", env=env)
+    p = cli("retry", job, "--wait", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["requeued"] == 1 and out["status"] == "done" and out["tasks"]["done"] == 2
     assert r.hget(keys.task(keys.task_id(job, 1)), "attempts") == "1"
-    p = gpumesh("retry", job, env=env)
+    p = cli("retry", job)
     assert p.returncode == 0 and "no failed task to retry" in p.stderr
 
 
-def test_results_output_file(env, workers: Workers, tmp_path: Path):
-    workers.start()
-    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).stdout.split()[0]
+@pytest.mark.core
+def test_results_output_file(env, mesh_worker: MeshWorkers, tmp_path: Path):
+    mesh_worker.start()
+    job = cli("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait").stdout.split()[0]
     out = tmp_path / "results.jsonl"
-    p = gpumesh("results", job, "--format", "jsonl", "--output", str(out), env=env)
+    p = cli("results", job, "--format", "jsonl", "--output", str(out))
     assert p.returncode == 0 and p.stdout == ""
     assert len(out.read_text().splitlines()) == 6
-    p = gpumesh("results", job, "--output", str(out), env=env)
+    p = cli("results", job, "--output", str(out))
     assert p.returncode == 2 and "--output needs --format" in p.stderr
 
 
-def test_top_once_shows_workers_and_jobs(env, workers: Workers):
-    workers.start("--name", "box")
-    job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).stdout.split()[0]
-    p = gpumesh("top", "--once", env=env)
+@pytest.mark.core
+def test_top_once_shows_workers_and_jobs(env, mesh_worker: MeshWorkers):
+    mesh_worker.start(name="box")
+    job = cli("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait").stdout.split()[0]
+    p = cli("top", "--once")
     assert p.returncode == 0
     assert "workers" in p.stdout and "box-" in p.stdout and "jobs" in p.stdout and job in p.stdout
 
 
+@pytest.mark.processes
 def test_bench_json_shape(env):
     p = gpumesh("bench", "--json", env=env, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -89,6 +92,7 @@ def test_bench_json_shape(env):
     assert cap["score_gflops"] > 0 and cap["memory_bytes"] > 0
 
 
+@pytest.mark.processes
 def test_config_init_show_and_layering(env, redis_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cfg = Path(env["GPUMESH_CONFIG"])
     secret = "s3cr3t-pw"
@@ -115,19 +119,21 @@ def test_config_init_show_and_layering(env, redis_server, tmp_path: Path, monkey
         Settings.load()
 
 
-def test_logs_follow_stops_when_the_task_ends(env, workers: Workers, tmp_path: Path):
+@pytest.mark.core
+def test_logs_follow_stops_when_the_task_ends(env, mesh_worker: MeshWorkers, tmp_path: Path):
     script = tmp_path / "chatty.py"
     script.write_text(
         "import time\nfor i in range(5):\n    print(f'line {i}', flush=True)\n    time.sleep(0.3)\nprint('{}')\n"
     )
-    workers.start()
-    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout.strip()
-    p = gpumesh("logs", "-f", job, env=env, timeout=60)
+    mesh_worker.start()
+    job = cli("submit", str(script), "--payloads", "-", input="[{}]").stdout.strip()
+    p = cli("logs", "-f", job)
     assert p.returncode == 0
     lines = [line.split("] ", 1)[1] for line in p.stdout.splitlines()]
     assert lines == [f"line {i}" for i in range(5)] + ["{}"]
 
 
+@pytest.mark.core
 def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch):
     buf = io.StringIO()
     monkeypatch.setattr(render, "err", Console(file=buf, force_terminal=True, width=150, highlight=False))
@@ -151,6 +157,7 @@ def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch):
     assert text.strip().endswith("j1 failed: 3/4 done, 0 running, 0 queued, 1 failed")
 
 
+@pytest.mark.processes
 def test_every_command_has_help(env):
     out = subprocess.run([sys.executable, "-m", "gpumesh", "--help"], capture_output=True, text=True).stdout
     commands = ["serve", "worker", "join", "submit", "run", "status", "jobs", "workers", "top", "results", "logs",

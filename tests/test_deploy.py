@@ -33,6 +33,7 @@ def compose_command() -> list[str] | None:
 
 
 @pytest.mark.skipif(compose_command() is None, reason="neither `docker compose` nor docker-compose is installed")
+@pytest.mark.processes
 def test_docker_compose_config_accepts_the_file(tmp_path: Path):
     cmd = compose_command()
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPUMESH_")}
@@ -48,6 +49,7 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path):
     assert missing.returncode != 0 and "GPUMESH_REDIS_PASSWORD" in missing.stderr
 
 
+@pytest.mark.faults
 def test_gpus_runs_one_supervised_worker_per_device_and_restarts_a_crashed_one(env, r: redis.Redis, tmp_path: Path):
     with open(tmp_path / "sup.log", "wb") as log:
         sup = subprocess.Popen(
@@ -77,6 +79,7 @@ def test_gpus_runs_one_supervised_worker_per_device_and_restarts_a_crashed_one(e
             os.killpg(sup.pid, signal.SIGKILL)
 
 
+@pytest.mark.processes
 def test_gpus_rejects_a_bad_list(env):
     p = gpumesh("worker", "--gpus", "0,0", env=env)
     assert p.returncode == 2 and "--gpus takes all, none or distinct GPU indices" in p.stderr
@@ -87,6 +90,7 @@ def _get(url: str) -> bytes:
         return resp.read()
 
 
+@pytest.mark.processes
 def test_rq_dashboard_sees_the_mesh(env, workers: Workers, redis_server):
     workers.start()
     job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).stdout.split()[0]
@@ -131,6 +135,7 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.processes
 def test_metrics_endpoint_matches_the_jobs_that_ran(env, workers: Workers, tmp_path: Path):
     workers.start("--name", "m1", score=4)
     assert gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--wait", env=env).returncode == 0
@@ -167,6 +172,7 @@ def test_metrics_endpoint_matches_the_jobs_that_ran(env, workers: Workers, tmp_p
         exporter.communicate(timeout=10)
 
 
+@pytest.mark.security
 def test_json_logs_one_object_per_line_and_no_secret(env, tmp_path: Path):
     from .conftest import RedisServer
 

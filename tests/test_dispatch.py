@@ -87,6 +87,7 @@ CASES = [
 ]
 
 
+@pytest.mark.core
 def test_requirements_mean_the_same_in_python_and_in_the_dispatcher(broker: Broker, r: redis.Redis):
     lib = scripts._source("wake").split("\n-- wake:")[0]
     check = r.register_script(lib + "\nreturn meets_all(cjson.decode(ARGV[1]), cjson.decode(ARGV[2])) and 1 or 0")
@@ -100,11 +101,13 @@ def test_requirements_mean_the_same_in_python_and_in_the_dispatcher(broker: Brok
 @pytest.mark.parametrize(
     "expr", ["vram_gb>>40", "vram_gb>=forty", "=cuda", "gpu~", "no operator", "a b=c", "k=v=w", ""]
 )
+@pytest.mark.core
 def test_a_malformed_requirement_is_refused_with_one_line(expr: str):
     with pytest.raises(UsageError, match="expected KEY=VALUE"):
         requirements.parse(expr)
 
 
+@pytest.mark.processes
 def test_malformed_requirements_exit_2_and_write_nothing(env, r: redis.Redis):
     script = ROOT / "examples/grid_search.py"
     before = r.dbsize()
@@ -123,6 +126,7 @@ def test_malformed_requirements_exit_2_and_write_nothing(env, r: redis.Redis):
 # -- the placement rule, one dispatch at a time ------------------------------------------------------
 
 
+@pytest.mark.core
 def test_the_strongest_takes_the_heaviest_and_a_lone_worker_the_lightest(broker: Broker, r: redis.Redis):
     costs = [1, 16, 2, 8, 4, 1, 1, 1]
     job = broker.submit("print(1)", "t.py", [{"cost": c} for c in costs], JobOptions()).job_id
@@ -145,6 +149,7 @@ def status_counts(broker: Broker, job: str) -> dict:
     return broker.job_status(job).tasks.model_dump()
 
 
+@pytest.mark.core
 def test_equal_workers_never_idle_while_work_waits(broker: Broker, r: redis.Redis):
     broker.submit("print(1)", "t.py", [{"i": i} for i in range(3)], JobOptions())
     for w in ("a", "b", "c"):
@@ -156,6 +161,7 @@ def test_equal_workers_never_idle_while_work_waits(broker: Broker, r: redis.Redi
     assert r.sismember(keys.IDLE, "d"), "a worker that found nothing waits to be woken"
 
 
+@pytest.mark.core
 def test_a_worker_never_gets_what_it_may_not_run_and_priority_comes_first(broker: Broker, r: redis.Redis):
     low = broker.submit("print(1)", "t.py", [{"i": 0}, {"i": 1}], JobOptions()).job_id
     gpu = broker.submit(
@@ -175,6 +181,7 @@ def test_a_worker_never_gets_what_it_may_not_run_and_priority_comes_first(broker
     assert [w.model_dump() for w in waiting] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1}]
 
 
+@pytest.mark.core
 def test_jobs_of_equal_priority_share_the_workers(broker: Broker, r: redis.Redis):
     big = broker.submit("print(1)", "t.py", [{"i": i} for i in range(50)], JobOptions()).job_id
     for w in ("a", "b", "c", "d"):
@@ -199,6 +206,7 @@ def stop(workers: Workers) -> None:
         p.wait(timeout=30)
 
 
+@pytest.mark.processes
 def test_the_heaviest_shard_goes_to_the_strongest_when_workers_start_and_submit_at_once(
     env, workers: Workers, r: redis.Redis
 ):
@@ -218,6 +226,7 @@ def test_the_heaviest_shard_goes_to_the_strongest_when_workers_start_and_submit_
         stop(workers)
 
 
+@pytest.mark.processes
 def test_a_worker_that_joins_after_the_submit_takes_work_at_once(env, workers: Workers, tmp_path: Path):
     """The first version left it idle while all four tasks ran on the other worker (12.1 s, not 6.5 s)."""
     workers.start("--warm", score=1)
@@ -232,6 +241,7 @@ def test_a_worker_that_joins_after_the_submit_takes_work_at_once(env, workers: W
     assert elapsed < 7.5, f"4 tasks of 2 s on two workers took {elapsed:.1f} s"
 
 
+@pytest.mark.processes
 def test_tasks_no_live_worker_can_run_wait_say_why_and_run_when_one_joins(env, workers: Workers, tmp_path: Path):
     workers.start(score=5)
     p = gpumesh("submit", str(sleep_script(tmp_path)), "--payloads", "-", "--require", "vram_gb>=40",
@@ -260,6 +270,7 @@ def test_tasks_no_live_worker_can_run_wait_say_why_and_run_when_one_joins(env, w
         assert float(workers_json[row["worker"]]["resources"]["vram_gb"]) >= 40
 
 
+@pytest.mark.processes
 def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
     env, workers: Workers, r: redis.Redis, tmp_path: Path
 ):
@@ -289,6 +300,7 @@ def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
     assert {j["job_id"]: j["priority"] for j in json.loads(gpumesh("jobs", "--json", env=env).stdout)}[urgent] == 5
 
 
+@pytest.mark.core
 def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env):
     from gpumesh.settings import Settings
     from gpumesh.worker.reaper import reap_once

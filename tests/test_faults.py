@@ -24,6 +24,8 @@ from gpumesh.store import keys
 from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until, written
 from .faultproxy import FaultProxy
 
+pytestmark = pytest.mark.faults
+
 SLOW_THEN_FAST = """
 import json, os, sys, time
 attempt = os.environ["GPUMESH_ATTEMPT"]

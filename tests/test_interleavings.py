@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import redis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -33,6 +34,8 @@ from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker.reaper import reap_once
+
+pytestmark = pytest.mark.faults
 
 MAX_ATTEMPTS = 2
 STATES = ("queued", "running", "done", "failed", "cancelled")

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gpumesh
+
+pytestmark = pytest.mark.core
 
 PACKAGE = Path(gpumesh.__file__).parent
 # Which layer may import which: a layer sees itself, the core modules and the layers listed here.
@@ -120,3 +124,24 @@ def test_the_task_process_imports_nothing_of_gpumesh_but_the_launcher() -> None:
     assert (
         subprocess.run([sys.executable, "-c", heavy], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )
+
+
+def test_the_wheel_ships_every_module_the_lua_scripts_and_py_typed(tmp_path: Path) -> None:
+    # The subpackages and the Lua files next to the code are package data a wrong pyproject leaves out.
+    root = PACKAGE.parent
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(root)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("*.whl")
+    import zipfile
+
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("gpumesh/")}
+    source = {
+        str(p.relative_to(root))
+        for p in PACKAGE.rglob("*")
+        if p.suffix in (".py", ".lua") or p.name == "py.typed"
+        if "__pycache__" not in p.parts
+    }
+    assert source - shipped == set()
+    assert "gpumesh/store/lua/dispatch.lua" in shipped and "gpumesh/py.typed" in shipped

@@ -34,6 +34,7 @@ def assert_counters_match_tasks(r: redis.Redis, job_id: str) -> None:
         assert int(job[state]) == statuses.count(state), (state, job, statuses)
 
 
+@pytest.mark.core
 def test_acquire_only_from_queued_and_duplicates_are_skipped(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w1", LEASE_MS)
@@ -45,6 +46,7 @@ def test_acquire_only_from_queued_and_duplicates_are_skipped(broker: Broker, r: 
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_complete_is_fenced_by_the_token(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w1", LEASE_MS)
@@ -62,6 +64,7 @@ def test_complete_is_fenced_by_the_token(broker: Broker, r: redis.Redis):
     assert r.hget(keys.task(tid), "result") == '{"x": 2}'
 
 
+@pytest.mark.core
 def test_stale_worker_after_reap_and_re_lease_changes_nothing(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker)
     old = scripts.acquire(broker.scripts, r, tid, "old", 50)
@@ -80,6 +83,7 @@ def test_stale_worker_after_reap_and_re_lease_changes_nothing(broker: Broker, r:
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_fail_requeues_until_max_attempts_then_fails_the_job(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker, max_attempts=2)
     first = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
@@ -98,6 +102,7 @@ def test_fail_requeues_until_max_attempts_then_fails_the_job(broker: Broker, r: 
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_release_hands_back_without_spending_an_attempt(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker, max_attempts=1)
     lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
@@ -106,6 +111,7 @@ def test_release_hands_back_without_spending_an_attempt(broker: Broker, r: redis
     assert r.hget(keys.task(tid), "attempts") == "0"
 
 
+@pytest.mark.core
 def test_reaper_requeues_then_fails_at_max_attempts(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker, max_attempts=2)
     scripts.acquire(broker.scripts, r, tid, "w", 30)
@@ -121,6 +127,7 @@ def test_reaper_requeues_then_fails_at_max_attempts(broker: Broker, r: redis.Red
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w", 60)
@@ -130,6 +137,7 @@ def test_reaper_leaves_a_renewed_lease_alone(broker: Broker, r: redis.Redis):
     assert r.hget(keys.task(tid), "status") == "running"
 
 
+@pytest.mark.core
 def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: Broker, r: redis.Redis):
     job, tids = submit(broker, n=3)
     lease = scripts.acquire(broker.scripts, r, tids[0], "w", LEASE_MS)
@@ -143,6 +151,7 @@ def test_cancel_ends_queued_and_running_tasks_and_heartbeat_reports_it(broker: B
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_heartbeat_renews_the_lease_and_says_when_registration_expired(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     lease = scripts.acquire(broker.scripts, r, tid, "w", 200)
@@ -152,6 +161,7 @@ def test_heartbeat_renews_the_lease_and_says_when_registration_expired(broker: B
     assert abs(beat.server_ms / 1000 - time.time()) < 5
 
 
+@pytest.mark.core
 def test_heartbeat_against_a_broker_that_lost_its_data_touches_nothing(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     epoch = broker.epoch()
@@ -163,6 +173,7 @@ def test_heartbeat_against_a_broker_that_lost_its_data_touches_nothing(broker: B
     assert broker.epoch() != epoch
 
 
+@pytest.mark.faults
 def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redis):
     _, (tid,) = submit(broker)
     r.script_flush()
@@ -171,6 +182,7 @@ def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redi
     assert reap_once(broker)["requeued"] == 0  # pipelined EVALSHA reloads too
 
 
+@pytest.mark.faults
 def test_redis_restart_does_not_break_the_next_call(tmp_path, env, monkeypatch):
     server = RedisServer(tmp_path).start(appendonly=True)
     try:
@@ -188,6 +200,7 @@ def test_redis_restart_does_not_break_the_next_call(tmp_path, env, monkeypatch):
 
 
 @pytest.mark.parametrize("n_workers", [8])
+@pytest.mark.core
 def test_race_of_many_processes_acquires_every_task_exactly_once(
     broker: Broker, r: redis.Redis, redis_server, n_workers
 ):
@@ -224,6 +237,7 @@ def _grab_all(url: str, tids: list[str], me: str) -> list[str]:
     return won
 
 
+@pytest.mark.core
 def test_finished_jobs_past_the_retention_are_pruned_open_ones_kept(r: redis.Redis, env):
     from gpumesh.settings import Settings
 

@@ -35,6 +35,7 @@ def job_of(stdout: str) -> str:
     return stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.processes
 def test_grid_search_example_through_submit_wait(env, workers: Workers):
     workers.start()
     p = gpumesh("submit", str(ROOT / "examples/grid_search.py"), "--payloads", str(ROOT / "examples/payloads.json"),
@@ -50,6 +51,7 @@ def test_grid_search_example_through_submit_wait(env, workers: Workers):
     assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s"}
 
 
+@pytest.mark.faults
 def test_worker_sigkilled_mid_task_is_re_leased_and_finishes_elsewhere(env, workers: Workers, r: redis.Redis, tmp_path):
     script = write_script(tmp_path, f"""
         import json, os, sys, time
@@ -82,6 +84,7 @@ def test_worker_sigkilled_mid_task_is_re_leased_and_finishes_elsewhere(env, work
     assert elapsed < 15
 
 
+@pytest.mark.processes
 def test_always_failing_script_runs_exactly_max_attempts_then_fails(env, workers: Workers, r: redis.Redis, tmp_path):
     runs = tmp_path / "runs"
     script = write_script(tmp_path, f"""
@@ -104,6 +107,7 @@ def test_always_failing_script_runs_exactly_max_attempts_then_fails(env, workers
     assert st["status"] == "failed" and st["tasks"]["failed"] == 1
 
 
+@pytest.mark.processes
 def test_bad_result_line_fails_the_attempt_with_a_clear_error(env, workers: Workers, tmp_path):
     script = write_script(tmp_path, "print('not json at all')\n")
     workers.start()
@@ -113,6 +117,7 @@ def test_bad_result_line_fails_the_attempt_with_a_clear_error(env, workers: Work
     assert row["error"] == "the last stdout line is not JSON: 'not json at all'"
 
 
+@pytest.mark.processes
 def test_cancel_kills_running_within_a_heartbeat_and_queued_never_run(env, workers: Workers, r: redis.Redis, tmp_path):
     script = write_script(tmp_path, f"""
         import json, os, sys, time
@@ -139,6 +144,7 @@ def test_cancel_kills_running_within_a_heartbeat_and_queued_never_run(env, worke
     assert r.hget(keys.task(keys.task_id(job, 0)), "attempts") == "1"
 
 
+@pytest.mark.processes
 def test_sigterm_finishes_the_current_task_then_exits(env, workers: Workers, r: redis.Redis, tmp_path):
     script = write_script(tmp_path, f"""
         import json, os, sys, time
@@ -165,6 +171,7 @@ def test_sigterm_finishes_the_current_task_then_exits(env, workers: Workers, r: 
         wait_until(lambda p=p: not pid_alive(p.pid), timeout=5, what=f"{p.pid} to end with its worker")
 
 
+@pytest.mark.security
 def test_worker_refuses_an_rq_job_that_is_not_gpumesh_s_executor(env, workers: Workers, r: redis.Redis, tmp_path):
     marker = tmp_path / "pwned"
     conn = redis.Redis.from_url(env["GPUMESH_URL"])
@@ -180,6 +187,7 @@ def test_worker_refuses_an_rq_job_that_is_not_gpumesh_s_executor(env, workers: W
     assert "not gpumesh's executor" in workers.log(0)
 
 
+@pytest.mark.processes
 def test_heavy_tasks_land_on_the_strong_worker(env, workers: Workers, r: redis.Redis, tmp_path):
     script = write_script(tmp_path, """
         import json, os, sys, time
@@ -199,6 +207,7 @@ def test_heavy_tasks_land_on_the_strong_worker(env, workers: Workers, r: redis.R
     assert heavy == {"strong"}
 
 
+@pytest.mark.processes
 def test_second_sigterm_hands_the_task_back_at_once_without_spending_an_attempt(
     env, workers: Workers, r: redis.Redis, tmp_path
 ):

@@ -7,6 +7,8 @@ import pytest
 from gpumesh.errors import UsageError
 from gpumesh.models import parse_payloads
 
+pytestmark = pytest.mark.core
+
 
 @pytest.mark.parametrize(
     ("text", "message"),

@@ -60,6 +60,7 @@ def run(source: str, payload: dict | None = None, should_stop=lambda: None, **li
     return out, lines
 
 
+@pytest.mark.security
 def test_payload_on_stdin_result_is_last_line_and_env_is_clean(monkeypatch):
     monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
     monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
@@ -84,6 +85,7 @@ def test_payload_on_stdin_result_is_last_line_and_env_is_clean(monkeypatch):
     assert ("stderr", "progress") in lines
 
 
+@pytest.mark.security
 def test_the_task_holds_no_descriptor_of_the_worker_s():
     """Only its stdin, stdout and stderr: no broker connection, control socket or worker log."""
     out, _ = run(
@@ -103,18 +105,21 @@ def test_the_task_holds_no_descriptor_of_the_worker_s():
     assert fds["1"].startswith("pipe:") and fds["2"].startswith("pipe:")
 
 
+@pytest.mark.core
 def test_script_error_gives_exit_code_and_stderr_tail():
     out, _ = run("import sys\nprint('bad things', file=sys.stderr)\nsys.exit(3)")
     assert out.returncode == 3 and out.describe_exit() == "exit code 3"
     assert list(out.stderr_tail) == ["bad things"]
 
 
+@pytest.mark.core
 def test_uncaught_exception_is_exit_1_with_traceback():
     out, _ = run("raise ValueError('nope')")
     assert out.returncode == 1
     assert out.stderr_tail[-1] == "ValueError: nope"
 
 
+@pytest.mark.core
 def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Path):
     pidfile = tmp_path / "pids"
     started = time.monotonic()
@@ -133,12 +138,14 @@ def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Pa
         wait_until(lambda pid=pid: not pid_alive(pid), timeout=5, what=f"pid {pid} to die")
 
 
+@pytest.mark.core
 def test_script_ignoring_sigterm_is_killed_after_the_grace_period():
     out, _ = run("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)", timeout=0.5)
     assert out.killed == "timeout"
     assert out.duration < 8
 
 
+@pytest.mark.core
 def test_processes_left_behind_by_a_finished_script_are_killed(tmp_path: Path):
     pidfile = tmp_path / "pid"
     out, _ = run(
@@ -155,18 +162,21 @@ def test_processes_left_behind_by_a_finished_script_are_killed(tmp_path: Path):
     wait_until(lambda pid=pid: not pid_alive(pid), timeout=5, what="the daemonised child to die")
 
 
+@pytest.mark.core
 def test_memory_cap_by_rss_kills_the_task():
     out, _ = run("b = bytearray(400 << 20)\nimport time\ntime.sleep(30)", memory_bytes=200 << 20)
     assert out.killed == "memory"
     assert "memory cap" in out.describe_exit()
 
 
+@pytest.mark.core
 def test_cpu_rlimit_kills_a_busy_loop():
     out, _ = run("while True: pass", cpu_seconds=1)
     assert out.returncode is not None and out.returncode < 0
     assert out.describe_exit() in ("killed by SIGXCPU", "killed by SIGKILL")
 
 
+@pytest.mark.core
 def test_rlimits_are_set_for_the_script():
     out, _ = run(
         "import json, resource\n"
@@ -177,6 +187,7 @@ def test_rlimits_are_set_for_the_script():
     assert json.loads(out.last_line) == [0, 256, 1 << 20]
 
 
+@pytest.mark.core
 def test_log_is_capped_and_truncation_is_marked():
     out, lines = run("for i in range(10000): print('x' * 99)\nprint('{}')", log_bytes=10_000)
     assert out.log_truncated and out.last_line == "{}"
@@ -184,11 +195,13 @@ def test_log_is_capped_and_truncation_is_marked():
     assert lines[-1][1].startswith("[gpumesh] output truncated")
 
 
+@pytest.mark.core
 def test_result_line_over_the_cap_is_flagged():
     out, _ = run("print('[' + '1,' * 5000 + '1]')", result_bytes=1000)
     assert out.result_too_large and out.last_line is None
 
 
+@pytest.mark.core
 def test_should_stop_kills_the_attempt_with_its_reason():
     t0 = time.monotonic()
     out, _ = run(
@@ -198,6 +211,7 @@ def test_should_stop_kills_the_attempt_with_its_reason():
     assert out.duration < 5
 
 
+@pytest.mark.faults
 def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
     """SIGKILL the process that runs the sandbox: the task, its setsid grandchild and the spare
     interpreter waiting for the next attempt all die too, and the task's directory is removed."""
@@ -243,6 +257,7 @@ def test_sandbox_dies_with_its_worker(tmp_path: Path, mode: str):
 
 
 @pytest.mark.parametrize("reason", ["shutdown"])
+@pytest.mark.faults
 def test_worker_exception_mid_attempt_kills_the_task(tmp_path: Path, reason: str):
     pidfile = tmp_path / "pid"
 

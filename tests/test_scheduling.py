@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gpumesh.scheduling import assign_task_tiers, queue_order, tier_capacity, worker_tiers
+
+pytestmark = pytest.mark.core
 
 
 def test_lone_worker_takes_the_top_tier_and_serves_every_tier():

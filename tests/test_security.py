@@ -17,6 +17,8 @@ import redis
 from .conftest import ROOT, free_port, gpumesh, wait_until
 from .test_serve_and_local import Serve
 
+pytestmark = pytest.mark.security
+
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
 

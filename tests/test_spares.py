@@ -19,6 +19,8 @@ from gpumesh.sandbox import warm
 
 from .conftest import pid_alive, wait_until
 
+pytestmark = pytest.mark.core
+
 PROBE = """
 import json, os, sys
 payload = json.load(sys.stdin)

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from gpumesh.models import JobOptions
@@ -32,6 +33,7 @@ def backup(broker: Broker, r: redis.Redis, tid: str, worker: str = "fast", score
     return scripts.speculate(broker.scripts, r, tid, worker, LEASE_MS, score, 2.0)
 
 
+@pytest.mark.core
 def test_a_backup_is_only_for_speculative_jobs_with_nothing_queued_and_a_much_stronger_worker(
     broker: Broker, r: redis.Redis
 ):
@@ -49,6 +51,7 @@ def test_a_backup_is_only_for_speculative_jobs_with_nothing_queued_and_a_much_st
     assert backup(broker, r, tid, "fast2", 9.0) == "has a backup"
 
 
+@pytest.mark.core
 def test_the_first_completion_wins_and_the_other_copy_learns_it_lost(broker: Broker, r: redis.Redis):
     job, (tid,), (primary,) = started(broker, r)
     copy = backup(broker, r, tid)
@@ -67,6 +70,7 @@ def test_the_first_completion_wins_and_the_other_copy_learns_it_lost(broker: Bro
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_a_primary_that_fails_or_lapses_hands_the_task_to_its_live_backup(broker: Broker, r: redis.Redis):
     job, (t1, t2), (p1, p2) = started(broker, r, n=2)
     b1, b2 = backup(broker, r, t1), backup(broker, r, t2, "fast2", 9.0)
@@ -84,6 +88,7 @@ def test_a_primary_that_fails_or_lapses_hands_the_task_to_its_live_backup(broker
     assert_counters_match_tasks(r, job)
 
 
+@pytest.mark.core
 def test_a_failed_backup_is_dropped_and_the_primary_runs_on(broker: Broker, r: redis.Redis):
     job, (tid,), (primary,) = started(broker, r)
     copy = backup(broker, r, tid)
@@ -109,6 +114,7 @@ print(json.dumps({{"worker": os.environ["GPUMESH_WORKER_ID"]}}))
 """
 
 
+@pytest.mark.processes
 def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Workers, r: redis.Redis, tmp_path: Path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER.format(tmp=str(tmp_path)))
@@ -144,6 +150,7 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
     b.close()
 
 
+@pytest.mark.processes
 def test_queued_work_runs_before_any_backup(env, workers: Workers, r: redis.Redis, tmp_path: Path):
     """A worker backs up stragglers only when its pop found every queue empty, never with work in hand."""
     script = tmp_path / "sleeper.py"

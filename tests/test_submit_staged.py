@@ -39,6 +39,7 @@ def payloads() -> list[dict]:
     return [{"i": i, "cost": 1 + i % 3} for i in range(N)]
 
 
+@pytest.mark.core
 def test_a_staged_job_is_whole_in_order_and_pending_by_cost(broker: Broker, r: redis.Redis, monkeypatch):
     res = broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
     st = broker.job_status(res.job_id)
@@ -56,13 +57,14 @@ def test_a_staged_job_is_whole_in_order_and_pending_by_cost(broker: Broker, r: r
     assert r.zcard(keys.STAGING) == 0 and broker.job_status(res.job_id).tasks.total == N
 
 
+@pytest.mark.faults
 def test_a_submitter_dying_while_staging_leaves_no_visible_job_and_the_reaper_clears_it(
     broker: Broker, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ):
     def die(*_a, **_k):
         raise ConnectionError("the submitter died")
 
-    monkeypatch.setattr(Broker, "_make_visible", staticmethod(die))
+    monkeypatch.setattr(submit_module.Submitter, "_make_visible", staticmethod(die))  # Broker submits through it
     with pytest.raises(ConnectionError):
         broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
     assert r.zcard(keys.JOBS) == 0 and pending(r) == 0 and r.zcard(keys.READY) == 0
@@ -74,6 +76,7 @@ def test_a_submitter_dying_while_staging_leaves_no_visible_job_and_the_reaper_cl
     assert not r.keys("gpumesh:task:*") and not r.keys("gpumesh:job:*") and r.zcard(keys.STAGING) == 0
 
 
+@pytest.mark.core
 def test_a_staged_job_is_dispatched_like_any_other(broker: Broker, r: redis.Redis):
     res = broker.submit(SCRIPT, "t.py", payloads(), JobOptions())
     r.zadd(keys.SCORES, {"w": 1.0})
@@ -84,6 +87,7 @@ def test_a_staged_job_is_dispatched_like_any_other(broker: Broker, r: redis.Redi
     assert broker.job_status(res.job_id).tasks.running == N and r.zcard(keys.READY) == 0
 
 
+@pytest.mark.core
 def test_concurrent_staged_submits_with_one_idempotency_key_make_one_job(broker: Broker, r: redis.Redis, env):
     results: list[str] = []
 

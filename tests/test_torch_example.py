@@ -12,9 +12,12 @@ import pytest
 
 from .conftest import ROOT, Workers, gpumesh
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install -e '.[gpu]')"
-)
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install -e '.[gpu]')"
+    ),
+]
 
 
 def test_torch_example_trains_on_the_worker_device(env, workers: Workers):

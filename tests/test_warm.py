@@ -12,6 +12,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
 import redis
 
 from gpumesh.sandbox import runner as sandbox
@@ -25,6 +26,7 @@ def run(zygote: Zygote, source: str, **limits):
     return sandbox.run(textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, zygote)
 
 
+@pytest.mark.security
 def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Path):
     z = Zygote(["json", "decimal"])
     z.start()
@@ -47,6 +49,7 @@ def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Pat
     assert first["tempdir"] == first["tmp"] and second["tempdir"] == second["tmp"] != first["tmp"]
 
 
+@pytest.mark.security
 def test_the_zygote_holds_no_credentials(monkeypatch):
     monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
     monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
@@ -62,6 +65,7 @@ def test_the_zygote_holds_no_credentials(monkeypatch):
     assert b"hunter2" not in cmdline
 
 
+@pytest.mark.faults
 def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path):
     pidfile = tmp_path / "pid"
     z = Zygote()
@@ -86,6 +90,7 @@ def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_
         z.close()
 
 
+@pytest.mark.processes
 def test_bad_preload_is_a_one_line_startup_error_and_joins_nothing(env, r: redis.Redis):
     p = gpumesh("worker", "--score", "5", "--warm", "--preload", "json,no_such_module_xyz", env=env)
     assert p.returncode == 2
