@@ -271,7 +271,12 @@ class Group:
                 if int(reply[0]) != 1:
                     self.phase[wid] = ("idle",)  # nothing left it may run: a real worker blocks on its wake list
                 else:
-                    self.phase[wid] = ("deliver" if self.dl else "complete", reply[14].decode(), reply[1].decode())
+                    lease = dict(zip(reply[2::2], reply[3::2]))  # the lease's field/value pairs
+                    self.phase[wid] = (
+                        "deliver" if self.dl else "complete",
+                        lease[b"task_id"].decode(),
+                        lease[b"token"].decode(),
+                    )
             elif step == "deliver":
                 self.phase[wid] = ("pop", ph[1], ph[2])
             elif step == "pop":

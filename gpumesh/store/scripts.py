@@ -1,12 +1,22 @@
 """The task state machine: one atomic Lua script per transition, loaded once per client.
 
 redis-py's ``Script`` runs EVALSHA and reloads the source on NOSCRIPT, so a ``SCRIPT FLUSH`` or a
-Redis restart costs one extra round trip, never an error. Return codes become typed results here.
+Redis restart costs one extra round trip, never an error. Replies become typed results here.
+
+The contract (also at the top of ``lua/_lib.lua``): each script names its KEYS and ARGV in a block of
+locals at its top, in the order the functions below send them. Every script replies in one shape::
+
+    [ok, status, field, value, field, value, ...]
+
+``ok`` is 1 when the call did what it asks for and 0 when it was refused or found nothing to do;
+``status`` is then the task's status now (or what the call did), else why not; the rest are named
+results as field/value pairs, read here by name (``_fields``), never by position. A lease is such a
+reply, ``[1, "running", "task_id", ..., "token", ..., ...]``, its field names those of ``Lease``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -90,6 +100,11 @@ def _task_keys(task_id: str, *extra: str) -> list[str]:
     ]
 
 
+def _fields(r: list[Any]) -> dict[str, Any]:
+    """The named results of a reply: the field/value pairs after ``ok`` and ``status``."""
+    return dict(zip(r[2::2], r[3::2]))
+
+
 def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | str:
     """The task this worker should run now (dispatch.lua), leased to it; else the fleet version as a string."""
     r = s["dispatch"](
@@ -98,8 +113,8 @@ def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: floa
         client=client,
     )
     if int(r[0]) != 1:
-        return str(r[2])
-    return _lease(r[14], r[:15], fleet_version=str(r[15]))
+        return str(_fields(r)["fleet_version"])
+    return _lease(r)
 
 
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
@@ -109,7 +124,7 @@ def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int
         args=[task_id, worker_id, lease_ms],
         client=client,
     )
-    return _lease(task_id, r)
+    return _lease(r)
 
 
 def speculate(
@@ -122,21 +137,39 @@ def speculate(
         args=[task_id, worker_id, lease_ms, score, speedup, mode],
         client=client,
     )
-    lease = _lease(task_id, r, backup=True)
-    return lease if isinstance(lease, str) else replace(lease, backup_mode=mode)
+    return _lease(r)
 
 
-def _lease(task_id: str, r: list[Any], backup: bool = False, fleet_version: str = "") -> Lease | str:
+def _lease(r: list[Any]) -> Lease | str:
+    """A lease reply (lease_reply in _lib.lua) read by field name; a refusal's status, why not."""
     if int(r[0]) != 1:
-        return r[1]
+        return str(r[1])
+    f = _fields(r)
     return Lease(
-        task_id, r[1], int(r[2]), r[3], int(r[4]), r[5], r[6], r[7], float(r[8]), int(r[9]), r[10], r[11],
-        float(r[12]), int(r[13]), backup, fleet_version,
-    )  # fmt: skip
+        task_id=f["task_id"],
+        token=f["token"],
+        attempt=int(f["attempt"]),
+        job_id=f["job_id"],
+        index=int(f["index"]),
+        payload=f["payload"],
+        script_sha=f["script_sha"],
+        script_name=f["script_name"],
+        timeout=float(f["timeout"]),
+        max_attempts=int(f["max_attempts"]),
+        signature=f["signature"],
+        key_id=f["key_id"],
+        expires_at=float(f["expires_at"]),
+        server_ms=int(f["server_ms"]),
+        backup=bool(int(f.get("backup", 0))),
+        fleet_version=str(f.get("fleet_version", "")),
+        backup_mode=f.get("backup_mode", ""),
+    )
 
 
 def stage(s: Scripts, client: Any, job_id: str, tasks: list[tuple[int, str, float, int]]) -> Any:
-    """Write a chunk of a job's tasks (index, payload JSON, cost, class) in one call; not yet visible."""
+    """Write a chunk of a job's tasks (index, payload JSON, cost, class) in one call; not yet visible.
+
+    The raw reply: [1, 'staged', 'tasks', n]."""
     args: list[Any] = [job_id]
     for index, payload, cost, klass in tasks:
         args += [index, payload, repr(cost) if cost != 1.0 else "1", klass]
@@ -146,8 +179,14 @@ def stage(s: Scripts, client: Any, job_id: str, tasks: list[tuple[int, str, floa
 
 
 def wake(s: Scripts, client: Any) -> Any:
-    """Wake every idle worker: new work is takeable (submit, retry)."""
+    """Wake every idle worker: new work is takeable (submit, retry). The raw reply: [1, 'woken', 'workers', n]."""
     return s["wake"](keys=[keys.IDLE], args=[], client=client)
+
+
+def _outcome(r: list[Any]) -> Outcome:
+    """A transition's reply: ``ok``, its status (or why not) and, when it says, the attempts spent."""
+    f = _fields(r)
+    return Outcome(int(r[0]) == 1, r[1], int(f.get("attempts", 0)))
 
 
 def complete(
@@ -159,7 +198,7 @@ def complete(
         args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score],
         client=client,
     )
-    return Outcome(int(r[0]) == 1, r[1])
+    return _outcome(r)
 
 
 def fail(
@@ -172,9 +211,7 @@ def fail(
         args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode],
         client=client,
     )
-    if int(r[0]) != 1:
-        return Outcome(False, r[1])
-    return Outcome(True, r[1], int(r[2]))
+    return _outcome(r)
 
 
 @dataclass(frozen=True)
@@ -194,24 +231,27 @@ def heartbeat(
         args=[worker_id, worker_ttl_ms, lease.token if lease else "", lease_ms, task_id, epoch],
         client=client,
     )
-    return Beat(bool(int(r[0])), r[1], int(r[2]), bool(int(r[3])))
+    epoch_ok, f = int(r[0]) == 1, _fields(r)  # not ok: the broker lost its data (a new epoch)
+    return Beat(bool(int(f.get("registered", 0))), r[1] if epoch_ok else "none", int(f["server_ms"]), epoch_ok)
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:
+    """Requeue (or fail) a task whose lease lapsed; the raw reply, for ``reap_outcome`` (pipelines)."""
     return s["reap"](keys=_task_keys(task_id, keys.READY, keys.STATS, keys.IDLE), args=[task_id], client=client)
 
 
 def reap_outcome(r: list[Any]) -> Outcome:
-    if r[0] in ("queued", "failed"):
-        return Outcome(True, r[0], int(r[1]))
-    return Outcome(False, r[0])
+    """reap's reply: accepted with 'queued' or 'failed' and the attempts spent; else 'renewed' or 'gone'."""
+    return _outcome(r)
 
 
 def cancel(s: Scripts, client: Any, task_id: str) -> Any:
+    """The raw reply: [1, 'cancelled', 'previous', status] or [0, status or 'missing']."""
     return s["cancel"](keys=_task_keys(task_id, keys.READY), args=[task_id], client=client)
 
 
 def retry(s: Scripts, client: Any, task_id: str) -> Any:
+    """The raw reply: [1, 'queued'] or [0, status or 'missing']."""
     return s["retry"](
         keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.READY, keys.IDLE],
         args=[task_id],

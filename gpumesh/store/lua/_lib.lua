@@ -1,5 +1,18 @@
 -- Helpers prepended to every gpumesh script by gpumesh/store/scripts.py (not a script of its own).
 -- Time always comes from the server; workers' clocks never enter the state machine.
+--
+-- The contract every script keeps:
+--  * KEYS and ARGV are named once, in a block of locals at the top of the script, under a header
+--    comment listing them in order (as dramatiq's dispatch.lua does); nothing below that block
+--    indexes KEYS or ARGV.
+--  * One reply shape: {ok, status, field, value, field, value, ...}
+--      ok      1: the call did what it asks for; 0: it was refused, or found nothing to do
+--      status  ok = 1: the task's status now (or what the call did); ok = 0: why not
+--      then    named results as field/value pairs (none is fine), read by name in scripts.py
+--    A lease is such a reply: {1, 'running', 'task_id', id, 'token', token, ...} (lease_reply below).
+--  * A helper needing more than four values takes one table of named fields instead.
+-- This file runs before the script on every call: each top-level function or table defined here costs
+-- every call of every script, so only what scripts share lives here.
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -23,16 +36,17 @@ end
 -- The last task to end sets the job's terminal status: cancelled > failed > done.
 local function maybe_finish(job_key, events_key, job_id, ms)
   local c = redis.call('HMGET', job_key, 'queued', 'running', 'failed', 'cancelled', 'status')
-  if tonumber(c[1]) > 0 or tonumber(c[2]) > 0 then
+  local queued, running, failed, cancelled, was = c[1], c[2], c[3], c[4], c[5]
+  if tonumber(queued) > 0 or tonumber(running) > 0 then
     return
   end
   local status = 'done'
-  if tonumber(c[4]) > 0 then
+  if tonumber(cancelled) > 0 then
     status = 'cancelled'
-  elseif tonumber(c[3]) > 0 then
+  elseif tonumber(failed) > 0 then
     status = 'failed'
   end
-  if c[5] ~= status then
+  if was ~= status then
     redis.call('HSET', job_key, 'status', status, 'finished_at', secs(ms))
     emit(events_key, 'job', job_id, status)
   end
@@ -72,29 +86,63 @@ end
 
 -- A task becomes takeable: into its job's pending zset of its requirement class, the job into the ready
 -- index at its priority, idle workers woken.
-local function make_pending(task_key, job_key, ready_key, idle_key, job_id)
-  local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
-  local cost, klass = tonumber(t[2] or 1) or 1, t[3] or '0'
-  redis.call('ZADD', pending_key(job_id, klass), cost, pad(t[1]))
-  redis.call('ZADD', ready_key, tonumber(redis.call('HGET', job_key, 'priority') or 0) or 0, job_id .. '/' .. klass)
-  redis.call('HINCRBYFLOAT', job_key, 'pending_cost', cost)
-  wake_idle(idle_key)
+-- a: {task_key, job_key, ready_key, idle_key, job_id}
+local function make_pending(a)
+  local t = redis.call('HMGET', a.task_key, 'index', 'cost', 'class')
+  local index, cost, klass = t[1], tonumber(t[2] or 1) or 1, t[3] or '0'
+  redis.call('ZADD', pending_key(a.job_id, klass), cost, pad(index))
+  local priority = tonumber(redis.call('HGET', a.job_key, 'priority') or 0) or 0
+  redis.call('ZADD', a.ready_key, priority, a.job_id .. '/' .. klass)
+  redis.call('HINCRBYFLOAT', a.job_key, 'pending_cost', cost)
+  wake_idle(a.idle_key)
 end
 
 -- A queued task leaves its pending zset (taken, or cancelled); the ready index drops a drained class.
--- index, cost, klass: the task's fields when the caller has them already (else read here).
-local function unpend(task_key, job_key, ready_key, job_id, index, cost, klass)
+-- a: {task_key, job_key, ready_key, job_id, and optionally index, cost, klass: the task's fields when
+-- the caller has them already (else read here)}
+local function unpend(a)
+  local index, cost, klass = a.index, a.cost, a.klass
   if index == nil then
-    local t = redis.call('HMGET', task_key, 'index', 'cost', 'class')
+    local t = redis.call('HMGET', a.task_key, 'index', 'cost', 'class')
     index, cost, klass = t[1], tonumber(t[2] or 1) or 1, t[3] or '0'
   end
-  local pk = pending_key(job_id, klass)
+  local pk = pending_key(a.job_id, klass)
   if redis.call('ZREM', pk, pad(index)) == 1 then
-    redis.call('HINCRBYFLOAT', job_key, 'pending_cost', -cost)
+    redis.call('HINCRBYFLOAT', a.job_key, 'pending_cost', -cost)
   end
   if redis.call('EXISTS', pk) == 0 then
-    redis.call('ZREM', ready_key, job_id .. '/' .. klass)
+    redis.call('ZREM', a.ready_key, a.job_id .. '/' .. klass)
   end
+end
+
+-- The lease reply: everything a worker needs to run the task, as field/value pairs (the names are the
+-- attributes of scripts.py's Lease). l: those fields; signature, key_id and expires_at may be missing, and
+-- fleet_version (dispatch) or backup and backup_mode (speculate: a backup copy) are added when present.
+local function lease_reply(l)
+  local r = {1, 'running',
+    'task_id', l.task_id,
+    'token', l.token,
+    'attempt', l.attempt,
+    'job_id', l.job_id,
+    'index', l.index,
+    'payload', l.payload,
+    'script_sha', l.script_sha,
+    'script_name', l.script_name,
+    'timeout', l.timeout,
+    'max_attempts', l.max_attempts,
+    'signature', l.signature or '',
+    'key_id', l.key_id or '',
+    'expires_at', l.expires_at or '0',
+    'server_ms', l.server_ms}
+  local n = 30  -- #r, counted here (a missing value would leave a hole)
+  if l.fleet_version then
+    r[n + 1], r[n + 2] = 'fleet_version', l.fleet_version
+    n = n + 2
+  end
+  if l.backup then
+    r[n + 1], r[n + 2], r[n + 3], r[n + 4] = 'backup', 1, 'backup_mode', l.backup_mode
+  end
+  return r
 end
 
 -- The task fields take() needs, read in one call (status first, so callers can check it).
@@ -102,63 +150,76 @@ local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig'}
 -- The job fields take() needs; dispatch reads them with what it chooses by, in one call.
 local TAKE_JOB = {'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id', 'expires_at', 'max_attempts'}
 
--- queued -> running: the lease, the counters, the worker's current task. t: TAKE_TASK of the task;
--- job: TAKE_JOB of its job, or nil to read it here; worker_known: the worker hash exists.
--- Returns the lease reply:
--- {1, token, attempt, job id, index, payload, script sha, script name, timeout s, max attempts,
---  signature, key id, expires at (s), server time (ms), task id}
-local function take(task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl, ms,
-                    t, job, worker_known)
-  local attempt = (tonumber(t[2]) or 0) + 1
+-- queued -> running: the lease, the counters, the worker's current task. Returns lease_reply.
+-- a: {task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl_ms, ms,
+--     task: the HMGET of TAKE_TASK of the task,
+--     job: an HMGET holding TAKE_JOB of its job from position job_from + 1 (job_from: 0 if nil), or nil
+--          to read it here,
+--     worker_known: the worker hash exists (else checked here),
+--     fleet_version: passed on to lease_reply}
+local function take(a)
+  local ms, ttl_ms, task_id, worker_id = a.ms, a.ttl_ms, a.task_id, a.worker_id
+  local t = a.task
+  local attempt, index, payload, signature = (tonumber(t[2]) or 0) + 1, t[3], t[4], t[5]
   local token = worker_id .. ':' .. attempt .. ':' .. ms
-  redis.call('SET', lease_key, token, 'PX', ttl)
-  redis.call('ZADD', leases_key, ms + ttl, task_id)
-  redis.call('HSET', task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
+  redis.call('SET', a.lease_key, token, 'PX', ttl_ms)
+  redis.call('ZADD', a.leases_key, ms + ttl_ms, task_id)
+  redis.call('HSET', a.task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
     'started_at', secs(ms))
-  move(job_key, 'queued', 'running')
-  job = job or redis.call('HMGET', job_key, unpack(TAKE_JOB))
-  if job[1] == 'queued' then
-    redis.call('HSET', job_key, 'status', 'running', 'started_at', secs(ms))
+  move(a.job_key, 'queued', 'running')
+  local job, j = a.job, a.job_from or 0
+  if not job then
+    job, j = redis.call('HMGET', a.job_key, unpack(TAKE_JOB)), 0
   end
-  if worker_known or redis.call('EXISTS', worker_key) == 1 then
-    redis.call('HSET', worker_key, 'current_task', task_id)
+  if job[j + 1] == 'queued' then  -- the job's status
+    redis.call('HSET', a.job_key, 'status', 'running', 'started_at', secs(ms))
   end
-  emit(events_key, 'task', task_id, 'running')
-  return {1, token, attempt, job[2], t[3], t[4], job[3], job[4], job[5], job[8], t[5] or '', job[6] or '',
-    job[7] or '0', ms, task_id}
+  if a.worker_known or redis.call('EXISTS', a.worker_key) == 1 then
+    redis.call('HSET', a.worker_key, 'current_task', task_id)
+  end
+  emit(a.events_key, 'task', task_id, 'running')
+  return lease_reply({
+    task_id = task_id, token = token, attempt = attempt, job_id = job[j + 2], index = index, payload = payload,
+    script_sha = job[j + 3], script_name = job[j + 4], timeout = job[j + 5], key_id = job[j + 6],
+    expires_at = job[j + 7], max_attempts = job[j + 8], signature = signature, server_ms = ms,
+    fleet_version = a.fleet_version,
+  })
 end
 
 -- End a running attempt: back to 'queued' (pending again, idle workers woken) while attempts remain,
--- else 'failed'. Returns {'queued', attempts, 0} or {'failed', attempts, 0}.
--- refund: the attempt does not count (a worker handing its task back on shutdown).
--- final: fail for good whatever attempts remain.
-local function end_attempt(task_key, job_key, events_key, ready_key, idle_key, stats_key, task_id, err, duration,
-                           refund, ms, final)
+-- else 'failed'. Returns the reply {1, 'queued' | 'failed', 'attempts', attempts spent}.
+-- a: {task_key, job_key, events_key, ready_key, idle_key, stats_key, task_id, error ('' for none),
+--     duration (s, stored when it fails), ms,
+--     refund: the attempt does not count (a worker handing its task back on shutdown),
+--     final: fail for good whatever attempts remain}
+local function end_attempt(a)
+  local task_key, job_key = a.task_key, a.job_key
   local attempts = tonumber(redis.call('HGET', task_key, 'attempts') or 0)
   local max_attempts = tonumber(redis.call('HGET', job_key, 'max_attempts') or 1)
-  local job_id = job_of(task_id)
-  if refund then
+  local job_id = job_of(a.task_id)
+  if a.refund then
     attempts = redis.call('HINCRBY', task_key, 'attempts', -1)
   end
-  if err ~= '' then
-    redis.call('HSET', task_key, 'error', err)
+  if a.error ~= '' then
+    redis.call('HSET', task_key, 'error', a.error)
   end
-  if attempts < max_attempts and not final then
+  if attempts < max_attempts and not a.final then
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
     move(job_key, 'running', 'queued')
-    make_pending(task_key, job_key, ready_key, idle_key, job_id)
-    if not refund then
-      redis.call('HINCRBY', stats_key, 'retried', 1)
+    make_pending({task_key = task_key, job_key = job_key, ready_key = a.ready_key, idle_key = a.idle_key,
+      job_id = job_id})
+    if not a.refund then
+      redis.call('HINCRBY', a.stats_key, 'retried', 1)
     end
-    emit(events_key, 'task', task_id, 'queued')
-    return {'queued', attempts, 0}
+    emit(a.events_key, 'task', a.task_id, 'queued')
+    return {1, 'queued', 'attempts', attempts}
   end
-  redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(ms), 'duration', duration)
+  redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(a.ms), 'duration', a.duration)
   move(job_key, 'running', 'failed')
-  redis.call('HINCRBY', stats_key, 'failed', 1)
-  emit(events_key, 'task', task_id, 'failed')
-  maybe_finish(job_key, events_key, job_id, ms)
-  return {'failed', attempts, 0}
+  redis.call('HINCRBY', a.stats_key, 'failed', 1)
+  emit(a.events_key, 'task', a.task_id, 'failed')
+  maybe_finish(job_key, a.events_key, job_id, a.ms)
+  return {1, 'failed', 'attempts', attempts}
 end
 
 -- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
@@ -213,8 +274,9 @@ end
 -- dispatcher must not walk a thousand workers per task). Returns n, score sum, score max, version.
 local function fleet(scores_key, fleet_key)
   local f = redis.call('HMGET', fleet_key, 'n', 'sum', 'max', 'dirty', 'v')
-  if f[1] and f[4] ~= '1' then
-    return tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), f[5] or '0'
+  local count, total, strongest, dirty, version = f[1], f[2], f[3], f[4], f[5] or '0'
+  if count and dirty ~= '1' then
+    return tonumber(count), tonumber(total), tonumber(strongest), version
   end
   local all = redis.call('ZRANGE', scores_key, 0, -1, 'WITHSCORES')
   local n, sum, max = 0, 0, 0
@@ -225,7 +287,7 @@ local function fleet(scores_key, fleet_key)
     if s > max then max = s end
   end
   redis.call('HSET', fleet_key, 'n', n, 'sum', sum, 'max', max, 'dirty', 0)
-  return n, sum, max, f[5] or '0'
+  return n, sum, max, version
 end
 
 -- Upper bounds (s) of the task duration histogram; gpumesh/server/metrics.py reads the same list.
@@ -246,19 +308,20 @@ end
 
 -- Speculation: a running task may have one backup copy on a stronger idle worker (speculate.lua).
 -- The lease fence of complete and fail: which copy `token` holds, 'primary' or 'backup'; or nil and
--- the refusal {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
+-- the refusal reply {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
 local function holder(task_key, token)
   local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup')
-  if not t[1] then
+  local status, lease, backup = t[1], t[2], t[3]
+  if not status then
     return nil, {0, 'missing'}
   end
-  if t[1] ~= 'running' then
-    return nil, {0, t[1]}
+  if status ~= 'running' then
+    return nil, {0, status}
   end
-  if t[2] == token then
+  if lease == token then
     return 'primary'
   end
-  if t[3] and t[3] ~= '' and t[3] == token then
+  if backup and backup ~= '' and backup == token then
     return 'backup'
   end
   return nil, {0, 'stale'}
@@ -270,16 +333,17 @@ end
 
 -- The primary copy ended without a result (failed, handed back, or its lease lapsed): a live backup
 -- becomes the primary, with the rest of its lease, and the task keeps running. Returns true if so.
-local function promote_backup(task_key, lease_key, leases_key, task_id, ms)
-  local b = redis.call('HMGET', task_key, 'backup', 'backup_worker', 'backup_until')
-  local until_ms = tonumber(b[3] or 0) or 0
-  if not b[1] or b[1] == '' or until_ms <= ms then
+-- a: {task_key, lease_key, leases_key, task_id, ms}
+local function promote_backup(a)
+  local b = redis.call('HMGET', a.task_key, 'backup', 'backup_worker', 'backup_until')
+  local token, worker, until_ms = b[1], b[2], tonumber(b[3] or 0) or 0
+  if not token or token == '' or until_ms <= a.ms then
     return false
   end
-  redis.call('HSET', task_key, 'lease', b[1], 'worker', b[2])
-  clear_backup(task_key)
-  redis.call('SET', lease_key, b[1], 'PX', until_ms - ms)
-  redis.call('ZADD', leases_key, until_ms, task_id)
+  redis.call('HSET', a.task_key, 'lease', token, 'worker', worker)
+  clear_backup(a.task_key)
+  redis.call('SET', a.lease_key, token, 'PX', until_ms - a.ms)
+  redis.call('ZADD', a.leases_key, until_ms, a.task_id)
   return true
 end
 

@@ -1,22 +1,35 @@
 -- cancel: queued|running -> cancelled. A running task's worker learns it at its next heartbeat.
--- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] ready zset
--- ARGV[1] task id
--- Returns {1, previous status} or {0, status or 'missing'} when already ended.
-local status = redis.call('HGET', KEYS[1], 'status')
+--
+-- cancel(
+--   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset},
+--   args = {task id}
+-- )
+-- Reply (see _lib.lua): {1, 'cancelled', 'previous', the status it had}, or {0, status or 'missing'}
+-- when it had already ended.
+
+local task_key = KEYS[1]
+local lease_key = KEYS[2]
+local leases_key = KEYS[3]
+local job_key = KEYS[4]
+local events_key = KEYS[5]
+local ready_key = KEYS[6]
+
+local task_id = ARGV[1]
+
+local status = redis.call('HGET', task_key, 'status')
 if status ~= 'queued' and status ~= 'running' then
   return {0, status or 'missing'}
 end
 local ms = now_ms()
-local job_id = job_of(ARGV[1])
+local job_id = job_of(task_id)
 if status == 'queued' then
-  unpend(KEYS[1], KEYS[4], KEYS[6], job_id)
+  unpend({task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = job_id})
 end
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'lease', '', 'finished_at', secs(ms))
-clear_backup(KEYS[1])
-redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[1])
-move(KEYS[4], status, 'cancelled')
-emit(KEYS[5], 'task', ARGV[1], 'cancelled')
-maybe_finish(KEYS[4], KEYS[5], job_id, ms)
-return {1, status}
+redis.call('HSET', task_key, 'status', 'cancelled', 'lease', '', 'finished_at', secs(ms))
+clear_backup(task_key)
+redis.call('DEL', lease_key)
+redis.call('ZREM', leases_key, task_id)
+move(job_key, status, 'cancelled')
+emit(events_key, 'task', task_id, 'cancelled')
+maybe_finish(job_key, events_key, job_id, ms)
+return {1, 'cancelled', 'previous', status}

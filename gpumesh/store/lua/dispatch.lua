@@ -10,21 +10,36 @@
 --     while a lighter task is there); when even the lightest is beyond its horizon it takes the lightest
 --     (no worker idles while work it may run waits; a backup copy can rescue a straggler);
 --  3. lease it (as acquire.lua). Finding nothing, the worker joins the idle set, woken when work arrives.
--- KEYS[1] ready zset    KEYS[2] scores zset   KEYS[3] fleet hash    KEYS[4] worker hash
--- KEYS[5] leases zset   KEYS[6] events stream KEYS[7] idle set
--- ARGV[1] worker id     ARGV[2] lease TTL (ms)   ARGV[3] this worker's score
--- Returns take()'s lease reply (see _lib.lua) followed by the fleet version,
---      or {0, 'idle', fleet version}.
-local me, ttl, score = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n, sum, max, version = fleet(KEYS[2], KEYS[3])
-local raw = redis.call('HGET', KEYS[4], 'resources')
+--
+-- dispatch(
+--   keys = {ready zset, scores zset, fleet hash, worker hash, leases zset, events stream, idle set},
+--   args = {worker id, lease TTL (ms), this worker's score}
+-- )
+-- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
+-- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run.
+
+local ready_key = KEYS[1]
+local scores_key = KEYS[2]
+local fleet_key = KEYS[3]
+local worker_key = KEYS[4]
+local leases_key = KEYS[5]
+local events_key = KEYS[6]
+local idle_key = KEYS[7]
+
+local worker_id = ARGV[1]
+local ttl_ms = tonumber(ARGV[2])
+local score = tonumber(ARGV[3])
+
+local n, sum, max, version = fleet(scores_key, fleet_key)
+local raw = redis.call('HGET', worker_key, 'resources')
 local resources  -- decoded only when some queued work has requirements
--- what we choose by, then what take() needs, in one read per candidate job
+-- what we choose by (the first CHOOSE_BY fields), then what take() needs, in one read per candidate job
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
+local CHOOSE_BY = 4
 local NO_REQUIREMENTS = '[[]]'
 
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a task no longer queued)
-  local entries = redis.call('ZREVRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
   local best, best_prio, best_running, best_created, best_job, best_class, best_fields
   for i = 1, #entries, 2 do
     local member, prio = entries[i], tonumber(entries[i + 1])
@@ -33,12 +48,13 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
     end
     local job_id, klass = string.match(member, '^(.*)/(%d+)$')
     local job = job_id and redis.call('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
-    if not job or not job[1] or redis.call('EXISTS', pending_key(job_id, klass)) == 0 then
-      redis.call('ZREM', KEYS[1], member)  -- drained, cancelled or deleted
+    local classes = job and job[1]  -- JSON: per requirement class, its requirements
+    if not classes or redis.call('EXISTS', pending_key(job_id, klass)) == 0 then
+      redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted
     else
       local ok = true
-      if job[1] ~= NO_REQUIREMENTS then
-        local reqs = cjson.decode(job[1])[tonumber(klass) + 1] or {}
+      if classes ~= NO_REQUIREMENTS then
+        local reqs = cjson.decode(classes)[tonumber(klass) + 1] or {}
         if #reqs > 0 then
           resources = resources or (raw and cjson.decode(raw)) or {}
           ok = meets_all(reqs, resources)
@@ -54,8 +70,8 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
     end
   end
   if not best then
-    redis.call('SADD', KEYS[7], me)
-    return {0, 'idle', version}
+    redis.call('SADD', idle_key, worker_id)
+    return {0, 'idle', 'fleet_version', version}
   end
 
   local job_key = PREFIX .. 'job:' .. best_job
@@ -63,7 +79,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
   local pick
   if n > 1 then
     local heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
-    local queued_cost = tonumber(best_fields[4] or 0) or 0
+    local queued_cost = tonumber(best_fields[4] or 0) or 0  -- pending_cost
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
     local limit = score * horizon * (1 + 1e-9)
     pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -81,21 +97,21 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
   local index, cost = tonumber(pick[1]), tonumber(pick[2])
   local task_id = best_job .. '-' .. index
   local task_key = PREFIX .. 'task:' .. task_id
-  local t = redis.call('HMGET', task_key, unpack(TAKE_TASK))
-  if t[1] == 'queued' then
-    unpend(task_key, job_key, KEYS[1], best_job, index, cost, best_class)
-    redis.call('SREM', KEYS[7], me)
-    local job = {}
-    for k = 1, #TAKE_JOB do
-      job[k] = best_fields[4 + k]
-    end
-    local lease = take(task_key, PREFIX .. 'lease:' .. task_id, KEYS[5], job_key, KEYS[6], KEYS[4], task_id, me, ttl,
-      now_ms(), t, job, raw ~= nil)
-    lease[#lease + 1] = version
-    return lease
+  local task = redis.call('HMGET', task_key, unpack(TAKE_TASK))
+  local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
+    cost = cost, klass = best_class}
+  if task[1] == 'queued' then  -- its status
+    unpend(taken)
+    redis.call('SREM', idle_key, worker_id)
+    return take({
+      task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
+      events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
+      ms = now_ms(), task = task, job = best_fields, job_from = CHOOSE_BY, worker_known = raw ~= nil,
+      fleet_version = version,
+    })
   end
   -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
-  unpend(task_key, job_key, KEYS[1], best_job, index, cost, best_class)
+  unpend(taken)
 end
-redis.call('SADD', KEYS[7], me)
-return {0, 'idle', version}
+redis.call('SADD', idle_key, worker_id)
+return {0, 'idle', 'fleet_version', version}

@@ -1,33 +1,54 @@
 -- fail: running -> queued (attempts left) or failed; fenced by the lease token.
--- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] worker hash   KEYS[7] ready zset    KEYS[8] stats hash
--- KEYS[9] idle set
--- ARGV[1] task id       ARGV[2] lease token   ARGV[3] error text    ARGV[4] duration (s)
--- ARGV[5] 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it
---         for good whatever attempts remain (a task that must never run, such as a bad signature)
--- Returns {1, 'queued', attempts, 0} | {1, 'failed', attempts, 0} | {0, why} as complete.lua,
---      or {1, 'running', 0, 0} when the task runs on: a backup copy ended (it is dropped), or the
---      primary ended while a live backup runs (the backup becomes the primary).
-local copy, refused = holder(KEYS[1], ARGV[2])
+--
+-- fail(
+--   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset, stats hash,
+--           idle set},
+--   args = {task id, lease token, error text, duration (s), mode}
+-- )
+-- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
+-- good whatever attempts remain (a task that must never run, such as a bad signature).
+-- Reply (see _lib.lua): {1, 'queued' | 'failed', 'attempts', attempts spent}, {0, why} as complete.lua,
+-- or {1, 'running', 'attempts', 0} when the task runs on: a backup copy ended (it is dropped), or the
+-- primary ended while a live backup runs (the backup becomes the primary).
+
+local task_key = KEYS[1]
+local lease_key = KEYS[2]
+local leases_key = KEYS[3]
+local job_key = KEYS[4]
+local events_key = KEYS[5]
+local worker_key = KEYS[6]
+local ready_key = KEYS[7]
+local stats_key = KEYS[8]
+local idle_key = KEYS[9]
+
+local task_id = ARGV[1]
+local token = ARGV[2]
+local err = ARGV[3]
+local duration = ARGV[4]
+local mode = ARGV[5]
+
+local copy, refused = holder(task_key, token)
 if not copy then
   return refused
 end
 local ms = now_ms()
-clear_current(KEYS[6], ARGV[1])
-local tier = 0
+clear_current(worker_key, task_id)
 if copy == 'backup' then
-  clear_backup(KEYS[1])
-  return {1, 'running', 0, tier}
+  clear_backup(task_key)
+  return {1, 'running', 'attempts', 0}
 end
-if ARGV[5] ~= 'reject' and promote_backup(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ms) then
-  if ARGV[3] ~= '' then
-    redis.call('HSET', KEYS[1], 'error', ARGV[3])
+if mode ~= 'reject' and promote_backup({task_key = task_key, lease_key = lease_key, leases_key = leases_key,
+    task_id = task_id, ms = ms}) then
+  if err ~= '' then
+    redis.call('HSET', task_key, 'error', err)
   end
-  return {1, 'running', 0, tier}
+  return {1, 'running', 'attempts', 0}
 end
-redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[1])
-clear_backup(KEYS[1])
-local r = end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[7], KEYS[9], KEYS[8], ARGV[1], ARGV[3], ARGV[4],
-  ARGV[5] == 'release', ms, ARGV[5] == 'reject')
-return {1, r[1], r[2], r[3]}
+redis.call('DEL', lease_key)
+redis.call('ZREM', leases_key, task_id)
+clear_backup(task_key)
+return end_attempt({
+  task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
+  stats_key = stats_key, task_id = task_id, error = err, duration = duration, ms = ms,
+  refund = mode == 'release', final = mode == 'reject',
+})

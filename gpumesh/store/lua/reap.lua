@@ -1,26 +1,46 @@
 -- reap: a running task whose lease key has lapsed goes back to queued (or failed at max_attempts),
 -- unless a live backup copy runs it: that copy becomes the primary.
--- KEYS[1] task hash     KEYS[2] lease key     KEYS[3] leases zset   KEYS[4] job hash
--- KEYS[5] events stream KEYS[6] ready zset      KEYS[7] stats hash    KEYS[8] idle set
--- ARGV[1] task id
--- Returns {'renewed'} (lease still alive), {'gone'} (not running), or end_attempt's {'queued'|'failed', attempts, 0}
-local t = redis.call('HMGET', KEYS[1], 'status', 'worker')
+--
+-- reap(
+--   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset, stats hash, idle set},
+--   args = {task id}
+-- )
+-- Reply (see _lib.lua): end_attempt's {1, 'queued' | 'failed', 'attempts', attempts spent}; or
+-- {0, 'renewed'} (the lease is still alive, or a live backup took over) or {0, 'gone'} (not running).
+
+local task_key = KEYS[1]
+local lease_key = KEYS[2]
+local leases_key = KEYS[3]
+local job_key = KEYS[4]
+local events_key = KEYS[5]
+local ready_key = KEYS[6]
+local stats_key = KEYS[7]
+local idle_key = KEYS[8]
+
+local task_id = ARGV[1]
+
+local t = redis.call('HMGET', task_key, 'status', 'worker')
+local status, worker = t[1], t[2]
 local ms = now_ms()
-if t[1] ~= 'running' then
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  return {'gone'}
+if status ~= 'running' then
+  redis.call('ZREM', leases_key, task_id)
+  return {0, 'gone'}
 end
-local pttl = redis.call('PTTL', KEYS[2])
+local pttl = redis.call('PTTL', lease_key)
 if pttl > 0 then
-  redis.call('ZADD', KEYS[3], ms + pttl, ARGV[1])
-  return {'renewed'}
+  redis.call('ZADD', leases_key, ms + pttl, task_id)
+  return {0, 'renewed'}
 end
-if promote_backup(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ms) then
-  return {'renewed'}  -- the primary is gone, its live backup carries on as the primary
+if promote_backup({task_key = task_key, lease_key = lease_key, leases_key = leases_key, task_id = task_id,
+    ms = ms}) then
+  return {0, 'renewed'}  -- the primary is gone, its live backup carries on as the primary
 end
-redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[3], ARGV[1])
-clear_backup(KEYS[1])
-local err = 'lease expired: worker ' .. (t[2] or '?') .. ' stopped heartbeating'
-redis.call('HINCRBY', KEYS[7], 'lease_expired', 1)
-return end_attempt(KEYS[1], KEYS[4], KEYS[5], KEYS[6], KEYS[8], KEYS[7], ARGV[1], err, '', false, ms)
+redis.call('DEL', lease_key)
+redis.call('ZREM', leases_key, task_id)
+clear_backup(task_key)
+local err = 'lease expired: worker ' .. (worker or '?') .. ' stopped heartbeating'
+redis.call('HINCRBY', stats_key, 'lease_expired', 1)
+return end_attempt({
+  task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
+  stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms,
+})

@@ -1,22 +1,34 @@
 -- retry: failed -> queued with a fresh set of attempts; the job opens again.
--- KEYS[1] task hash     KEYS[2] job hash      KEYS[3] events stream KEYS[4] ready zset
--- KEYS[5] idle set
--- ARGV[1] task id
--- Returns {1, 0, 0} or {0, status or 'missing'} for a task that is not failed.
-local status = redis.call('HGET', KEYS[1], 'status')
+--
+-- retry(
+--   keys = {task hash, job hash, events stream, ready zset, idle set},
+--   args = {task id}
+-- )
+-- Reply (see _lib.lua): {1, 'queued'}, or {0, status or 'missing'} for a task that is not failed.
+
+local task_key = KEYS[1]
+local job_key = KEYS[2]
+local events_key = KEYS[3]
+local ready_key = KEYS[4]
+local idle_key = KEYS[5]
+
+local task_id = ARGV[1]
+
+local status = redis.call('HGET', task_key, 'status')
 if status ~= 'failed' then
   return {0, status or 'missing'}
 end
-local job_id = job_of(ARGV[1])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'attempts', 0, 'lease', '')
-redis.call('HDEL', KEYS[1], 'finished_at', 'duration')
-move(KEYS[2], 'failed', 'queued')
-make_pending(KEYS[1], KEYS[2], KEYS[4], KEYS[5], job_id)
-local job = redis.call('HMGET', KEYS[2], 'status', 'id')
-if job[1] == 'done' or job[1] == 'failed' or job[1] == 'cancelled' then
-  redis.call('HSET', KEYS[2], 'status', 'running')
-  redis.call('HDEL', KEYS[2], 'finished_at')
-  emit(KEYS[3], 'job', job[2], 'running')
+local job_id = job_of(task_id)
+redis.call('HSET', task_key, 'status', 'queued', 'attempts', 0, 'lease', '')
+redis.call('HDEL', task_key, 'finished_at', 'duration')
+move(job_key, 'failed', 'queued')
+make_pending({task_key = task_key, job_key = job_key, ready_key = ready_key, idle_key = idle_key, job_id = job_id})
+local job = redis.call('HMGET', job_key, 'status', 'id')
+local job_status, job_hash_id = job[1], job[2]
+if job_status == 'done' or job_status == 'failed' or job_status == 'cancelled' then
+  redis.call('HSET', job_key, 'status', 'running')
+  redis.call('HDEL', job_key, 'finished_at')
+  emit(events_key, 'job', job_hash_id, 'running')
 end
-emit(KEYS[3], 'task', ARGV[1], 'queued')
-return {1, 0, 0}
+emit(events_key, 'task', task_id, 'queued')
+return {1, 'queued'}

@@ -1,6 +1,13 @@
 -- wake: new work is takeable (a submit, a retry); every idle worker gets a token on its wake list.
--- KEYS[1] idle set
--- Returns the number of workers woken.
-local n = redis.call('SCARD', KEYS[1])
-wake_idle(KEYS[1])
-return n
+--
+-- wake(
+--   keys = {idle set},
+--   args = {}
+-- )
+-- Reply (see _lib.lua): {1, 'woken', 'workers', the number of workers woken}.
+
+local idle_key = KEYS[1]
+
+local n = redis.call('SCARD', idle_key)
+wake_idle(idle_key)
+return {1, 'woken', 'workers', n}
