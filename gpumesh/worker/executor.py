@@ -136,6 +136,7 @@ class Executor:
         return {"task_id": task_id, "attempt": lease.attempt, "status": status}
 
     def _attempt(self, running: Running) -> str:
+        """One attempt, in three steps: check the task may run here, run it in the sandbox, report it."""
         lease = running.lease
         try:
             source = self._script(lease.script_sha)
@@ -145,6 +146,14 @@ class Executor:
         if refusal:
             log.error("%s refused: %s", lease.task_id, refusal)
             return self._fail(running, refusal, 0.0, reject=True)
+        limits = self.w.limits(lease.timeout)
+        out = self._run_in_sandbox(running, source, limits)
+        return self._report(running, out, limits)
+
+    def _run_in_sandbox(self, running: Running, source: str, limits: sandbox.Limits) -> sandbox.Attempt:
+        """Run the script with its output shipped line by line; stop it when the heartbeat thread says so
+        or when no renewal reached the broker for a whole lease."""
+        lease = running.lease
         ship = self.w.logs.put
         copy = "backup copy of attempt" if lease.backup else "attempt"
         ship(lease.task_id, "gpumesh", f"{copy} {lease.attempt} on {self.w.worker_id}")
@@ -160,6 +169,15 @@ class Executor:
                 return "lease lost: no heartbeat reached the broker within the lease TTL"
             return None
 
+        out = sandbox.run(
+            source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
+            zygote=self.w.zygote, spares=self.spares,
+        )  # fmt: skip
+        self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
+        return out
+
+    def _task_env(self, lease: scripts.Lease) -> dict[str, str]:
+        """What the script learns about its task and its worker (README: Writing a task script)."""
         env = {
             "GPUMESH_DEVICE": self.w.capability.device,
             "GPUMESH_JOB_ID": lease.job_id,
@@ -171,52 +189,38 @@ class Executor:
         }
         if self.w.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
-        limits = self.w.limits(lease.timeout)
-        out = sandbox.run(
-            source, lease.script_name, lease.payload, env, limits, on_line, should_stop,
-            zygote=self.w.zygote, spares=self.spares,
-        )  # fmt: skip
-        self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
+        return env
 
+    def _report(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
+        """Tell the broker how the attempt ended (or nothing, when it is no longer ours to tell)."""
+        lease = running.lease
         if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
             return "lost"
         if out.killed == "cancelled":
             log.info("%s: cancelled; the attempt was killed", lease.task_id)
             return "cancelled"
-        if out.returncode == 0 and not out.killed:
-            if out.result_too_large:
-                return self._fail(running, f"result line is over the {limits.result_bytes}-byte cap", out.duration)
-            if out.last_line is None:
-                return self._fail(
-                    running,
-                    "the script printed nothing; the result must be the last stdout line, as JSON",
-                    out.duration,
-                )
-            result = out.last_line
-            try:
-                json.loads(result)
-            except ValueError:
-                return self._fail(running, f"the last stdout line is not JSON: {result[:200]!r}", out.duration)
-            res = self._patiently(
-                lambda: scripts.complete(
-                    self.broker.scripts,
-                    self.broker.r,
-                    lease,
-                    self.w.worker_id,
-                    result,
-                    out.duration,
-                    self.w.capability.score_gflops,
-                )
+        if out.returncode != 0 or out.killed:
+            tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
+            return self._fail(running, out.describe_exit() + (f"\n{tail}" if tail else ""), out.duration)
+        why = _bad_result(out, limits)
+        if why:
+            return self._fail(running, why, out.duration)
+        return self._complete(running, out)
+
+    def _complete(self, running: Running, out: sandbox.Attempt) -> str:
+        lease, result = running.lease, out.last_line or ""
+        res = self._patiently(
+            lambda: scripts.complete(
+                self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
+                self.w.capability.score_gflops,
             )
-            if not res.accepted:
-                log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
-                return f"rejected:{res.status}"
-            log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
-            return "done"
-        tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
-        error = out.describe_exit() + (f"\n{tail}" if tail else "")
-        return self._fail(running, error, out.duration)
+        )  # fmt: skip
+        if not res.accepted:
+            log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
+            return f"rejected:{res.status}"
+        log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
+        return "done"
 
     def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
         """Why this task must not run here: its script is not what its hash says, or (on a worker that
@@ -280,3 +284,16 @@ class Executor:
                 log.warning("broker unreachable while reporting (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def _bad_result(out: sandbox.Attempt, limits: sandbox.Limits) -> str | None:
+    """Why a clean exit still has no result to report, or None: the result is the last stdout line, as JSON."""
+    if out.result_too_large:
+        return f"result line is over the {limits.result_bytes}-byte cap"
+    if out.last_line is None:
+        return "the script printed nothing; the result must be the last stdout line, as JSON"
+    try:
+        json.loads(out.last_line)
+    except ValueError:
+        return f"the last stdout line is not JSON: {out.last_line[:200]!r}"
+    return None
