@@ -11,8 +11,10 @@ every task and imports this package first.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+# Not `from typing import TYPE_CHECKING`: the task's interpreter imports this file before its script runs,
+# from the task's directory, where a script named typing.py would shadow the module (type checkers
+# read this constant as typing's).
+TYPE_CHECKING = False
 
 __version__ = "0.2.0"
 
@@ -56,10 +58,12 @@ if TYPE_CHECKING:
     from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'gpumesh' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value

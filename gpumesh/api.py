@@ -153,6 +153,8 @@ class Job:
 
 def _script(script: str | Path) -> tuple[str, str]:
     """(source, name) of a script given as a path or as source text."""
+    if not isinstance(script, (str, Path)):
+        raise UsageError(f"script must be a path or Python source text, got {type(script).__name__}")
     if isinstance(script, Path) or ("\n" not in script and script.endswith(".py")):
         path = Path(script)
         if not path.is_file():
@@ -161,6 +163,4 @@ def _script(script: str | Path) -> tuple[str, str]:
             return path.read_text(), path.name
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read script {path}: {exc}") from None
-    if not isinstance(script, str):
-        raise UsageError(f"script must be a path or Python source text, got {type(script).__name__}")
     return script, "script.py"

@@ -120,7 +120,8 @@ def test_the_task_process_imports_nothing_of_gpumesh_but_the_launcher() -> None:
     code = "import sys, gpumesh.sandbox.launcher; print(sorted(m for m in sys.modules if m.startswith('gpumesh')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['gpumesh', 'gpumesh.sandbox', 'gpumesh.sandbox.launcher']"
-    heavy = "import sys, gpumesh.sandbox.launcher; print([m for m in ('redis', 'pydantic', 'rq', 'click') if m in sys.modules])"
+    # typing too: the launcher imports from the task's directory, where a task's typing.py would shadow it
+    heavy = "import sys, gpumesh.sandbox.launcher; print([m for m in ('redis', 'pydantic', 'rq', 'click', 'typing') if m in sys.modules])"
     assert (
         subprocess.run([sys.executable, "-c", heavy], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )

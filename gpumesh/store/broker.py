@@ -26,7 +26,9 @@ from gpumesh.store.submit import Submitter
 
 log = logging.getLogger("gpumesh")
 
-EXECUTOR = "gpumesh.worker.executor.run_task"  # the only function a gpumesh worker runs
+# The only function a gpumesh worker runs, by the name RQ records (rq-dashboard, `rq info`). Only compared,
+# never imported (MeshJob pins the function), so it keeps the name of earlier versions.
+EXECUTOR = "gpumesh.executor.run_task"
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
 

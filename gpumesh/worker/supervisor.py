@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gpumesh.errors import UsageError
 
-log = logging.getLogger("gpumesh.worker.supervisor")
+log = logging.getLogger("gpumesh.supervisor")
 
 
 def list_gpus() -> list[str]:
