@@ -50,11 +50,11 @@ def mode(request):
     MODE["zygote"] = MODE["spares"] = None
 
 
-def run(source: str, payload: dict | None = None, should_stop=lambda: None, **limits):
+def run(source: str, payload: dict | None = None, should_stop=lambda: None, name: str = "task.py", **limits):
     lines: list[tuple[str, str]] = []
     lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
     out = sandbox.run(
-        textwrap.dedent(source), "task.py", json.dumps(payload or {}), {"GPUMESH_DEVICE": "cpu"}, lim,
+        textwrap.dedent(source), name, json.dumps(payload or {}), {"GPUMESH_DEVICE": "cpu"}, lim,
         lambda s, line: lines.append((s, line)), should_stop, zygote=MODE["zygote"], spares=MODE["spares"],
     )  # fmt: skip
     return out, lines
@@ -103,6 +103,15 @@ def test_the_task_holds_no_descriptor_of_the_worker_s():
     fds = json.loads(out.last_line)
     assert sorted(fds) == ["0", "1", "2"], fds
     assert fds["1"].startswith("pipe:") and fds["2"].startswith("pipe:")
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("name", ["signal.py", "resource.py", "ctypes.py", "typing.py", "gpumesh.py", "os.py"])
+def test_a_script_may_be_named_like_a_module_the_launcher_imports(name):
+    # The launcher starts outside the task's directory: a script named signal.py is the task's own
+    # business, never what the sandbox imports before it sets the limits up.
+    out, _ = run("import sys\nprint(sys.argv[0].rsplit('/', 1)[-1])", name=name)
+    assert (out.returncode, out.last_line) == (0, name), list(out.stderr_tail)
 
 
 @pytest.mark.core

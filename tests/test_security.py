@@ -208,6 +208,11 @@ for name, path in [("worker_environ", f"/proc/{worker}/environ"), ("config", os.
     except (PermissionError, FileNotFoundError) as exc:
         seen[name] = type(exc).__name__
 seen["worker_cmdline_has_secret"] = "secret" in open(f"/proc/{worker}/cmdline").read()
+# what root runs: a copy of the launcher that the task's user could write, or write next to, would be a way in
+import glob, tempfile
+copies = glob.glob(os.path.join(tempfile.gettempdir(), "*", "_gpumesh_launcher.py"))
+copies += glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpumesh_launcher.py"))
+seen["writable_launcher"] = [c for c in copies if os.access(c, os.W_OK) or os.access(os.path.dirname(c), os.W_OK)]
 print(json.dumps(seen))
 """
 
@@ -237,6 +242,7 @@ def test_sandbox_user_keeps_the_worker_s_secrets_out_of_reach(env, workers, r: r
     seen = row["result"]
     assert seen["uid"] == nobody.pw_uid and seen["env"] == []
     assert seen["worker_environ"] == "PermissionError" and seen["worker_cmdline_has_secret"] is False
+    assert seen["writable_launcher"] == []  # the launcher root runs is never where the task's user may write
     # a task's own error still comes back whole (its traceback needs modules the zygote loaded for it)
     script.write_text("open('/proc/1/environ').read()\n")
     job = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "1", env=env, input="[{}]").stdout.strip()

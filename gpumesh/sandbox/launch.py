@@ -32,12 +32,11 @@ def clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def copy_launcher(directory: str, owner: tuple[int, int] | None = None) -> str:
-    """A copy of launcher.py (standard library only) in ``directory``, for an interpreter that may not see gpumesh."""
+def copy_launcher(directory: str) -> str:
+    """A copy of launcher.py (standard library only) in ``directory``, a private one of the worker's
+    (never the task's), for an interpreter that may not see gpumesh. The launcher removes it as it starts."""
     copy = os.path.join(directory, LAUNCHER_COPY)
     shutil.copyfile(os.path.join(os.path.dirname(__file__), "launcher.py"), copy)
-    if owner is not None:
-        os.chown(copy, *owner)
     return copy
 
 

@@ -525,16 +525,18 @@ def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: in
 
 
 def main(argv: list[str]) -> None:
-    if argv and argv[0] in ("--zygote", "--spare"):
-        # A helper started from a private copy of this file has read it by now: remove the copy, so
-        # nothing is left behind even if the worker is killed. Run as a module: nothing to remove.
-        remove_dir_of(os.path.abspath(sys.argv[0]), COPY_DIR_PREFIX)
+    # Started from a private copy of this file, the interpreter has read it by now: remove the copy, so
+    # nothing is left behind even if the worker is killed. Run as a module: nothing to remove.
+    remove_dir_of(os.path.abspath(sys.argv[0]), COPY_DIR_PREFIX)
     if argv and argv[0] == "--zygote":
         ctrl_fd, parent, preload = argv[1:]
         zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])
     elif argv and argv[0] == "--spare":
         sys.exit(spare(int(argv[1]), int(argv[2])))
     else:
+        # A fresh attempt starts outside its directory (so the task's files are not on sys.path while
+        # this file's imports run) and moves there before the script is forked.
+        os.chdir(os.path.dirname(os.path.abspath(argv[1])))
         sys.exit(supervise(*argv))
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
-from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
+from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
@@ -77,13 +77,15 @@ class Attempt:
         return f"exit code {rc}"
 
 
-def _launcher(limits: Limits, workdir: str) -> list[str]:
+def _launcher(limits: Limits) -> list[str]:
     """How to start the launcher: as a module of the worker's own interpreter, or, for another
-    interpreter or user (which may not see the worker's site-packages), as a copy in the task's dir."""
+    interpreter or user (which may not see the worker's site-packages), from a private copy in a
+    directory of the worker's own that the launcher removes as it starts. Never from the task's
+    directory: the task's user owns it, and whatever sits there must not be what the worker runs."""
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
         return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
-    return [python, "-u", copy_launcher(workdir, limits.user)]
+    return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
 
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
@@ -273,11 +275,18 @@ def _start(
         elif spares is not None:
             proc = spares.start(limits, script, workdir, env, rlimits, stdin.fileno())
         if proc is None:
-            proc = subprocess.Popen(
-                [*_launcher(limits, workdir), str(os.getpid()), script, *map(str, rlimits)],
-                stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=workdir, env=env, start_new_session=True, close_fds=True,
-            )  # fmt: skip
+            # Started outside the task's directory (the launcher moves there itself), so that nothing the
+            # task's files are named (signal.py, gpumesh.py) is found first on the launcher's sys.path.
+            cmd = _launcher(limits)
+            try:
+                proc = subprocess.Popen(
+                    [*cmd, str(os.getpid()), script, *map(str, rlimits)],
+                    stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    cwd="/", env=env, start_new_session=True, close_fds=True,
+                )  # fmt: skip
+            except BaseException:
+                forget_launcher_command(cmd)
+                raise
         return proc
 
 

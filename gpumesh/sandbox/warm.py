@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -121,7 +120,7 @@ class Zygote:
             self.proc = subprocess.Popen(
                 [*cmd, "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
                 stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=clean_env(self.env),
-                cwd=tempfile.gettempdir(), start_new_session=True,
+                cwd="/", start_new_session=True,  # not a shared dir: nothing there shadows an import
             )  # fmt: skip
         except OSError:
             mine.close()
