@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, cast
 
@@ -55,6 +56,45 @@ Payload = Annotated[dict[str, Any], AfterValidator(_check_cost)]
 PAYLOADS = TypeAdapter(Annotated[list[Payload], Field(min_length=1)])
 
 
+MAX_DEPTH = 100  # how deep a payload or a result may nest (lists and objects); deeper is refused
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (JSON has no NaN or Infinity; send null or a string)")
+
+
+def loads_strict(text: str) -> Any:
+    """json.loads without NaN/Infinity, with every failure (too deep, a number too long) as a ValueError."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError(f"it nests deeper than {MAX_DEPTH} levels") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's guard against quadratic int parsing
+            raise ValueError(
+                f"a number in it has more than {sys.get_int_max_str_digits()} digits; send it as a string"
+            ) from None
+        raise
+    if too_deep(value):
+        raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` levels deep (no recursion: any depth is safe)."""
+    level: list[Any] = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        inner: list[Any] = []
+        for v in level:
+            inner.extend(v.values() if isinstance(v, dict) else v)
+        level = [v for v in inner if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return bool(level)
+
+
 class Payloads(list[dict[str, Any]]):
     """A payload list that passed :func:`check_payloads`, so submit does not check it a second time."""
 
@@ -62,21 +102,35 @@ class Payloads(list[dict[str, Any]]):
 def parse_payloads(text: str, source: str = "payloads") -> Payloads:
     """Validate a JSON list of objects with an optional positive ``cost``; one clear UsageError otherwise."""
     try:
-        data = json.loads(text)
+        data = loads_strict(text)
     except json.JSONDecodeError as exc:
         raise UsageError(
             f"{source} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             'expected a list of objects such as [{"lr": 0.1}, {"lr": 0.01}]'
         ) from None
-    return check_payloads(data, source)
+    except ValueError as exc:  # NaN, too deep, an integer of thousands of digits
+        raise UsageError(f"{source} cannot be used: {exc}") from None
+    return Payloads(_validate(data, source))
 
 
 def check_payloads(data: Any, source: str = "payloads") -> Payloads:
     """The checks of :func:`parse_payloads` on data already decoded (what a Python caller passes)."""
     if isinstance(data, Payloads):
         return data
+    checked = _validate(data, source)
+    try:  # what came from Python, not from JSON text: it must be JSON, and finite
+        json.dumps(checked, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        why = f"it nests deeper than {MAX_DEPTH} levels" if isinstance(exc, RecursionError) else str(exc)
+        raise UsageError(f"{source} cannot be sent as JSON: {why}") from None
+    if too_deep(checked):
+        raise UsageError(f"{source} cannot be used: a payload nests deeper than {MAX_DEPTH} levels")
+    return Payloads(checked)
+
+
+def _validate(data: Any, source: str) -> list[dict[str, Any]]:
     try:
-        return Payloads(PAYLOADS.validate_python(data, strict=True))
+        return PAYLOADS.validate_python(data, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = err["loc"]
@@ -212,12 +266,22 @@ class TaskResult(BaseModel):
             index=int(h["index"]),
             task_id=task_id,
             status=cast(JobState, h["status"]),
-            result=json.loads(h["result"]) if h.get("result") else None,
+            result=_stored_result(h.get("result")),
             error=h.get("error") or None,
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker") or None,
             duration_s=float(h["duration"]) if h.get("duration") else None,
         )
+
+
+def _stored_result(text: str | None) -> Any:
+    """A stored result; one an older worker accepted that cannot be read back (too deep) reads as its text."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text[:200]
 
 
 class Capability(BaseModel):

@@ -16,6 +16,11 @@ from .conftest import ROOT
 pytestmark = pytest.mark.core
 
 EXAMPLE = ROOT / "examples" / "grid_search.py"
+DEEP: list = []
+_level = DEEP
+for _ in range(150):
+    _level.append([])
+    _level = _level[0]
 
 
 def test_exported_members_are_the_public_api() -> None:
@@ -48,6 +53,9 @@ def test_import_gpumesh_is_light() -> None:
         ([1, 2], r"payloads\[0\] must be a JSON object, got 1"),
         ([], "a job needs at least one payload"),
         ([{"requires": "vram_gb>=40"}], r"payloads\[0\]\.requires must be a list"),
+        ([{"lr": float("nan")}], "cannot be sent as JSON: Out of range float values are not JSON compliant"),
+        ([{"ids": {1, 2}}], "cannot be sent as JSON: Object of type set is not JSON serializable"),
+        ([{"a": DEEP}], "nests deeper than 100 levels"),
     ],
 )
 def test_submit_from_python_checks_payloads_before_writing(env, r, payloads, message) -> None:

@@ -17,15 +17,14 @@ def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, for logs and messages."""
     try:
         parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        port = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]  # as written, even if not a number
     except ValueError:
         return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" + (f":{port}" if port else "")))
 
 
 def client(url: str, *, decode: bool, socket_timeout: float, retries: int) -> redis.Redis:

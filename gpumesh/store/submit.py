@@ -69,6 +69,18 @@ def requirement_classes(
     return classes, reqs
 
 
+MAX_IDEMPOTENCY_KEY = 200
+
+
+def _check_idempotency_key(key: str) -> None:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("--idempotency-key must be text (UTF-8); got bytes that are not") from None
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY:
+        raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
+
+
 class Submitter:
     """Writes jobs through one client; ``live`` reads the server's time and the live workers' scores."""
 
@@ -101,6 +113,8 @@ class Submitter:
         With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
         returns the job the first one created instead of a second job (WATCH makes the race safe)."""
         payloads = check_payloads(payloads)  # a no-op on what the CLI already checked
+        if idempotency_key is not None:
+            _check_idempotency_key(idempotency_key)
         check_script(source, script_name)
         if not isinstance(options, JobOptions):
             raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")

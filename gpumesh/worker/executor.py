@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from gpumesh.models import Capability
+from gpumesh.models import Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import Verifier
@@ -293,7 +293,9 @@ def _bad_result(out: sandbox.Attempt, limits: sandbox.Limits) -> str | None:
     if out.last_line is None:
         return "the script printed nothing; the result must be the last stdout line, as JSON"
     try:
-        json.loads(out.last_line)
-    except ValueError:
+        loads_strict(out.last_line)
+    except json.JSONDecodeError:
         return f"the last stdout line is not JSON: {out.last_line[:200]!r}"
+    except ValueError as exc:  # NaN or Infinity, nested too deep, an integer of thousands of digits
+        return f"the result (the last stdout line) cannot be used: {exc}"
     return None
