@@ -33,7 +33,7 @@ def connect(url: str | None = None) -> Mesh:
 
     >>> mesh = gpumesh.connect("redis://:secret@10.0.0.5:6379/0")   # doctest: +SKIP
     """
-    return Mesh(Broker(Settings.load(url=url)).ping())
+    return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping())
 
 
 class Mesh:

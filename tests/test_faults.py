@@ -21,7 +21,7 @@ import redis
 
 from gpumesh.store import keys
 
-from .conftest import RedisServer, Workers, gpumesh, pid_alive, wait_until, written
+from .conftest import ROOT, RedisServer, Workers, gpumesh, pid_alive, wait_until, written
 from .faultproxy import FaultProxy
 
 pytestmark = pytest.mark.faults
@@ -282,3 +282,27 @@ def test_submit_retried_with_the_same_idempotency_key_creates_one_job(env, r: re
     assert r.zcard(keys.pending(outs[0]["job_id"], 0)) == 2 and not r.keys("rq:job:*"), "no duplicate tasks"
     p = gpumesh(*args, env=env, input='[{"n": 3}]')
     assert p.returncode == 2 and "was already used for job" in p.stderr
+
+
+@pytest.mark.faults
+def test_a_broker_that_accepts_but_never_answers_fails_a_command_within_seconds(env, tmp_path: Path):
+    # A stopped Redis (SIGSTOP: connections are accepted, nothing is answered) used to hold every
+    # command for about 93 s: each handshake command and each retry waited its own socket timeout.
+    server = RedisServer(tmp_path).start()
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        for command in (
+            ["jobs"],
+            ["status", "abc"],
+            ["submit", str(ROOT / "examples/grid_search.py"), "--payloads", "-"],
+        ):
+            t0 = time.monotonic()
+            p = gpumesh(*command, "--url", server.url, env=env, input="[{}]")
+            took = time.monotonic() - t0
+            assert p.returncode == 3, p.stderr
+            assert p.stderr.count("\n") == 1 and "cannot reach the broker" in p.stderr
+            assert took < 20, f"{command[0]} took {took:.1f} s"
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()

@@ -3,6 +3,7 @@ reading a job's input, waiting for a job (like rq's ``rq/cli/helpers.py``)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,15 @@ url_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
 
 
-def connect(ctx: click.Context, url: str | None) -> Broker:
+def connect(ctx: click.Context, url: str | None, worker: bool = False) -> Broker:
+    """A broker connection for one command, closed with it. A command gives up on a broker that does not
+    answer within seconds (exit 3); a worker's client also waits out its own blocking calls."""
     settings = Settings.load(url=url)
     ctx.obj["url"] = settings.url
-    broker = Broker(settings)
+    if worker:
+        broker = Broker(settings, blocking_timeout=math.ceil(settings.heartbeat_interval))
+    else:
+        broker = Broker(settings, retries=1, health_check=False)  # a broker that does not answer: exit 3 in ~10 s
     ctx.call_on_close(broker.close)
     return broker.ping()
 

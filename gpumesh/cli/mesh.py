@@ -104,7 +104,7 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 
     for r in options.resources:  # a bad --resource is a usage error before anything connects
         parse_resource(r)
-    code = build.run(connect(ctx, url), options)
+    code = build.run(connect(ctx, url, worker=True), options)
     if code:
         ctx.exit(code)
 

@@ -31,18 +31,25 @@ log = logging.getLogger("gpumesh")
 EXECUTOR = "gpumesh.executor.run_task"
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
+SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
 
 
 class Broker:
     """A connection to the mesh's Redis plus the scripts and queues bound to it."""
 
-    def __init__(self, settings: Settings, *, blocking_timeout: float = 0, retries: int = 2) -> None:
+    def __init__(
+        self, settings: Settings, *, blocking_timeout: float = 0, retries: int = 2, health_check: bool = True
+    ) -> None:
+        """``blocking_timeout``: the longest blocking call this client makes (a worker's BLPOP on its wake
+        list); a reply may take that long plus SOCKET_TIMEOUT before the broker counts as unreachable."""
         self.settings = settings
         self.url = settings.url
-        timeout = max(10.0, blocking_timeout + 10)
-        self.redis = client(self.url, decode=True, socket_timeout=timeout, retries=retries)
+        timeout = blocking_timeout + SOCKET_TIMEOUT
+        self.redis = client(self.url, decode=True, socket_timeout=timeout, retries=retries, health_check=health_check)
         self.r = text(self.redis)  # the same client, typed as it answers: str
-        self.rq = client(self.url, decode=False, socket_timeout=timeout, retries=retries)  # RQ wants bytes
+        self.rq = client(
+            self.url, decode=False, socket_timeout=timeout, retries=retries, health_check=health_check
+        )  # RQ wants bytes
         self.scripts = scripts.Scripts(self.redis)
         self._submitter = Submitter(self.r, self.url, settings, self.scripts, self._live)
 
