@@ -306,3 +306,26 @@ def test_a_broker_that_accepts_but_never_answers_fails_a_command_within_seconds(
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()
+
+
+@pytest.mark.faults
+def test_a_worker_starting_removes_what_dead_workers_on_this_machine_left_behind(env, workers, r: redis.Redis):
+    # A worker killed just before an attempt starts or just after it ends leaves the attempt's directory:
+    # no launcher is left to remove it. The directory carries the worker's pid; the next worker removes it.
+    make = "import os, tempfile; print(tempfile.mkdtemp(prefix='gpumesh-task-%d-' % os.getpid()))"
+    dead = Path(subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, check=True).stdout.strip())
+    (dead / "output").mkdir()
+    (dead / "output" / "checkpoint.bin").write_bytes(b"x" * 1000)
+    alive = subprocess.Popen(
+        [sys.executable, "-c", make + "; import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True
+    )
+    assert alive.stdout is not None
+    held = Path(alive.stdout.readline().strip())
+    try:
+        workers.start()
+        wait_until(lambda: not dead.exists(), timeout=20, what="the dead worker's directory to be removed")
+        assert held.is_dir(), "a live process's directory is left alone"
+    finally:
+        alive.kill()
+        alive.communicate()
+        subprocess.run(["rm", "-rf", str(held)], check=False)

@@ -220,7 +220,7 @@ def run(
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
     with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran."""
     out = Attempt()
-    workdir = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX)
+    workdir = tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{os.getpid()}-")  # the pid: see sweep_dead_workers_dirs
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
@@ -318,6 +318,35 @@ def _watch(
             os.close(pidfd)
     if warm is not None and warm.lost:
         out.killed = out.killed or warm.lost
+
+
+def sweep_dead_workers_dirs() -> int:
+    """Remove the attempt directories of workers on this machine that died (their pid is in the name):
+    a worker killed just before an attempt started, or just after it ended, leaves its directory behind,
+    and no launcher is left to remove it. A directory of a live process (or of one this user may not
+    signal) is left alone. Returns how many were removed."""
+    base = tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        pid_text, _, rest = name.removeprefix(TASK_DIR_PREFIX).partition("-")
+        if not name.startswith(TASK_DIR_PREFIX) or not pid_text.isdigit() or not rest:
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (perhaps a reused pid: then the directory waits for the next sweep)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        path = os.path.join(base, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _remove(workdir: str, script: str, output_dir: str) -> None:

@@ -34,7 +34,7 @@ from rq.worker import SimpleWorker
 
 from gpumesh import scheduling
 from gpumesh.models import Capability
-from gpumesh.sandbox.runner import Limits
+from gpumesh.sandbox.runner import Limits, sweep_dead_workers_dirs
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
@@ -43,6 +43,7 @@ from gpumesh.worker.logship import LogShipper
 
 log = logging.getLogger("gpumesh.worker")
 
+SWEEP_INTERVAL = 60.0  # s between sweeps for the task directories of workers that died here
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
 
@@ -277,6 +278,9 @@ class MeshWorker(SimpleWorker):
         self.logs.start()
         # List our queue in RQ's registry so `rq info` and rq-dashboard show it while it is empty too.
         self.connection.sadd(self.queue_class.redis_queues_keys, self.my_queue.key)
+        swept = sweep_dead_workers_dirs()
+        if swept:
+            log.info("removed %d task directories that workers which died on this machine left behind", swept)
         self._register()
         self._beat()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
@@ -322,11 +326,15 @@ class MeshWorker(SimpleWorker):
             log.warning("could not unregister (%s); the registration expires by itself", exc)
 
     def _heartbeat_loop(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self._hb_stop.wait(self.settings.heartbeat_interval):
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 log.warning("parent process %d is gone; stopping", self.parent_pid)
                 self.parent_pid = None
                 os.kill(os.getpid(), signal.SIGTERM)
+            if time.monotonic() >= next_sweep:  # off this thread: a large directory must not delay a renewal
+                next_sweep = time.monotonic() + SWEEP_INTERVAL
+                threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
             try:
                 self._beat()
                 if self._hb_failing:
