@@ -6,6 +6,7 @@ writes a 100,000-shard job (benchmarks/submit.py measures that)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -103,3 +104,29 @@ def test_concurrent_staged_submits_with_one_idempotency_key_make_one_job(broker:
         t.join(timeout=60)
     assert len(results) == 4 and len(set(results)) == 1
     assert r.zcard(keys.JOBS) == 1 and pending(r) == N and r.llen(keys.job_tasks(results[0])) == N
+
+
+@pytest.mark.faults
+def test_a_retry_after_a_submitter_died_while_staging_takes_the_job_over_at_once(
+    broker: Broker, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+):
+    # The first version made the retry wait 120 s and exit 3 ("still writing") for the hour the dead
+    # submitter's claim lived. A claim that makes no progress is stale within STAGING_STALE_MS.
+    def die(*_a, **_k):
+        raise ConnectionError("the submitter died")
+
+    with monkeypatch.context() as m:
+        m.setattr(submit_module.Submitter, "_make_visible", staticmethod(die))
+        with pytest.raises(ConnectionError):
+            broker.submit(SCRIPT, "t.py", payloads(), JobOptions(), idempotency_key="nightly-8")
+    assert r.zcard(keys.STAGING) == 1 and broker.jobs() == []
+    monkeypatch.setattr(submit_module, "STAGING_STALE_MS", 50)
+    time.sleep(0.1)  # the dead submitter's claim is now older than the stale bound
+    t0 = time.monotonic()
+    res = broker.submit(SCRIPT, "t.py", payloads(), JobOptions(), idempotency_key="nightly-8")
+    assert time.monotonic() - t0 < 10
+    st = broker.job_status(res.job_id)
+    assert st.tasks.total == N and st.tasks.queued == N and pending(r) == N
+    assert [j.job_id for j in broker.jobs()] == [res.job_id], "one job, whole"
+    again = broker.submit(SCRIPT, "t.py", payloads(), JobOptions(), idempotency_key="nightly-8")
+    assert again.job_id == res.job_id and len(broker.jobs()) == 1

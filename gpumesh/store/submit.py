@@ -29,6 +29,10 @@ from gpumesh.store.connection import TextClient, translate
 
 STAGE_ABOVE = 10_000  # a larger job is written in stages (Submitter._submit_staged); a smaller one in one MULTI/EXEC
 STAGE_CHUNK = 5_000  # tasks per round trip while staging
+# A staging claim's score is its submitter's last progress (server ms). One that made none for this long was
+# abandoned (the submitter died): the reaper deletes what it wrote, and a retry with its idempotency key
+# takes the job id over at once instead of waiting.
+STAGING_STALE_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,26 @@ def _check_idempotency_key(key: str) -> None:
         raise UsageError("--idempotency-key must be text (UTF-8); got bytes that are not") from None
     if not key or len(key) > MAX_IDEMPOTENCY_KEY:
         raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
+
+
+def delete_job(r: TextClient, job_id: str, index: str) -> None:
+    """Delete a job with its tasks, logs and pending sets, and drop it from ``index`` (the jobs index, or
+    the staging claims for a job that never became visible)."""
+    tids = r.lrange(keys.job_tasks(job_id), 0, -1)
+    classes = r.hget(keys.job(job_id), "classes")
+    if classes is not None:
+        pending = [keys.pending(job_id, k) for k in range(len(json.loads(classes)))]
+    else:  # staged, never made visible: its classes were not recorded
+        pending = list(r.scan_iter(match=keys.pending(job_id, 0)[:-1] + "*", count=1000))
+    with r.pipeline(transaction=True) as p:
+        if pending:
+            p.delete(*pending)
+        for start in range(0, len(tids), 1000):
+            chunk = tids[start : start + 1000]
+            p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
+        p.delete(keys.job(job_id), keys.job_tasks(job_id))
+        p.zrem(index, job_id)
+        p.execute()
 
 
 class Submitter:
@@ -254,12 +278,19 @@ class Submitter:
             if existing[0] is not None:
                 return self._same_request(job.id, existing, request, idempotency_key)
         if not r.zadd(keys.STAGING, {job.id: int(job.created * 1000)}, nx=True):
-            return self._await_other_submit(job.id, request, idempotency_key or "")
+            other = self._await_other_submit(job.id, request, idempotency_key or "")
+            if other is not None:
+                return other
+            # the other submit died: its claim and what it staged are gone; stage the job afresh
+            return self._submit_staged(job, request, idempotency_key, signer, expires)
         r.set(keys.script(job.sha), job.source, nx=True)
+        t0 = time.monotonic()
         for start in range(0, total, STAGE_CHUNK):
             with r.pipeline(transaction=False) as p:
                 stop = min(total, start + STAGE_CHUNK)
                 self._write_tasks(p, job, start, stop)
+                progress_ms = int(job.created * 1000 + (time.monotonic() - t0) * 1000)  # server time, from submit
+                p.zadd(keys.STAGING, {job.id: progress_ms}, xx=True)
                 if signer is not None:
                     self._sign(p, signer, job.id, job.sha, job.payloads, job.options, expires, start, stop)
                 p.execute()
@@ -272,15 +303,22 @@ class Submitter:
             p.execute()  # the staging entry stays (the reaper drops it later): it is the claim on this job id
         return SubmitResult(job_id=job.id, tasks=total, tiers=job.per_tier, priority=job.options.priority)
 
-    def _await_other_submit(self, job_id: str, request: str, key: str, patience: float = 120.0) -> SubmitResult:
-        """A concurrent submit with the same idempotency key is staging this job: its result is ours."""
+    def _await_other_submit(self, job_id: str, request: str, key: str, patience: float = 120.0) -> SubmitResult | None:
+        """A concurrent submit with the same idempotency key is staging this job: its result is ours. None
+        when that submit died (its claim made no progress for STAGING_STALE_MS): its partial job is deleted
+        here, and the caller stages the job itself."""
         deadline = time.monotonic() + patience
         while time.monotonic() < deadline:
             existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
             if existing[0] is not None:
                 return self._same_request(job_id, existing, request, key)
-            if self.r.zscore(keys.STAGING, job_id) is None and existing[1] is None:
-                break  # the other submit gave up; nothing of it is visible
+            progress = self.r.zscore(keys.STAGING, job_id)
+            if progress is None and existing[1] is None:
+                return None  # the other submit gave up; nothing of it is visible
+            sec, usec = self.r.time()
+            if progress is not None and sec * 1000 + usec // 1000 - progress > STAGING_STALE_MS:
+                delete_job(self.r, job_id, keys.STAGING)
+                return None
             time.sleep(0.2)
         raise BrokerError(
             f"another submit with idempotency key {key!r} is still writing job {job_id}; run the same command again"

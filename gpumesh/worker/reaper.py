@@ -8,7 +8,6 @@ it only leaves a lease that lapses.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
@@ -19,8 +18,9 @@ from gpumesh.models import TERMINAL
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
+from gpumesh.store.submit import STAGING_STALE_MS, delete_job
 
-ABANDONED_STAGING_MS = 3_600_000  # a staged job not made visible within an hour was abandoned by its submitter
+ABANDONED_STAGING_MS = STAGING_STALE_MS  # a staged job that made no progress this long was abandoned
 
 
 def reap_until(b: Broker, stop: threading.Event, interval: float) -> None:
@@ -88,7 +88,7 @@ def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
         status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
         if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
             continue  # still open, or finished within the retention
-        _delete_job(b, job_id, keys.JOBS)
+        delete_job(b.r, job_id, keys.JOBS)
         pruned += 1
     return pruned
 
@@ -98,26 +98,8 @@ def _prune_abandoned_staging(b: Broker, now_ms: int, batch: int = 50) -> int:
     pruned = 0
     for job_id in b.r.zrangebyscore(keys.STAGING, "-inf", now_ms - ABANDONED_STAGING_MS, start=0, num=batch):
         if not b.r.exists(keys.job(job_id)):
-            _delete_job(b, job_id, keys.STAGING)
+            delete_job(b.r, job_id, keys.STAGING)
             pruned += 1
         else:
             b.r.zrem(keys.STAGING, job_id)
     return pruned
-
-
-def _delete_job(b: Broker, job_id: str, index: str) -> None:
-    tids = b.r.lrange(keys.job_tasks(job_id), 0, -1)
-    classes = b.r.hget(keys.job(job_id), "classes")
-    if classes is not None:
-        pending = [keys.pending(job_id, k) for k in range(len(json.loads(classes)))]
-    else:  # staged, never made visible: its classes were not recorded
-        pending = list(b.r.scan_iter(match=keys.pending(job_id, 0)[:-1] + "*", count=1000))
-    with b.r.pipeline(transaction=True) as p:
-        if pending:
-            p.delete(*pending)
-        for start in range(0, len(tids), 1000):
-            chunk = tids[start : start + 1000]
-            p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
-        p.delete(keys.job(job_id), keys.job_tasks(job_id))
-        p.zrem(index, job_id)
-        p.execute()
