@@ -3,6 +3,7 @@
     GpumeshError                 1  (never raised bare)
     ├── UsageError               2  bad input: payloads, script, options
     ├── BrokerError              3  cannot reach or authenticate to Redis
+    │   └── BrokerUnreachable    3  no answer: down, cut off, or too slow (commands that follow a job wait)
     ├── NotFound                 4  unknown job, task or worker
     └── JobEnded                 1  a waited-for job ended failed or cancelled
 
@@ -28,6 +29,10 @@ class BrokerError(GpumeshError):
     """Redis cannot be reached, refused the credentials, or answered nonsense."""
 
     exit_code = 3
+
+
+class BrokerUnreachable(BrokerError):
+    """Redis did not answer (connection refused or reset, or a timeout): an outage, perhaps a short one."""
 
 
 class NotFound(GpumeshError):

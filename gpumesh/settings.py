@@ -46,6 +46,12 @@ class Settings(BaseModel):
     job_retention: float = Field(7 * 86400, ge=0, description="seconds a finished job is kept; 0 = for ever")
     sandbox_python: str = Field("", description="interpreter for tasks (default: the worker's own)")
     signing_key: str = Field("", description="submit: sign every task with this Ed25519 private key file")
+    outage_patience: float = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="how long submit --wait, status --watch, logs -f and top wait for an unreachable broker",
+    )
     trusted_keys: str = Field(
         "", description="worker: run only tasks signed by these public key files (comma-separated)"
     )

@@ -329,3 +329,35 @@ def test_a_worker_starting_removes_what_dead_workers_on_this_machine_left_behind
         alive.kill()
         alive.communicate()
         subprocess.run(["rm", "-rf", str(held)], check=False)
+
+
+@pytest.mark.faults
+def test_submit_wait_rides_out_a_broker_restart(env, workers: Workers, tmp_path: Path):
+    # The first version's `submit --wait` exited 3 after a 1 s outage while the job went on to finish.
+    (tmp_path / "aof").mkdir()
+    server = RedisServer(tmp_path / "aof").start(appendonly=True)
+    try:
+        e = {**env, "GPUMESH_URL": server.url, "GPUMESH_LEASE_TTL": "4", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
+        r2 = server.client()
+        path = tmp_path / "t.py"
+        path.write_text("import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(0.3)\nprint(json.dumps(p))\n")
+        workers.start(client=r2, GPUMESH_URL=server.url, GPUMESH_LEASE_TTL="4", GPUMESH_HEARTBEAT_INTERVAL="0.5")
+        payloads = tmp_path / "payloads.json"
+        payloads.write_text(json.dumps([{"i": i} for i in range(20)]))
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "submit", str(path), "--payloads", str(payloads), "--wait"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, text=True,
+        )  # fmt: skip
+        under_way = lambda: any(int(r2.hget(keys.job(j), "done") or 0) >= 3 for j in r2.zrange(keys.JOBS, 0, -1))  # noqa: E731
+        wait_until(under_way, what="the job to be under way")
+        r2.close()
+        server.stop()
+        time.sleep(2.0)
+        server.start(appendonly=True)
+        out, err = waiting.communicate(timeout=90)
+        assert waiting.returncode == 0, err
+        assert out.strip().endswith(" done")
+        assert err.count("broker unreachable") == 1 and err.count("broker reachable again") == 1, err
+        assert "Traceback" not in err
+    finally:
+        server.stop()

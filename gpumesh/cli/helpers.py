@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import redis
 from pydantic import ValidationError
 
 from gpumesh.cli import render
-from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.errors import BrokerUnreachable, GpumeshError, UsageError
 from gpumesh.models import JobOptions, JobStatus, check_script, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
 
 err = render.err
+T = TypeVar("T")
 
 
 class Group(click.Group):
@@ -157,9 +160,36 @@ def job_options(f: Any) -> Any:
     return f
 
 
+def patient(call: Callable[[], T], broker: Broker) -> Callable[[], T]:
+    """``call`` that rides out a broker outage of up to ``outage_patience`` seconds (GPUMESH_OUTAGE_PATIENCE):
+    said once when it starts and once when it ends; after that, the outage is the command's error (exit 3).
+    For the commands that follow a job; the others answer at once."""
+    patience = broker.settings.outage_patience
+
+    def wrapped() -> T:
+        lost_at: float | None = None
+        while True:
+            try:
+                value = call()
+            except (BrokerUnreachable, redis.ConnectionError, redis.TimeoutError) as exc:
+                now = time.monotonic()
+                if lost_at is None:
+                    lost_at = now
+                    err.print(f"broker unreachable ({exc}); waiting up to {patience:g} s for it (Ctrl-C stops)")
+                if now - lost_at >= patience:
+                    raise
+                time.sleep(min(1.0, max(0.0, patience - (now - lost_at))))
+                continue
+            if lost_at is not None:
+                err.print(f"broker reachable again after {time.monotonic() - lost_at:.0f} s")
+            return value
+
+    return wrapped
+
+
 def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
     try:
-        return render.follow(lambda: broker.job_status(job_id), quiet=quiet)
+        return render.follow(patient(lambda: broker.job_status(job_id), broker), quiet=quiet)
     except KeyboardInterrupt:
         click.echo(
             f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True

@@ -19,6 +19,7 @@ from gpumesh.cli.helpers import (
     job_input,
     job_options,
     json_option,
+    patient,
     url_option,
     wait_for,
 )  # fmt: skip
@@ -182,8 +183,10 @@ def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> Non
     broker = connect(ctx, url)
     console = render.out()
 
-    def view() -> Group:
+    def snapshot() -> Group:
         return render.top_view(broker.workers(), broker.jobs(15))
+
+    view = patient(snapshot, broker)
 
     if once or not console.is_terminal:
         console.print(view())
@@ -207,9 +210,10 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
     broker = connect(ctx, url)
     cursors: dict[str, str] = {}
     try:
+        read = patient(lambda: (not follow or broker.target_ended(target), list(broker.logs(target, cursors))), broker)
         while True:
-            ended = not follow or broker.target_ended(target)  # read before the lines: none is missed
-            for tid, stream, line in broker.logs(target, cursors):
+            ended, lines = read()  # whether it ended is read before the lines: none is missed
+            for tid, stream, line in lines:
                 prefix = f"[{tid}] " if tid != target else ""
                 if stream == "gpumesh":
                     click.echo(f"{prefix}--- {line} ---", err=True)

@@ -10,7 +10,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from gpumesh.errors import BrokerError, UsageError
+from gpumesh.errors import BrokerError, BrokerUnreachable, UsageError
 
 
 def mask_url(url: str) -> str:
@@ -57,7 +57,7 @@ def translate(exc: redis.RedisError, url: str) -> BrokerError:
             "nothing was written. Free memory (finished jobs) or raise maxmemory"
         )
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-        return BrokerError(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
+        return BrokerUnreachable(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
     return BrokerError(f"the broker at {mask_url(url)} answered an error: {text}")
 
 
