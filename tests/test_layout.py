@@ -24,7 +24,7 @@ LAYERS = {
     "worker": {"store", "sandbox"},
     "server": {"store"},
     "api": {"store"},
-    "cli": {"api", "store", "worker", "server", "sandbox"},
+    "cli": {"api", "store", "worker", "server"},  # worker and server: the commands that start them
 }
 
 
