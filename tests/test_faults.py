@@ -311,8 +311,12 @@ def test_a_broker_that_accepts_but_never_answers_fails_a_command_within_seconds(
 @pytest.mark.faults
 def test_a_worker_starting_removes_what_dead_workers_on_this_machine_left_behind(env, workers, r: redis.Redis):
     # A worker killed just before an attempt starts or just after it ends leaves the attempt's directory:
-    # no launcher is left to remove it. The directory carries the worker's pid; the next worker removes it.
-    make = "import os, tempfile; print(tempfile.mkdtemp(prefix='gpumesh-task-%d-' % os.getpid()))"
+    # no launcher is left to remove it. The directory carries the worker's pid (and pid namespace); the
+    # next worker on the machine removes it.
+    make = (
+        "import os, tempfile; ns = os.stat('/proc/self/ns/pid').st_ino; "
+        "print(tempfile.mkdtemp(prefix='gpumesh-task-%d.%d-' % (ns, os.getpid())))"
+    )
     dead = Path(subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, check=True).stdout.strip())
     (dead / "output").mkdir()
     (dead / "output" / "checkpoint.bin").write_bytes(b"x" * 1000)

@@ -220,7 +220,7 @@ def run(
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
     with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran."""
     out = Attempt()
-    workdir = tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{os.getpid()}-")  # the pid: see sweep_dead_workers_dirs
+    workdir = tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{_owner()}-")  # see sweep_dead_workers_dirs
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
@@ -320,20 +320,36 @@ def _watch(
         out.killed = out.killed or warm.lost
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace (containers sharing a /tmp have different ones), or "" if unknown."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _owner() -> str:
+    """Who made an attempt's directory: this worker's pid, qualified by its pid namespace."""
+    return f"{_pid_namespace()}.{os.getpid()}"
+
+
 def sweep_dead_workers_dirs() -> int:
-    """Remove the attempt directories of workers on this machine that died (their pid is in the name):
-    a worker killed just before an attempt started, or just after it ended, leaves its directory behind,
-    and no launcher is left to remove it. A directory of a live process (or of one this user may not
-    signal) is left alone. Returns how many were removed."""
+    """Remove the attempt directories of workers on this machine that died (``<pid namespace>.<pid>`` is
+    in the name): a worker killed just before an attempt started, or just after it ended, leaves its
+    directory behind, and no launcher is left to remove it. Only directories from this pid namespace are
+    considered (a pid of another container means nothing here), and those of live processes (or of
+    processes this user may not signal) are left alone. Returns how many were removed."""
     base = tempfile.gettempdir()
+    mine = _pid_namespace()
     removed = 0
     try:
         names = os.listdir(base)
     except OSError:
         return 0
     for name in names:
-        pid_text, _, rest = name.removeprefix(TASK_DIR_PREFIX).partition("-")
-        if not name.startswith(TASK_DIR_PREFIX) or not pid_text.isdigit() or not rest:
+        owner, _, rest = name.removeprefix(TASK_DIR_PREFIX).partition("-")
+        namespace, _, pid_text = owner.partition(".")
+        if not name.startswith(TASK_DIR_PREFIX) or namespace != mine or not pid_text.isdigit() or not rest:
             continue
         try:
             os.kill(int(pid_text), 0)
@@ -345,7 +361,7 @@ def sweep_dead_workers_dirs() -> int:
         path = os.path.join(base, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
-            removed += 1
+            removed += not os.path.exists(path)
     return removed
 
 
