@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,8 +24,9 @@ from typing import Any
 
 import psutil
 
+from gpumesh.sandbox import taskdir
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
-from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, TASK_DIR_PREFIX
+from gpumesh.sandbox.launcher import COPY_DIR_PREFIX
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
@@ -220,7 +220,7 @@ def run(
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
     with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran."""
     out = Attempt()
-    workdir = tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{_owner()}-")  # see sweep_dead_workers_dirs
+    workdir = taskdir.make()
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
@@ -230,7 +230,7 @@ def run(
         _watch(proc, out, limits, on_line, should_stop, started)
     finally:
         out.duration = time.monotonic() - started
-        _remove(workdir, script, output_dir)
+        taskdir.remove(workdir, script, output_dir)
     return out
 
 
@@ -318,62 +318,6 @@ def _watch(
             os.close(pidfd)
     if warm is not None and warm.lost:
         out.killed = out.killed or warm.lost
-
-
-def _pid_namespace() -> str:
-    """This process's pid namespace (containers sharing a /tmp have different ones), or "" if unknown."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
-def _owner() -> str:
-    """Who made an attempt's directory: this worker's pid, qualified by its pid namespace."""
-    return f"{_pid_namespace()}.{os.getpid()}"
-
-
-def sweep_dead_workers_dirs() -> int:
-    """Remove the attempt directories of workers on this machine that died (``<pid namespace>.<pid>`` is
-    in the name): a worker killed just before an attempt started, or just after it ended, leaves its
-    directory behind, and no launcher is left to remove it. Only directories from this pid namespace are
-    considered (a pid of another container means nothing here), and those of live processes (or of
-    processes this user may not signal) are left alone. Returns how many were removed."""
-    base = tempfile.gettempdir()
-    mine = _pid_namespace()
-    removed = 0
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return 0
-    for name in names:
-        owner, _, rest = name.removeprefix(TASK_DIR_PREFIX).partition("-")
-        namespace, _, pid_text = owner.partition(".")
-        if not name.startswith(TASK_DIR_PREFIX) or namespace != mine or not pid_text.isdigit() or not rest:
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # alive (perhaps a reused pid: then the directory waits for the next sweep)
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue
-        path = os.path.join(base, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed += not os.path.exists(path)
-    return removed
-
-
-def _remove(workdir: str, script: str, output_dir: str) -> None:
-    """Remove the task's directory. Most tasks leave only their script and an empty output dir: three
-    syscalls instead of rmtree's directory walk; anything else they left gets the full walk."""
-    try:
-        os.unlink(script)
-        os.rmdir(output_dir)
-        os.rmdir(workdir)
-    except OSError:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 class _Supervision:

@@ -34,7 +34,8 @@ from rq.worker import SimpleWorker
 
 from gpumesh import scheduling
 from gpumesh.models import Capability
-from gpumesh.sandbox.runner import Limits, sweep_dead_workers_dirs
+from gpumesh.sandbox.runner import Limits
+from gpumesh.sandbox.taskdir import sweep_dead_workers_dirs
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
