@@ -177,16 +177,26 @@ def test_worker_paused_past_the_lease_then_resumed_loses_the_task_cleanly(env, w
     assert a.poll() is None
 
 
-def test_redis_restart_with_aof_mid_job_loses_nothing(env, workers: Workers, tmp_path: Path):
+AOF_ENV = ("GPUMESH_URL", "GPUMESH_LEASE_TTL", "GPUMESH_HEARTBEAT_INTERVAL")
+
+
+def aof_broker(env: dict[str, str], tmp_path: Path) -> tuple[RedisServer, dict[str, str], Path]:
+    """A broker with an append-only file (restartable without losing its data), the environment that
+    points at it with short leases, and a task script that takes 0.3 s and echoes its payload."""
     (tmp_path / "aof").mkdir()
     server = RedisServer(tmp_path / "aof").start(appendonly=True)
+    e = {**env, "GPUMESH_URL": server.url, "GPUMESH_LEASE_TTL": "4", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
+    path = tmp_path / "t.py"
+    path.write_text("import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(0.3)\nprint(json.dumps(p))\n")
+    return server, e, path
+
+
+def test_redis_restart_with_aof_mid_job_loses_nothing(env, workers: Workers, tmp_path: Path):
+    server, e, path = aof_broker(env, tmp_path)
     try:
-        e = {**env, "GPUMESH_URL": server.url, "GPUMESH_LEASE_TTL": "4", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
         r2 = server.client()
-        path = tmp_path / "t.py"
-        path.write_text("import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(0.3)\nprint(json.dumps(p))\n")
         for _ in range(2):
-            workers.start(client=r2, GPUMESH_URL=server.url, GPUMESH_LEASE_TTL="4", GPUMESH_HEARTBEAT_INTERVAL="0.5")
+            workers.start(client=r2, **{k: v for k, v in e.items() if k in AOF_ENV})
         job = gpumesh(
             "submit", str(path), "--payloads", "-", env=e, input=json.dumps([{"i": i} for i in range(30)])
         ).stdout.strip()
@@ -338,14 +348,10 @@ def test_a_worker_starting_removes_what_dead_workers_on_this_machine_left_behind
 @pytest.mark.faults
 def test_submit_wait_rides_out_a_broker_restart(env, workers: Workers, tmp_path: Path):
     # The first version's `submit --wait` exited 3 after a 1 s outage while the job went on to finish.
-    (tmp_path / "aof").mkdir()
-    server = RedisServer(tmp_path / "aof").start(appendonly=True)
+    server, e, path = aof_broker(env, tmp_path)
     try:
-        e = {**env, "GPUMESH_URL": server.url, "GPUMESH_LEASE_TTL": "4", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}
         r2 = server.client()
-        path = tmp_path / "t.py"
-        path.write_text("import json, sys, time\np = json.load(sys.stdin)\ntime.sleep(0.3)\nprint(json.dumps(p))\n")
-        workers.start(client=r2, GPUMESH_URL=server.url, GPUMESH_LEASE_TTL="4", GPUMESH_HEARTBEAT_INTERVAL="0.5")
+        workers.start(client=r2, **{k: v for k, v in e.items() if k in AOF_ENV})
         payloads = tmp_path / "payloads.json"
         payloads.write_text(json.dumps([{"i": i} for i in range(20)]))
         waiting = subprocess.Popen(
