@@ -191,7 +191,10 @@ class Broker:
         return self.r.lrange(keys.job_tasks(job_id), 0, -1)
 
     def results(self, job_id: str) -> list[TaskResult]:
-        ids = self.task_ids(job_id)
+        return self.task_results(self.task_ids(job_id))
+
+    def task_results(self, ids: list[str]) -> list[TaskResult]:
+        """The rows of these tasks, in this order (a task that no longer exists is left out)."""
         rows: list[TaskResult] = []
         for start in range(0, len(ids), 2000):
             chunk = ids[start : start + 2000]
@@ -200,6 +203,18 @@ class Broker:
                     p.hgetall(keys.task(tid))
                 rows += [TaskResult.from_hash(tid, h) for tid, h in zip(chunk, p.execute()) if h]
         return rows
+
+    def task_ends(self, job_id: str, after: str = "0", block_ms: int = 1000) -> tuple[str, list[str]]:
+        """(last entry id, task ids) of the entries on the job's stream of ends after ``after``, waiting up
+        to ``block_ms`` for one when there is none yet; ``([after], [])`` when none came."""
+        try:
+            reply = self.r.xread({keys.job_ended(job_id): after}, count=1000, block=block_ms)
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+        if not reply:
+            return after, []
+        entries = reply[0][1]
+        return entries[-1][0], [fields["task"] for _id, fields in entries]
 
     def task(self, task_id: str) -> dict[str, str]:
         h = self.r.hgetall(keys.task(task_id))

@@ -97,6 +97,9 @@ class TextClient(Protocol):
     def zrangebyscore(
         self, name: str, min: float | str, max: float | str, start: int | None = None, num: int | None = None
     ) -> list[str]: ...
+    def xread(
+        self, streams: Mapping[str, str], count: int | None = None, block: int | None = None
+    ) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]: ...
     def scan_iter(self, match: str | None = None, count: int | None = None) -> Iterator[str]: ...
 
 

@@ -31,6 +31,12 @@ def job_tasks(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:tasks"
 
 
+def job_ended(job_id: str) -> str:
+    """stream: one entry {task, status} each time a task of the job ends (what Job.as_completed reads).
+    The Lua scripts name it from the job's hash key (job key + ":ended"), so the two must agree."""
+    return f"{PREFIX}job:{job_id}:ended"
+
+
 def task(task_id: str) -> str:
     return f"{PREFIX}task:{task_id}"
 

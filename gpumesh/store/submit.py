@@ -100,7 +100,7 @@ def delete_job(r: TextClient, job_id: str, index: str) -> None:
         for start in range(0, len(tids), 1000):
             chunk = tids[start : start + 1000]
             p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
-        p.delete(keys.job(job_id), keys.job_tasks(job_id))
+        p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id))
         p.zrem(index, job_id)
         p.execute()
 

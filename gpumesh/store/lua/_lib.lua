@@ -27,6 +27,13 @@ local function emit(events_key, kind, id, status)
   redis.call('XADD', events_key, 'MAXLEN', '~', 10000, '*', 'kind', kind, 'id', id, 'status', status)
 end
 
+-- A task ended (done, failed or cancelled): one entry on its job's stream of ends, which Job.as_completed
+-- reads (keys.job_ended, beside the job's hash). Uncapped: one entry per end, and a task ends again only
+-- after a retry; it goes with the job.
+local function ended(job_key, task_id, status)
+  redis.call('XADD', job_key .. ':ended', '*', 'task', task_id, 'status', status)
+end
+
 -- Move one task between job counters, in the same script as the task's own change.
 local function move(job_key, from, to)
   redis.call('HINCRBY', job_key, from, -1)
@@ -218,6 +225,7 @@ local function end_attempt(a)
   move(job_key, 'running', 'failed')
   redis.call('HINCRBY', a.stats_key, 'failed', 1)
   emit(a.events_key, 'task', a.task_id, 'failed')
+  ended(job_key, a.task_id, 'failed')
   maybe_finish(job_key, a.events_key, job_id, a.ms)
   return {1, 'failed', 'attempts', attempts}
 end

@@ -31,5 +31,6 @@ redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, status, 'cancelled')
 emit(events_key, 'task', task_id, 'cancelled')
+ended(job_key, task_id, 'cancelled')
 maybe_finish(job_key, events_key, job_id, ms)
 return {1, 'cancelled', 'previous', status}

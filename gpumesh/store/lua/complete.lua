@@ -48,5 +48,6 @@ redis.call('HINCRBY', stats_key, 'done', 1)
 observe_duration(histogram_key, tonumber(duration))
 clear_current(worker_key, task_id)
 emit(events_key, 'task', task_id, 'done')
+ended(job_key, task_id, 'done')
 maybe_finish(job_key, events_key, job_of(task_id), ms)
 return {1, 'done'}
