@@ -165,7 +165,11 @@ def check_script(source: str, name: str) -> str:
 
 
 class JobOptions(BaseModel):
-    """What a submitter chooses besides the script and the payloads."""
+    """What a submitter chooses besides the script and the payloads (``Mesh.submit``'s keywords).
+
+    >>> JobOptions(timeout=600, max_attempts=2, requires=("vram_gb>=40",)).requires
+    ('vram_gb>=40',)
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -209,7 +213,12 @@ class Waiting(BaseModel):
 
 
 class JobStatus(BaseModel):
-    """``gpumesh status --json``."""
+    """A job's state and task counts: ``Job.status()``, ``Job.wait()``, ``gpumesh status --json``.
+
+    >>> st = job.status()                                        # doctest: +SKIP
+    >>> st.status, st.tasks.done, st.tasks.total, st.finished   # doctest: +SKIP
+    ('running', 7, 10, False)
+    """
 
     job_id: str
     name: str
@@ -239,7 +248,12 @@ class JobStatus(BaseModel):
 
 
 class SubmitResult(BaseModel):
-    """``gpumesh submit --json`` (without ``--wait``)."""
+    """What a submit answered: the job id, its task count and how many tasks each tier is forecast to take
+    (``Job.submitted``, ``gpumesh submit --json``).
+
+    >>> job.submitted.tasks, job.submitted.tiers                 # doctest: +SKIP
+    (10, {'0': 6, '1': 4})
+    """
 
     job_id: str
     tasks: int
@@ -249,7 +263,12 @@ class SubmitResult(BaseModel):
 
 
 class TaskResult(BaseModel):
-    """One row of ``gpumesh results``."""
+    """One task's outcome (``Job.results()``, ``Job.as_completed()``, ``gpumesh results``): ``result`` is
+    the JSON the script printed last or the function returned, ``error`` why a failed task failed.
+
+    >>> [(r.index, r.status, r.result) for r in job.results()]  # doctest: +SKIP
+    [(0, 'done', 0.0102), (1, 'failed', None)]
+    """
 
     index: int
     task_id: str
@@ -282,6 +301,43 @@ def _stored_result(text: str | None) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError):
         return text[:200]
+
+
+# The last stderr line of a function task that raised (gpumesh.functions), followed by JSON {type, message}.
+EXCEPTION_MARKER = "gpumesh-exception "
+
+# How a task failed, as Mesh.map's TaskFailed.kind says it, read from the error its worker recorded.
+FAILURE_KINDS = {
+    "exception": "the function raised (exc_type, message and traceback say what)",
+    "script_error": "the script exited non-zero or was killed by a signal",
+    "timeout": "the attempt ran past the job's timeout",
+    "memory": "the attempt went over its memory cap, or CUDA ran out of memory",
+    "bad_result": "the script ended cleanly but its last stdout line is not a usable JSON result",
+    "lost": "its worker stopped heartbeating or stopped during the attempt",
+    "refused": "the worker refused to run it (signature, tampered script)",
+    "cancelled": "the job was cancelled",
+}
+
+
+def failure_kind(status: str, error: str | None) -> str:
+    """One of FAILURE_KINDS for a task that ended ``failed`` or ``cancelled``."""
+    text = error or ""
+    first = text.partition("\n")[0]
+    if status == "cancelled":
+        return "cancelled"
+    if "\n" + EXCEPTION_MARKER in text:
+        return "exception"
+    if first.startswith("timed out"):
+        return "timeout"
+    if "over its memory cap" in first or "CUDA out of memory" in text:
+        return "memory"
+    if first.startswith(("lease expired", "lease lost", "worker stopped")):
+        return "lost"
+    if first.startswith(("signature", "the script in the broker does not match")) or "refused" in first:
+        return "refused"
+    if first.startswith(("result line is over", "the script printed nothing", "the last stdout line", "the result")):
+        return "bad_result"
+    return "script_error"
 
 
 class Capability(BaseModel):
@@ -320,7 +376,11 @@ class Capability(BaseModel):
 
 
 class WorkerInfo(BaseModel):
-    """One row of ``gpumesh workers``."""
+    """A live worker (``Mesh.workers()``, ``gpumesh workers``): device, benchmark score, tier, resources.
+
+    >>> [(w.name, w.device, w.score_gflops, w.state) for w in mesh.workers()]   # doctest: +SKIP
+    [('lab-a100', 'cuda', 19500.0, 'busy')]
+    """
 
     id: str
     name: str
