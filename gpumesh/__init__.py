@@ -28,6 +28,7 @@ _EXPORTS = {
     "BrokerError": "gpumesh.errors",
     "NotFound": "gpumesh.errors",
     "JobEnded": "gpumesh.errors",
+    "TaskFailed": "gpumesh.errors",
     "JobOptions": "gpumesh.models",
     "JobStatus": "gpumesh.models",
     "SubmitResult": "gpumesh.models",
@@ -45,6 +46,7 @@ __all__ = [
     "BrokerError",
     "NotFound",
     "JobEnded",
+    "TaskFailed",
     "JobOptions",
     "JobStatus",
     "SubmitResult",
@@ -54,8 +56,15 @@ __all__ = [
 
 if TYPE_CHECKING:
     from gpumesh.api import Job, Mesh, connect
-    from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, UsageError
+    from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, TaskFailed, UsageError
     from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext gpumesh`` in a notebook: adds the ``%%gpumesh`` cell magic (see gpumesh.magic)."""
+    from gpumesh.magic import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str) -> object:

@@ -1,46 +1,154 @@
 """The Python API: what a program or a notebook uses, and what the CLI is a thin layer over.
 
     >>> import gpumesh
-    >>> with gpumesh.connect("redis://127.0.0.1:6379/0") as mesh:      # doctest: +SKIP
-    ...     job = mesh.submit("examples/grid_search.py", [{"lr": 0.1}, {"lr": 0.01}])
-    ...     job.wait()
-    ...     [r.result for r in job.results()]
+    >>> def square(payload):
+    ...     return payload["x"] ** 2
+    >>> with gpumesh.connect() as mesh:                                   # doctest: +SKIP
+    ...     print(mesh.map(square, [{"x": 1}, {"x": 2}, {"x": 3}]))        # a function, shipped as source
+    ...     job = mesh.submit("examples/grid_search.py", [{"lr": 0.1, "epochs": 50}])   # or a script
+    ...     for res in job.as_completed():                                  # results as tasks end
+    ...         print(res.index, res.result)
+    [1, 4, 9]
+    0 {'lr': 0.1, 'epochs': 50, 'loss': 0.0102, 'w': 2.98, 'b': -1.99}
 
 Every input is checked before anything is written (the same checks as the CLI) and every error is a
-:class:`gpumesh.GpumeshError` subclass. Functions as tasks (``Mesh.map``), ``Job.as_completed`` and
-``Job.pull`` are described in DESIGN §8 and §9 and land with the API and artifact work.
+:class:`gpumesh.GpumeshError` subclass. Payloads and results are JSON, never pickles.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
+import redis
 from pydantic import ValidationError
 
-from gpumesh.errors import UsageError
-from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo, check_payloads
+from gpumesh import progress as _progress
+from gpumesh.errors import BrokerUnreachable, TaskFailed, UsageError
+from gpumesh.models import (
+    TERMINAL,
+    JobOptions,
+    JobStatus,
+    SubmitResult,
+    TaskResult,
+    WorkerInfo,
+    check_payloads,
+    check_script,
+    failure_kind,
+)  # fmt: skip
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
+
+T = TypeVar("T")
+Script = str | Path | Callable[..., Any]
+SIGNED_FOR = 7 * 86400.0  # s a signed job stays valid unless ``expires`` says otherwise
 
 
 def connect(url: str | None = None) -> Mesh:
     """Connect to a mesh's broker, with the CLI's settings layering: ``url``, then ``$GPUMESH_URL``,
-    then the config file, then ``redis://127.0.0.1:6379/0``. Raises BrokerError when it cannot be reached.
+    then the config file (``gpumesh config init``), then ``redis://127.0.0.1:6379/0``.
 
-    >>> mesh = gpumesh.connect("redis://:secret@10.0.0.5:6379/0")   # doctest: +SKIP
+    Raises :class:`gpumesh.BrokerError` when the broker cannot be reached or refuses the password, and
+    :class:`gpumesh.UsageError` for a malformed URL. Use it as a context manager to close the connection.
+
+    >>> with gpumesh.connect("redis://:secret@10.0.0.5:6379/0") as mesh:   # doctest: +SKIP
+    ...     print(len(mesh.workers()), "workers")
+    3 workers
     """
     return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping())
 
 
+def job_options(
+    *,
+    name: str | None = None,
+    timeout: float | None = None,
+    max_attempts: int = 3,
+    priority: int = 0,
+    requires: Iterable[str] = (),
+    speculate: bool | None = None,
+    flag: Callable[[str], str] = lambda field: field,
+) -> JobOptions:
+    """Checked :class:`JobOptions`; a UsageError names the bad option as ``flag(field)`` says (the CLI
+    names its --flags, the API its keyword arguments)."""
+    if isinstance(requires, str):
+        requires = [requires]
+    try:
+        return JobOptions(
+            name=name or "",
+            timeout=3600 if timeout is None else timeout,
+            max_attempts=max_attempts,
+            priority=priority,
+            requires=tuple(requires),
+            speculate=True if speculate is None else speculate,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"{flag(str(first['loc'][0]))}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def script_source(script: Script) -> tuple[str, str]:
+    """(source, name) of a script given as a path, as Python source text, or as a function (shipped as its
+    module's or notebook cell's source, see :mod:`gpumesh.functions`). Checked: it compiles."""
+    if callable(script) and not isinstance(script, (str, Path)):
+        from gpumesh.functions import package
+
+        return package(script)
+    if not isinstance(script, (str, Path)):
+        raise UsageError(f"script must be a path, Python source text or a function, got {type(script).__name__}")
+    if isinstance(script, Path) or ("\n" not in script and script.endswith(".py")):
+        path = Path(script)
+        if not path.is_file():
+            raise UsageError(f"script {path} does not exist or is not a file")
+        try:
+            return check_script(path.read_text(), str(path)), path.name
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read script {path}: {exc}") from None
+    return check_script(script, "script.py"), "script.py"
+
+
+def patient(call: Callable[[], T], settings: Settings, say: Callable[[str], None]) -> Callable[[], T]:
+    """``call`` that rides out a broker outage of up to ``settings.outage_patience`` seconds
+    (GPUMESH_OUTAGE_PATIENCE): ``say`` tells once when it starts and once when it ends; past the
+    patience the outage is the caller's error (BrokerUnreachable). For what follows a job over time."""
+    patience = settings.outage_patience
+
+    def wrapped() -> T:
+        lost_at: float | None = None
+        while True:
+            try:
+                value = call()
+            except (BrokerUnreachable, redis.ConnectionError, redis.TimeoutError) as exc:
+                now = time.monotonic()
+                if lost_at is None:
+                    lost_at = now
+                    say(f"broker unreachable ({exc}); waiting up to {patience:g} s for it (Ctrl-C stops)")
+                if now - lost_at >= patience:
+                    raise
+                time.sleep(min(1.0, max(0.0, patience - (now - lost_at))))
+                continue
+            if lost_at is not None:
+                say(f"broker reachable again after {time.monotonic() - lost_at:.0f} s")
+            return value
+
+    return wrapped
+
+
+def _say(line: str) -> None:
+    print(f"gpumesh: {line}", file=sys.stderr, flush=True)
+
+
 class Mesh:
-    """A connection to one mesh. Close it (or use it as a context manager) to release its connections.
+    """A connection to one mesh (made by :func:`gpumesh.connect`). Close it, or use it as a context
+    manager, to release its connections.
 
     >>> with gpumesh.connect() as mesh:                                # doctest: +SKIP
     ...     print([w.name for w in mesh.workers()])
+    ['lab-a100', 'gaming-pc']
     """
 
     def __init__(self, broker: Broker) -> None:
@@ -54,13 +162,19 @@ class Mesh:
     ) -> None:
         self.close()
 
+    def __repr__(self) -> str:
+        return f"<gpumesh.Mesh {self.broker.url_masked}>"
+
     def close(self) -> None:
-        """Close the connections to the broker."""
+        """Close the connections to the broker (what leaving a ``with`` block does).
+
+        >>> mesh = gpumesh.connect(); mesh.close()                   # doctest: +SKIP
+        """
         self.broker.close()
 
     def submit(
         self,
-        script: str | Path,
+        script: Script,
         payloads: Iterable[dict[str, Any]],
         *,
         name: str | None = None,
@@ -70,44 +184,129 @@ class Mesh:
         requires: Iterable[str] = (),
         speculate: bool | None = None,
         idempotency_key: str | None = None,
+        sign_key: str | Path | None = None,
+        expires: float = SIGNED_FOR,
     ) -> Job:
-        """Submit ``script`` (a path to a file, or Python source text) with one task per payload.
+        """Submit a job with one task per payload (a JSON object); returns at once with its :class:`Job`.
+
+        ``script`` is a path to a ``.py`` file, Python source text, or a function defined with ``def`` at
+        the top level of a module or a notebook cell (it is called with each payload and its JSON return
+        value is the result; see :mod:`gpumesh.functions`). ``timeout`` is seconds per attempt (default
+        3600); ``requires`` lists requirements every task has (``"vram_gb>=40"``, ``"device=cuda"``);
+        ``idempotency_key`` makes a retried submit return the first one's job. ``sign_key`` (default:
+        the ``GPUMESH_SIGNING_KEY`` setting) signs every task, valid for ``expires`` seconds.
 
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
+        >>> job.id                                                                            # doctest: +SKIP
+        'j8f3c2a1b9d0'
         """
-        source, script_name = _script(script)
-        checked = check_payloads(list(payloads) if not isinstance(payloads, list) else payloads)
-        try:
-            options = JobOptions(
-                name=name or "",
-                timeout=3600 if timeout is None else timeout,
-                max_attempts=max_attempts,
-                priority=priority,
-                requires=tuple(requires),
-                speculate=True if speculate is None else speculate,
-            )
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise UsageError(f"{first['loc'][0]}: {first['msg'].removeprefix('Value error, ')}") from None
-        res = self.broker.submit(source, script_name, checked, options, idempotency_key=idempotency_key)
+        source, script_name = script_source(script)
+        checked = check_payloads(payloads if isinstance(payloads, list) else list(payloads))
+        options = job_options(
+            name=name, timeout=timeout, max_attempts=max_attempts, priority=priority, requires=requires,
+            speculate=speculate,
+        )  # fmt: skip
+        return self.submit_checked(source, script_name, checked, options, idempotency_key, sign_key, expires)
+
+    def submit_checked(
+        self,
+        source: str,
+        script_name: str,
+        payloads: list[dict[str, Any]],
+        options: JobOptions,
+        idempotency_key: str | None = None,
+        sign_key: str | Path | None = None,
+        expires: float = SIGNED_FOR,
+    ) -> Job:
+        """:meth:`submit` for a caller that read the script and built the :class:`JobOptions` itself (the
+        CLI does, to name its flags in errors). The store checks the source and payloads again.
+
+        >>> job = mesh.submit_checked(source, "train.py", payloads, gpumesh.JobOptions(timeout=60))  # doctest: +SKIP
+        """
+        signer = None
+        key = sign_key or self.broker.settings.signing_key
+        if key:
+            from gpumesh.signing import Signer
+
+            signer = Signer(Path(key))
+        res = self.broker.submit(
+            source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires
+        )
         return Job(self, res.job_id, res)
 
+    def map(
+        self,
+        fn: Script,
+        payloads: Iterable[dict[str, Any]],
+        *,
+        progress: bool | None = None,
+        wait_timeout: float | None = None,
+        **submit_options: Any,
+    ) -> list[Any]:
+        """Run ``fn`` on every payload on the mesh and return the results in payload order.
+
+        ``fn`` is usually a function (see :meth:`submit` for what may be shipped); each payload is a JSON
+        object passed to it as a dict. ``submit_options`` are :meth:`submit`'s. If a task fails for good,
+        the job is cancelled (its other tasks stop) and :class:`gpumesh.TaskFailed` is raised with the
+        task's index and the remote exception; Ctrl-C cancels the job too. ``progress`` as in :meth:`Job.wait`.
+
+        >>> def square(p):
+        ...     return p["x"] ** 2
+        >>> mesh.map(square, [{"x": i} for i in range(4)])       # doctest: +SKIP
+        [0, 1, 4, 9]
+        """
+        job = self.submit(fn, payloads, **submit_options)
+        total = job.submitted.tasks if job.submitted else job.status().tasks.total
+        out: list[Any] = [None] * total
+        bar = _progress.show(job.id, total, progress)
+        try:
+            for res in job.as_completed(timeout=wait_timeout):
+                if res.status != "done":
+                    job.cancel()
+                    raise job._failure(res)
+                out[res.index] = res.result
+                bar.update(done=bar.done + 1)
+        except (KeyboardInterrupt, TimeoutError):
+            job.cancel()
+            raise
+        finally:
+            bar.close()
+        return out
+
     def job(self, job_id: str) -> Job:
-        """A job submitted earlier (by anyone), by id. Raises NotFound when the broker has no such job."""
+        """A job submitted earlier (by anyone), by id. Raises :class:`gpumesh.NotFound` when the broker has
+        no such job (or it has expired).
+
+        >>> mesh.job("j8f3c2a1b9d0").status().status               # doctest: +SKIP
+        'done'
+        """
         self.broker.job_status(job_id)
         return Job(self, job_id)
 
     def workers(self) -> list[WorkerInfo]:
-        """The live workers, with device, score, tier and what each runs now."""
+        """The live workers, with device, score, tier and what each runs now.
+
+        >>> [(w.name, w.device, w.tier) for w in mesh.workers()]   # doctest: +SKIP
+        [('lab-a100', 'cuda', 0), ('laptop', 'cpu', 2)]
+        """
         return self.broker.workers()
 
     def jobs(self, limit: int = 50) -> list[JobStatus]:
-        """Recent jobs, newest first."""
+        """Recent jobs, newest first.
+
+        >>> [(j.job_id, j.status) for j in mesh.jobs(limit=2)]     # doctest: +SKIP
+        [('j8f3c2a1b9d0', 'running'), ('j0a9b8c7d6e5', 'done')]
+        """
         return self.broker.jobs(limit)
 
 
 class Job:
-    """One submitted job. ``job.id`` names it for the CLI too (``gpumesh status ID``)."""
+    """One submitted job. ``job.id`` names it for the CLI too (``gpumesh status ID``).
+
+    >>> job = mesh.submit("train.py", payloads)                 # doctest: +SKIP
+    >>> job.wait(progress=True).status                          # doctest: +SKIP
+    'done'
+    """
 
     def __init__(self, mesh: Mesh, job_id: str, submitted: SubmitResult | None = None) -> None:
         self.mesh = mesh
@@ -118,49 +317,140 @@ class Job:
         return f"<gpumesh.Job {self.id}>"
 
     def status(self) -> JobStatus:
-        """Counts per state, and which queued tasks no live worker may run (``waiting_for``)."""
+        """Counts per state, and which queued tasks no live worker may run (``waiting_for``).
+
+        >>> job.status().tasks.done                                  # doctest: +SKIP
+        7
+        """
         return self.mesh.broker.job_status(self.id, waiting=True)
 
-    def wait(self, timeout: float | None = None, interval: float = 0.25) -> JobStatus:
+    def wait(self, timeout: float | None = None, progress: bool | None = None, interval: float = 0.25) -> JobStatus:
         """Block until the job ends (done, failed or cancelled) and return its status; TimeoutError after
-        ``timeout`` seconds. Does not raise when the job failed: look at ``status``."""
+        ``timeout`` seconds. Does not raise when the job failed: look at ``status`` (or use ``map``).
+
+        ``progress``: True shows it (a widget in a notebook with ipywidgets, else one line on stderr
+        that rewrites itself), False never, None (default) when in a notebook or on a terminal. A broker
+        outage is ridden out for up to GPUMESH_OUTAGE_PATIENCE seconds.
+
+        >>> job.wait(timeout=600).tasks                             # doctest: +SKIP
+        TaskCounts(total=10, queued=0, running=0, done=10, failed=0, cancelled=0)
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        st = self.mesh.broker.job_status(self.id)
-        while not st.finished:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} is still {st.status} after {timeout} s")
-            time.sleep(interval)
-            st = self.mesh.broker.job_status(self.id)
-        return st
+        poll = patient(lambda: self.mesh.broker.job_status(self.id), self.mesh.broker.settings, _say)
+        st = poll()
+        bar = _progress.show(self.id, st.tasks.total, progress)
+        try:
+            while True:
+                bar.update(done=st.tasks.done, failed=st.tasks.failed + st.tasks.cancelled, running=st.tasks.running)
+                if st.finished:
+                    return st
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {self.id} is still {st.status} after {timeout} s")
+                time.sleep(interval)
+                st = poll()
+        finally:
+            bar.close()
 
     def results(self) -> list[TaskResult]:
-        """Every task's result in payload order (``result`` is the JSON the script printed last)."""
+        """Every task's result in payload order (``result`` is the JSON the script printed last, or the
+        function returned; ``error`` says why a failed task failed).
+
+        >>> [r.result for r in job.results()]                       # doctest: +SKIP
+        [0.0102, 0.2211]
+        """
         return self.mesh.broker.results(self.id)
 
-    def logs(self) -> Iterator[tuple[str, str, str]]:
-        """The output so far of every task: (task id, stream, line), stream being stdout, stderr or gpumesh."""
-        return self.mesh.broker.logs(self.id)
+    def as_completed(self, timeout: float | None = None) -> Iterator[TaskResult]:
+        """Yield each task's :class:`TaskResult` as it ends (done, failed or cancelled), in the order they
+        end, until every task has; the tasks that ended already come first. Reads the job's stream of
+        ends (one blocking read waits for the next), not every task. TimeoutError after ``timeout`` s.
+
+        >>> for res in job.as_completed():                          # doctest: +SKIP
+        ...     plot(res.index, res.result)
+        """
+        broker = self.mesh.broker
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def ride(call: Callable[[], T]) -> T:
+            return patient(call, broker.settings, _say)()
+
+        total = ride(lambda: broker.job_status(self.id)).tasks.total
+        seen: set[str] = set()
+        after = "0"  # the last entry read from the stream of ends
+        while len(seen) < total:
+            after, ended = ride(functools.partial(broker.task_ends, self.id, after, block_ms=1000))
+            fresh = [t for t in dict.fromkeys(ended) if t not in seen]
+            if not ended:  # nothing ended for a second: still going? (also what survives a lost stream)
+                if ride(lambda: broker.job_status(self.id)).finished:
+                    fresh = [t for t in ride(lambda: broker.task_ids(self.id)) if t not in seen]
+                elif deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {self.id}: {len(seen)} of {total} tasks ended within {timeout} s")
+            for res in ride(functools.partial(broker.task_results, fresh)):
+                if res.status in TERMINAL:  # a task re-queued since (retry) ends again later
+                    seen.add(res.task_id)
+                    yield res
+
+    def logs(self, follow: bool = False, interval: float = 0.5) -> Iterator[tuple[str, str, str]]:
+        """The output of every task as (task id, stream, line), stream being stdout, stderr or gpumesh
+        (the worker's notes: attempt started, failed). With ``follow``, keeps yielding new lines until
+        the job ends.
+
+        >>> for task_id, stream, line in job.logs():                 # doctest: +SKIP
+        ...     print(task_id, line)
+        """
+        return follow_logs(self.mesh.broker, self.id, follow, interval, _say)
 
     def cancel(self) -> JobStatus:
-        """Cancel: queued tasks never run, running ones are killed within a heartbeat."""
+        """Cancel: queued tasks never run, running ones are killed within a heartbeat. Returns the status.
+
+        >>> job.cancel().status                                       # doctest: +SKIP
+        'cancelled'
+        """
         return self.mesh.broker.cancel(self.id)
 
     def retry(self) -> int:
-        """Re-queue the failed tasks, each with a fresh set of attempts; how many were re-queued."""
+        """Re-queue the failed tasks, each with a fresh set of attempts; returns how many were re-queued.
+
+        >>> job.retry()                                              # doctest: +SKIP
+        2
+        """
         n, _st = self.mesh.broker.retry(self.id)
         return n
 
+    def _failure(self, res: TaskResult) -> TaskFailed:
+        from gpumesh.functions import remote_exception
 
-def _script(script: str | Path) -> tuple[str, str]:
-    """(source, name) of a script given as a path or as source text."""
-    if not isinstance(script, (str, Path)):
-        raise UsageError(f"script must be a path or Python source text, got {type(script).__name__}")
-    if isinstance(script, Path) or ("\n" not in script and script.endswith(".py")):
-        path = Path(script)
-        if not path.is_file():
-            raise UsageError(f"script {path} does not exist or is not a file")
-        try:
-            return path.read_text(), path.name
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read script {path}: {exc}") from None
-    return script, "script.py"
+        kind = failure_kind(res.status, res.error)
+        remote = remote_exception(res.error)
+        first = (res.error or res.status).partition("\n")[0]
+        exc_type: str | None = None
+        message: str | None = None
+        tb: str | None = None
+        if remote:
+            exc_type, message, tb = remote
+            summary = f"task {res.index} of job {self.id} raised {exc_type}: {message}"
+        elif res.status == "cancelled":
+            summary = f"task {res.index} of job {self.id} was cancelled (someone cancelled the job)"
+        else:
+            summary = f"task {res.index} of job {self.id} failed ({kind}): {first}"
+        if res.status == "failed":
+            summary += f"; the job was cancelled. Its log: gpumesh logs {res.task_id}"
+        return TaskFailed(
+            summary, job_id=self.id, index=res.index, task_id=res.task_id, kind=kind, error=res.error or "",
+            exc_type=exc_type, message=message, traceback=tb,
+        )  # fmt: skip
+
+
+def follow_logs(
+    broker: Broker, target: str, follow: bool, interval: float, say: Callable[[str], None]
+) -> Iterator[tuple[str, str, str]]:
+    """(task id, stream, line) of a job or a task; with ``follow``, until it ends (riding outages)."""
+    cursors: dict[str, str] = {}
+    read = patient(lambda: (not follow or broker.target_ended(target), list(broker.logs(target, cursors))),
+                   broker.settings, say)  # fmt: skip
+    while True:
+        ended, lines = read()  # whether it ended is read before the lines: none is missed
+        yield from lines
+        if ended:
+            return
+        time.sleep(interval)
