@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 import redis
-from pydantic import ValidationError
 
+from gpumesh import api
 from gpumesh.cli import render
-from gpumesh.errors import BrokerUnreachable, GpumeshError, UsageError
-from gpumesh.models import JobOptions, JobStatus, check_script, parse_payloads
+from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.models import JobOptions, JobStatus, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
@@ -51,6 +50,11 @@ url_option = click.option(
     "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
+
+
+def open_mesh(ctx: click.Context, url: str | None) -> api.Mesh:
+    """The Python API's Mesh for one command (what the job commands are a thin layer over), closed with it."""
+    return api.Mesh(connect(ctx, url))
 
 
 def connect(ctx: click.Context, url: str | None, worker: bool = False) -> Broker:
@@ -90,35 +94,23 @@ def _read_payloads(spec: str) -> list[dict[str, Any]]:
     return parse_payloads(text, spec)
 
 
-def _read_script(spec: str) -> str:
-    path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"script {spec} does not exist or is not a file")
-    try:
-        source = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read script {spec}: {exc}") from None
-    return check_script(source, spec)
+def _flag(field: str) -> str:
+    return "--" + {"requires": "require"}.get(field, field).replace("_", "-")
 
 
-def job_input(script: str, payloads_spec: str, opts: dict[str, Any]) -> tuple[str, list[dict[str, Any]], JobOptions]:
-    """Everything validated before anything is written anywhere."""
-    source = _read_script(script)
+def job_input(
+    script: str, payloads_spec: str, opts: dict[str, Any]
+) -> tuple[str, str, list[dict[str, Any]], JobOptions]:
+    """(source, script name, payloads, options): everything validated, with the errors naming the
+    command's flags, before anything is written anywhere."""
+    source, name = api.script_source(Path(script))
     payloads = _read_payloads(payloads_spec)
-    try:
-        options = JobOptions(
-            name=opts["name"],
-            timeout=opts["timeout"],
-            max_attempts=opts["max_attempts"],
-            speculate=opts.get("speculate", True),
-            priority=opts.get("priority", 0),
-            requires=tuple(opts.get("require", ())),
-        )
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        flag = {"requires": "require"}.get(str(first["loc"][0]), str(first["loc"][0]))
-        raise UsageError(f"--{flag.replace('_', '-')}: {first['msg'].removeprefix('Value error, ')}") from None
-    return source, payloads, options
+    options = api.job_options(
+        name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"],
+        speculate=opts.get("speculate", True), priority=opts.get("priority", 0), requires=opts.get("require", ()),
+        flag=_flag,
+    )  # fmt: skip
+    return source, name, payloads, options
 
 
 def job_options(f: Any) -> Any:
@@ -161,30 +153,9 @@ def job_options(f: Any) -> Any:
 
 
 def patient(call: Callable[[], T], broker: Broker) -> Callable[[], T]:
-    """``call`` that rides out a broker outage of up to ``outage_patience`` seconds (GPUMESH_OUTAGE_PATIENCE):
-    said once when it starts and once when it ends; after that, the outage is the command's error (exit 3).
-    For the commands that follow a job; the others answer at once."""
-    patience = broker.settings.outage_patience
-
-    def wrapped() -> T:
-        lost_at: float | None = None
-        while True:
-            try:
-                value = call()
-            except (BrokerUnreachable, redis.ConnectionError, redis.TimeoutError) as exc:
-                now = time.monotonic()
-                if lost_at is None:
-                    lost_at = now
-                    err.print(f"broker unreachable ({exc}); waiting up to {patience:g} s for it (Ctrl-C stops)")
-                if now - lost_at >= patience:
-                    raise
-                time.sleep(min(1.0, max(0.0, patience - (now - lost_at))))
-                continue
-            if lost_at is not None:
-                err.print(f"broker reachable again after {time.monotonic() - lost_at:.0f} s")
-            return value
-
-    return wrapped
+    """``call`` riding out a broker outage (see gpumesh.api.patient), told on stderr. For the commands
+    that follow a job; the others answer at once."""
+    return api.patient(call, broker.settings, err.print)
 
 
 def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:

@@ -10,15 +10,16 @@ from typing import Any
 import click
 from rich.console import Group
 
+from gpumesh.api import follow_logs
 from gpumesh.cli import render
 from gpumesh.cli.helpers import (
-    connect,
     emit_json,
     err,
     exit_for,
     job_input,
     job_options,
     json_option,
+    open_mesh,
     patient,
     url_option,
     wait_for,
@@ -60,18 +61,14 @@ def submit(
     appears whole or not at all. If no live worker meets some tasks' requirements, submit warns and
     the tasks wait until one joins.
     """
-    source, payloads, options = job_input(script, payloads_spec, opts)
-    broker = connect(ctx, url)
-    key = sign_key or (Path(broker.settings.signing_key) if broker.settings.signing_key else None)
-    signer = None
-    if key is not None:
-        from gpumesh.signing import Signer
-
-        signer = Signer(key)
-    res = broker.submit(
-        source, Path(script).name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires
+    source, name, payloads, options = job_input(script, payloads_spec, opts)  # errors name the flags
+    mesh = open_mesh(ctx, url)
+    job = mesh.submit_checked(
+        source, name, payloads, options, idempotency_key=idempotency_key, sign_key=sign_key, expires=expires
     )
-    res.waiting_for = broker.job_status(res.job_id, waiting=True).waiting_for
+    res, broker = job.submitted, mesh.broker
+    assert res is not None
+    res.waiting_for = job.status().waiting_for
     for w in res.waiting_for:
         err.print(f"warning: {render.waiting_line(w)}")
     if not wait:
@@ -102,8 +99,8 @@ def submit(
 @click.pass_context
 def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
     """Show a job's status and task counts, and which queued tasks no live worker may run."""
-    broker = connect(ctx, url)
-    st = wait_for(ctx, broker, job_id, quiet=as_json) if watch else broker.job_status(job_id, waiting=True)
+    mesh = open_mesh(ctx, url)
+    st = wait_for(ctx, mesh.broker, job_id, quiet=as_json) if watch else mesh.job(job_id).status()
     if as_json:
         emit_json(st.model_dump(mode="json"))
     elif not watch:
@@ -121,7 +118,7 @@ def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_jso
 @click.pass_context
 def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None:
     """List recent jobs, newest first."""
-    rows = connect(ctx, url).jobs(limit)
+    rows = open_mesh(ctx, url).jobs(limit)
     if as_json:
         emit_json([r.model_dump(mode="json") for r in rows])
     else:
@@ -142,7 +139,7 @@ def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None
 @click.pass_context
 def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url: str | None) -> None:
     """Print a job's per-task results in payload order."""
-    rows = connect(ctx, url).results(job_id)
+    rows = open_mesh(ctx, url).job(job_id).results()
     if fmt == "table":
         if output:
             raise UsageError("--output needs --format json, jsonl or csv")
@@ -162,7 +159,7 @@ def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url:
 @click.pass_context
 def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
     """List live workers with their device, score and tier."""
-    rows = connect(ctx, url).workers()
+    rows = open_mesh(ctx, url).workers()
     if as_json:
         emit_json([r.model_dump(mode="json") for r in rows])
     else:
@@ -180,13 +177,13 @@ def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> Non
     """A live view of the workers (tier, score, current task) and the recent jobs. Ctrl-C quits."""
     from rich.live import Live
 
-    broker = connect(ctx, url)
+    mesh = open_mesh(ctx, url)
     console = render.out()
 
     def snapshot() -> Group:
-        return render.top_view(broker.workers(), broker.jobs(15))
+        return render.top_view(mesh.workers(), mesh.jobs(15))
 
-    view = patient(snapshot, broker)
+    view = patient(snapshot, mesh.broker)
 
     if once or not console.is_terminal:
         console.print(view())
@@ -207,21 +204,14 @@ def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> Non
 @click.pass_context
 def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None:
     """Print the output of a task, or of every task of a job: its stdout to stdout, stderr to stderr."""
-    broker = connect(ctx, url)
-    cursors: dict[str, str] = {}
+    broker = open_mesh(ctx, url).broker
     try:
-        read = patient(lambda: (not follow or broker.target_ended(target), list(broker.logs(target, cursors))), broker)
-        while True:
-            ended, lines = read()  # whether it ended is read before the lines: none is missed
-            for tid, stream, line in lines:
-                prefix = f"[{tid}] " if tid != target else ""
-                if stream == "gpumesh":
-                    click.echo(f"{prefix}--- {line} ---", err=True)
-                else:
-                    click.echo(f"{prefix}{line}", err=stream == "stderr")
-            if ended:
-                return
-            time.sleep(0.5)
+        for tid, stream, line in follow_logs(broker, target, follow, 0.5, err.print):  # a job's or a task's
+            prefix = f"[{tid}] " if tid != target else ""
+            if stream == "gpumesh":
+                click.echo(f"{prefix}--- {line} ---", err=True)
+            else:
+                click.echo(f"{prefix}{line}", err=stream == "stderr")
     except KeyboardInterrupt:
         ctx.exit(130)
 
@@ -233,7 +223,7 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
 @click.pass_context
 def cancel(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> None:
     """Cancel a job: queued tasks never run, running ones are killed within a heartbeat."""
-    st = connect(ctx, url).cancel(job_id)
+    st = open_mesh(ctx, url).job(job_id).cancel()
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
@@ -248,8 +238,10 @@ def cancel(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> N
 @click.pass_context
 def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json: bool) -> None:
     """Re-queue the failed tasks of a job, each with a fresh set of attempts."""
-    broker = connect(ctx, url)
-    n, st = broker.retry(job_id)
+    mesh = open_mesh(ctx, url)
+    n = mesh.job(job_id).retry()
+    broker = mesh.broker
+    st = broker.job_status(job_id)
     if not as_json:
         err.print(f"re-queued {n} failed task(s) of {job_id}" if n else f"job {job_id} has no failed task to retry")
     if wait and n:

@@ -264,13 +264,13 @@ def run(
     """
     from gpumesh.server.local import LocalMesh
 
-    source, payloads, options = job_input(script, payloads_spec, opts)
+    source, name, payloads, options = job_input(script, payloads_spec, opts)
     fmt = "json" if as_json else fmt
     with LocalMesh(workers, Settings.load()) as mesh:
         broker = mesh.broker
         assert broker is not None
         err.print(f"local mesh: private broker and {workers} worker(s) up")
-        res = broker.submit(source, Path(script).name, payloads, options)
+        res = broker.submit(source, name, payloads, options)
         try:
             st = render.follow(lambda: broker.job_status(res.job_id), quiet=as_json)
         except KeyboardInterrupt:
