@@ -25,7 +25,11 @@ train, test = perm[:3072], perm[3072:]
 
 hidden = int(payload["hidden"])
 model = torch.nn.Sequential(
-    torch.nn.Linear(1, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+    torch.nn.Linear(1, hidden),
+    torch.nn.Tanh(),
+    torch.nn.Linear(hidden, hidden),
+    torch.nn.Tanh(),
+    torch.nn.Linear(hidden, 1),
 ).to(device)
 opt = torch.optim.Adam(model.parameters(), lr=float(payload["lr"]))
 loss_fn = torch.nn.MSELoss()

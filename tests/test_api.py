@@ -39,6 +39,22 @@ def test_exported_members_are_the_public_api() -> None:
         gpumesh.Broker  # noqa: B018 - internal names stay internal
 
 
+def test_every_public_name_and_method_shows_an_example() -> None:
+    # DESIGN §8 / issue 16: a docstring with an example on every public name, the methods of Mesh and Job too.
+    missing = []
+    for name in gpumesh.__all__:
+        value = getattr(gpumesh, name)
+        if name == "__version__":
+            continue
+        if ">>>" not in (value.__doc__ or ""):
+            missing.append(name)
+        if name in ("Mesh", "Job"):
+            for attr, member in vars(value).items():
+                if callable(member) and not attr.startswith("_") and ">>>" not in (member.__doc__ or ""):
+                    missing.append(f"{name}.{attr}")
+    assert missing == []
+
+
 def test_import_gpumesh_is_light() -> None:
     # The launcher imports the package once per task: the public names load on first use only.
     code = "import sys, gpumesh; print(sorted(m for m in ('redis', 'rq', 'pydantic', 'click') if m in sys.modules))"
