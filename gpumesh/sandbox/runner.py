@@ -18,13 +18,13 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from gpumesh.sandbox import taskdir
+from gpumesh.sandbox import outputs, taskdir
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
@@ -58,6 +58,7 @@ class Attempt:
     result_too_large: bool = False
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     log_truncated: bool = False
+    collected: Any = None  # what ``collect`` made of the output dir after a clean exit
     duration: float = 0.0
 
     def describe_exit(self) -> str:
@@ -214,11 +215,14 @@ def run(
     should_stop: Callable[[], str | None],
     zygote: Zygote | None = None,
     spares: Spares | None = None,
+    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
 ) -> Attempt:
     """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
     ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown).
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
-    with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran."""
+    with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran.
+    ``collect`` gets the files of the output dir (sandbox.outputs.walk) after a clean exit, once the
+    attempt's whole tree is gone and before its directory is removed; its answer is ``collected``."""
     out = Attempt()
     workdir = taskdir.make()
     started = time.monotonic()
@@ -228,8 +232,12 @@ def run(
         full_env = _prepare(source, workdir, script, output_dir, env, limits)
         proc = _start(payload, workdir, script, full_env, limits, zygote, spares)
         _watch(proc, out, limits, on_line, should_stop, started)
-    finally:
         out.duration = time.monotonic() - started
+        if collect is not None and out.returncode == 0 and not out.killed:
+            out.collected = collect(outputs.walk(output_dir))
+    finally:
+        if not out.duration:
+            out.duration = time.monotonic() - started
         taskdir.remove(workdir, script, output_dir)
     return out
 
