@@ -262,6 +262,21 @@ class SubmitResult(BaseModel):
     waiting_for: list[Waiting] = Field(default_factory=list)
 
 
+class Artifact(BaseModel):
+    """A file a task's winning attempt wrote to GPUMESH_OUTPUT_DIR, as stored (``gpumesh pull`` fetches it)."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+class SkippedArtifact(BaseModel):
+    """A file that was not stored, and why (a cap, a symlink, not a regular file)."""
+
+    path: str
+    reason: str
+
+
 class TaskResult(BaseModel):
     """One task's outcome (``Job.results()``, ``Job.as_completed()``, ``gpumesh results``): ``result`` is
     the JSON the script printed last or the function returned, ``error`` why a failed task failed.
@@ -278,9 +293,12 @@ class TaskResult(BaseModel):
     attempts: int
     worker: str | None = None
     duration_s: float | None = None
+    artifacts: list[Artifact] = Field(default_factory=list)
+    skipped_artifacts: list[SkippedArtifact] = Field(default_factory=list)
 
     @classmethod
     def from_hash(cls, task_id: str, h: dict[str, str]) -> TaskResult:
+        index = _stored_index(h.get("artifacts"))
         return cls(
             index=int(h["index"]),
             task_id=task_id,
@@ -290,7 +308,19 @@ class TaskResult(BaseModel):
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker") or None,
             duration_s=float(h["duration"]) if h.get("duration") else None,
+            artifacts=[Artifact(path=f["path"], bytes=f["bytes"], sha256=f["sha256"]) for f in index.get("files", [])],
+            skipped_artifacts=[SkippedArtifact(**f) for f in index.get("skipped", [])],
         )
+
+
+def _stored_index(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        index = json.loads(text)
+    except ValueError:
+        return {}
+    return index if isinstance(index, dict) else {}
 
 
 def _stored_result(text: str | None) -> Any:

@@ -52,6 +52,13 @@ class Settings(BaseModel):
         le=86400,
         description="how long submit --wait, status --watch, logs -f and top wait for an unreachable broker",
     )
+    artifacts: str = Field(
+        "", description="where tasks' output files go: empty = the broker; else an fsspec URL (s3://bucket/prefix)"
+    )
+    artifact_file_mb: float = Field(64, ge=0, description="largest output file kept, MiB; 0 = no cap")
+    artifact_task_mb: float = Field(64, ge=0, description="output files kept per task, MiB; 0 = no cap")
+    artifact_job_mb: float = Field(1024, ge=0, description="output files kept per job, MiB; 0 = no cap")
+    artifact_files: int = Field(1000, ge=0, description="output files kept per task; 0 = no cap")
     trusted_keys: str = Field(
         "", description="worker: run only tasks signed by these public key files (comma-separated)"
     )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -20,7 +21,7 @@ from gpumesh.errors import NotFound
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
 from gpumesh.signing import Signer
-from gpumesh.store import keys, scripts
+from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.connection import client, mask_url, text, translate
 from gpumesh.store.submit import Submitter
 
@@ -296,6 +297,34 @@ class Broker:
                     scripts.cancel(self.scripts, p, tid)
                 p.execute()
         return self.job_status(job_id)
+
+    def pull(
+        self, job_id: str, dest: Path, task: str | int | None = None, *, pattern: str | None = None,
+        force: bool = False, parallel: int = 8, on_start: Callable[[int, int], None] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> artifacts.Pulled:  # fmt: skip
+        """Fetch a job's stored output files (or one task's: its id or index) into ``dest``/<index>/<path>."""
+        ids = self.task_ids(job_id)
+        if task is not None:
+            wanted = keys.task_id(job_id, int(task)) if str(task).isdigit() else str(task)
+            if wanted not in ids:
+                raise NotFound(
+                    f"job {job_id} has no task {task!r} (give a task id or an index from 0 to {len(ids) - 1})"
+                )
+            ids = [wanted]
+        try:
+            return artifacts.pull(
+                self.r, self.rq, ids, dest, pattern=pattern, force=force, parallel=parallel, on_start=on_start,
+                on_bytes=on_bytes,
+            )  # fmt: skip
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+
+    def drop_files(self, job_id: str) -> int:
+        """Delete the output files a job's tasks stored, from the broker or its object store; how many
+        tasks had some."""
+        ids = self.task_ids(job_id)
+        return artifacts.drop(self.r, job_id, ids, self.r.hget(keys.job(job_id), "artifact_store"))
 
     def retry(self, job_id: str) -> tuple[int, JobStatus]:
         """Re-queue every failed task of a job with a fresh set of attempts. Returns (tasks re-queued, status)."""

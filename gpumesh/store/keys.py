@@ -45,6 +45,16 @@ def task_log(task_id: str) -> str:
     return f"{PREFIX}task:{task_id}:log"
 
 
+def task_files(task_id: str) -> str:
+    """hash: the winning attempt's output files, as chunks (field "<file>:<chunk>"); see store/artifacts.py."""
+    return f"{PREFIX}task:{task_id}:files"
+
+
+def task_files_staging(task_id: str, copy: str) -> str:
+    """hash, with a TTL: one attempt copy's files while it has not won (renamed to task_files when it does)."""
+    return f"{PREFIX}task:{task_id}:files:{copy}"
+
+
 def script(sha: str) -> str:
     return f"{PREFIX}script:{sha}"
 

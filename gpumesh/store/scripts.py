@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from gpumesh.store import keys
+from gpumesh.store import artifacts, keys
 
 NAMES = (
     "dispatch",
@@ -190,14 +190,23 @@ def _outcome(r: list[Any]) -> Outcome:
 
 
 def complete(
-    s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0
-) -> Outcome:
-    """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes."""
+    s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0,
+    staged: artifacts.Staged | None = None,
+) -> Outcome:  # fmt: skip
+    """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes. With
+    ``staged`` output files, the same step keeps them (and records their index) if this copy wins."""
+    staging, final, index, total, store = "", "", "", 0, ""
+    if staged is not None:
+        staging, final = staged.store.promote(staged.index)
+        index, total = artifacts.dumps(staged.index), staged.total
+        store = "" if staged.index["store"] == "broker" else staged.index["store"]
     r = s["complete"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION),
-        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score],
+        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION)
+        + [staging or keys.task_files(lease.task_id), final or keys.task_files(lease.task_id)],
+        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score, index, total, store,
+              1 if staging else 0],
         client=client,
-    )
+    )  # fmt: skip
     return _outcome(r)
 
 

@@ -3,10 +3,14 @@
 --
 -- complete(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, stats hash,
---           duration histogram hash},
+--           duration histogram hash, staged files hash, task files hash},
 --   args = {task id, lease token, result (JSON), duration (s),
---           the completing worker's score (0: unknown), for the job's seconds-per-unit estimate}
+--           the completing worker's score (0: unknown), for the job's seconds-per-unit estimate,
+--           artifact index (JSON, '' for none), its bytes, its object store URL ('' = the broker),
+--           1 when the staged files hash is to become the task's files (broker-stored artifacts)}
 -- )
+-- The winner's output files are kept in the same step as its result: a losing copy's stay staged and
+-- expire (store/artifacts.py).
 -- Reply (see _lib.lua): {1, 'done'}, or {0, why}: why = the task's status, 'missing' or 'stale'
 -- (another lease holds it).
 
@@ -18,12 +22,18 @@ local events_key = KEYS[5]
 local worker_key = KEYS[6]
 local stats_key = KEYS[7]
 local histogram_key = KEYS[8]
+local staged_key = KEYS[9]
+local files_key = KEYS[10]
 
 local task_id = ARGV[1]
 local token = ARGV[2]
 local result = ARGV[3]
 local duration = ARGV[4]  -- kept as sent ('%.3f'), stored as is
 local score = tonumber(ARGV[5] or 0) or 0
+local artifacts = ARGV[6] or ''
+local artifact_bytes = tonumber(ARGV[7] or 0) or 0
+local artifact_store = ARGV[8] or ''
+local promote = ARGV[9] == '1'
 
 local copy, refused = holder(task_key, token)
 if not copy then
@@ -47,6 +57,17 @@ end
 redis.call('HINCRBY', stats_key, 'done', 1)
 observe_duration(histogram_key, tonumber(duration))
 clear_current(worker_key, task_id)
+if artifacts ~= '' then
+  redis.call('HSET', task_key, 'artifacts', artifacts)
+  redis.call('HINCRBY', job_key, 'artifact_bytes', artifact_bytes)
+  if artifact_store ~= '' then
+    redis.call('HSET', job_key, 'artifact_store', artifact_store)
+  end
+  if promote and redis.call('EXISTS', staged_key) == 1 then
+    redis.call('RENAME', staged_key, files_key)
+    redis.call('PERSIST', files_key)
+  end
+end
 emit(events_key, 'task', task_id, 'done')
 ended(job_key, task_id, 'done')
 maybe_finish(job_key, events_key, job_of(task_id), ms)
