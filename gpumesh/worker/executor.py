@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,10 @@ import redis
 
 from gpumesh.models import Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import Verifier
-from gpumesh.store import keys, scripts
+from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker.logship import LogShipper
 
@@ -87,6 +89,9 @@ class Executor:
         self.current: Running | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
         self.spares = sandbox.Spares() if host.zygote is None else None
+        # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
+        self.artifacts = artifacts.backend(self.settings, self.broker.rq)
+        self.artifact_caps = artifacts.Caps.of(self.settings)
 
     def close(self) -> None:
         if self.spares is not None:
@@ -171,10 +176,33 @@ class Executor:
 
         out = sandbox.run(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
-            zygote=self.w.zygote, spares=self.spares,
+            zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
         )  # fmt: skip
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
         return out
+
+    def _stage(self, lease: scripts.Lease, entries: Iterator[Any]) -> artifacts.Staged | artifacts.StageFailed | None:
+        """Store the clean attempt's output files as a staged copy (the complete script keeps it if this
+        attempt wins); None when it wrote none. Notes on skipped files go to the task's log."""
+        copy = artifacts.copy_name(lease.attempt, lease.backup)
+        try:
+            job_bytes = int(self.broker.r.hget(keys.job(lease.job_id), "artifact_bytes") or 0)
+            staged = artifacts.stage(
+                self.artifacts, lease.task_id, lease.job_id, lease.index, copy, entries, self.artifact_caps, job_bytes
+            )
+        except Exception as exc:  # noqa: BLE001 - an object store's errors are its own; each is the attempt's failure
+            for entry in entries:  # close what the walk has not yielded yet
+                if isinstance(entry, Found):
+                    os.close(entry.fd)
+            log.warning("%s: storing the output files failed: %s", lease.task_id, exc)
+            return artifacts.StageFailed(f"storing the output files failed: {type(exc).__name__}: {exc}")
+        for note in staged.notes:
+            self.w.logs.put(lease.task_id, "gpumesh", note)
+        if staged.empty:
+            return None
+        n = len(staged.index["files"])
+        self.w.logs.put(lease.task_id, "gpumesh", f"stored {n} output file(s), {staged.total} bytes")
+        return staged
 
     def _task_env(self, lease: scripts.Lease) -> dict[str, str]:
         """What the script learns about its task and its worker (README: Writing a task script)."""
@@ -192,7 +220,18 @@ class Executor:
         return env
 
     def _report(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
-        """Tell the broker how the attempt ended (or nothing, when it is no longer ours to tell)."""
+        """Tell the broker how the attempt ended (or nothing, when it is no longer ours to tell). Output
+        files it staged stay only if it completed: a failed, lost or losing copy drops them."""
+        status = self._outcome(running, out, limits)
+        staged = out.collected
+        if isinstance(staged, artifacts.Staged) and status != "done":
+            try:
+                staged.discard()
+            except Exception as exc:  # noqa: BLE001 - the staging expires on its own
+                log.warning("%s: could not drop the staged output files (%s); they expire", running.lease.task_id, exc)
+        return status
+
+    def _outcome(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
         lease = running.lease
         if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
@@ -206,14 +245,17 @@ class Executor:
         why = _bad_result(out, limits)
         if why:
             return self._fail(running, why, out.duration)
+        if isinstance(out.collected, artifacts.StageFailed):
+            return self._fail(running, out.collected.reason, out.duration)
         return self._complete(running, out)
 
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
         lease, result = running.lease, out.last_line or ""
+        staged = out.collected if isinstance(out.collected, artifacts.Staged) else None
         res = self._patiently(
             lambda: scripts.complete(
                 self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
-                self.w.capability.score_gflops,
+                self.w.capability.score_gflops, staged,
             )
         )  # fmt: skip
         if not res.accepted:
