@@ -262,12 +262,12 @@ class Mesh:
         try:
             for res in job.as_completed(timeout=wait_timeout):
                 if res.status != "done":
-                    job.cancel()
+                    job.cancel(keep_files=True)  # stop the work; what finished stays for job.pull
                     raise job._failure(res)
                 out[res.index] = res.result
                 bar.update(done=bar.done + 1)
         except (KeyboardInterrupt, TimeoutError):
-            job.cancel()
+            job.cancel(keep_files=True)
             raise
         finally:
             bar.close()
@@ -400,13 +400,17 @@ class Job:
         """
         return follow_logs(self.mesh.broker, self.id, follow, interval, _say)
 
-    def cancel(self) -> JobStatus:
-        """Cancel: queued tasks never run, running ones are killed within a heartbeat. Returns the status.
+    def cancel(self, keep_files: bool = False) -> JobStatus:
+        """Cancel: queued tasks never run, running ones are killed within a heartbeat, and the output files
+        its done tasks stored are deleted (their memory freed) unless ``keep_files``. Returns the status.
 
         >>> job.cancel().status                                       # doctest: +SKIP
         'cancelled'
         """
-        return self.mesh.broker.cancel(self.id)
+        st = self.mesh.broker.cancel(self.id)
+        if not keep_files:
+            self.mesh.broker.drop_files(self.id)
+        return st
 
     def retry(self) -> int:
         """Re-queue the failed tasks, each with a fresh set of attempts; returns how many were re-queued.
@@ -416,6 +420,19 @@ class Job:
         """
         n, _st = self.mesh.broker.retry(self.id)
         return n
+
+    def pull(
+        self, dest: str | Path, task: str | int | None = None, *, glob: str | None = None, force: bool = False
+    ) -> list[Path]:
+        """Fetch the files the job's tasks wrote to ``GPUMESH_OUTPUT_DIR`` into ``dest/<task index>/<path>``
+        (one task's with ``task``: its index or id; ``glob`` picks paths, e.g. ``"*.pt"``). Checksums are
+        verified; a file already there and whole is not fetched again unless ``force``. Returns the paths
+        present; a task that did not complete has none (see ``status()``).
+
+        >>> job.pull("runs/sweep")                                   # doctest: +SKIP
+        [PosixPath('runs/sweep/0/model.pt'), PosixPath('runs/sweep/1/model.pt')]
+        """
+        return self.mesh.broker.pull(self.id, Path(dest), task, pattern=glob, force=force).paths
 
     def _failure(self, res: TaskResult) -> TaskFailed:
         from gpumesh.functions import remote_exception

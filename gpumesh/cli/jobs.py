@@ -218,12 +218,19 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
 
 @click.command()
 @click.argument("job_id")
+@click.option("--keep-files", is_flag=True, help="Keep the output files its done tasks stored (for `gpumesh pull`).")
 @url_option
 @json_option
 @click.pass_context
-def cancel(ctx: click.Context, job_id: str, url: str | None, as_json: bool) -> None:
-    """Cancel a job: queued tasks never run, running ones are killed within a heartbeat."""
-    st = open_mesh(ctx, url).job(job_id).cancel()
+def cancel(ctx: click.Context, job_id: str, keep_files: bool, url: str | None, as_json: bool) -> None:
+    """Cancel a job: queued tasks never run, running ones are killed within a heartbeat. The output files
+    its done tasks stored are deleted too (pull them first, or pass --keep-files)."""
+    mesh = open_mesh(ctx, url)
+    st = mesh.job(job_id).cancel(keep_files=True)
+    if not keep_files:
+        n = mesh.broker.drop_files(job_id)
+        if n and not as_json:
+            err.print(f"deleted the output files of {n} task(s); --keep-files keeps them")
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
@@ -252,3 +259,47 @@ def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json:
         click.echo(render.status_line(st))
     if wait:
         exit_for(ctx, st)
+
+
+@click.command()
+@click.argument("job_id")
+@click.argument("task", required=False, metavar="[TASK]")
+@click.option("--to", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Write DIR/<task index>/<path> (created if missing).")  # fmt: skip
+@click.option("--glob", "pattern", metavar="PATTERN", help='Only the paths matching PATTERN, e.g. "*.pt" or "plots/*".')
+@click.option("--force", is_flag=True, help="Fetch again even the files already there and whole.")
+@click.option("--parallel", default=8, show_default=True, type=click.IntRange(1, 64), help="Files fetched at once.")
+@url_option
+@json_option
+@click.pass_context
+def pull(
+    ctx: click.Context, job_id: str, task: str | None, dest: Path, pattern: str | None, force: bool, parallel: int,
+    url: str | None, as_json: bool,
+) -> None:  # fmt: skip
+    """Fetch the files a job's tasks wrote to GPUMESH_OUTPUT_DIR (or one TASK's: its index or id).
+
+    Checksums are verified and a file already there and whole is skipped, so pulling again is cheap.
+    Exits 1 when some task has no files because it did not complete, 4 for an unknown job or task.
+    """
+    broker = open_mesh(ctx, url).broker
+    bar = render.transfer_bar(quiet=as_json)
+    with bar:
+        got = broker.pull(job_id, dest, task, pattern=pattern, force=force, parallel=parallel,
+                          on_start=bar.start, on_bytes=bar.advance)  # fmt: skip
+    for note in got.notes:
+        err.print(f"note: {note}", markup=False)  # paths are the task's: never read as markup
+    for index, status in got.not_done:
+        err.print(f"task {index} has no files: it is {status}")
+    if as_json:
+        emit_json({
+            "job_id": job_id, "fetched": [str(p) for p in got.fetched], "present": [str(p) for p in got.present],
+            "bytes": got.bytes, "not_done": [{"index": i, "status": s} for i, s in got.not_done], "notes": got.notes,
+        })  # fmt: skip
+    else:
+        err.print(
+            f"pulled {len(got.fetched)} file(s), {got.bytes / (1 << 20):.1f} MiB, into {dest}"
+            f" ({len(got.present)} already there and whole)",
+            markup=False,
+        )
+    if got.not_done:
+        ctx.exit(1)

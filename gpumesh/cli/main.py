@@ -33,6 +33,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 for command in (
     jobs.submit, jobs.status, jobs.jobs, jobs.results, jobs.workers, jobs.top, jobs.logs, jobs.cancel, jobs.retry,
+    jobs.pull,
     mesh.worker, mesh.join, mesh.serve, mesh.run,
     admin.access, admin.keys, admin.metrics, admin.bench, admin.config,
 ):  # fmt: skip

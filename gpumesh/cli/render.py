@@ -14,12 +14,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rich.console import Console, Group
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line, whatever the width
 
 
 def out() -> Console:
@@ -147,7 +155,14 @@ def results_text(rows: list[TaskResult], fmt: str) -> str:
         w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         for d in dumped:
-            w.writerow({**d, "result": json.dumps(d["result"]) if d["result"] is not None else ""})
+            w.writerow(
+                {
+                    **d,
+                    "result": json.dumps(d["result"]) if d["result"] is not None else "",
+                    "artifacts": " ".join(a["path"] for a in d["artifacts"]),
+                    "skipped_artifacts": " ".join(a["path"] for a in d["skipped_artifacts"]),
+                }
+            )
         return buf.getvalue()
     raise ValueError(fmt)
 
@@ -219,3 +234,37 @@ def capability_table(cap: Capability) -> Table:
 
 def dump(data: Any) -> str:
     return json.dumps(data, indent=2, default=str)
+
+
+class TransferBar:
+    """Bytes fetched by ``pull``: a bar on a terminal (thread-safe: rich's Progress locks), nothing elsewhere."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.progress: Progress | None = None
+        if not quiet and err.is_terminal:
+            self.progress = Progress(
+                TextColumn("pull"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                console=err, transient=False,
+            )  # fmt: skip
+        self.task: Any = None
+
+    def __enter__(self) -> TransferBar:
+        if self.progress is not None:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def start(self, files: int, total: int) -> None:
+        if self.progress is not None:
+            self.task = self.progress.add_task("pull", total=total)
+
+    def advance(self, n: int) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.advance(self.task, n)
+
+
+def transfer_bar(quiet: bool) -> TransferBar:
+    return TransferBar(quiet)
