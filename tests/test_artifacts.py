@@ -256,6 +256,15 @@ def test_pull_refuses_a_path_that_would_leave_the_destination(env, r, mesh_worke
             ran = cli("pull", job.id, "--to", str(tmp_path / "d"))
             assert ran.returncode == 2 and "would leave the destination directory" in ran.stderr, ran.stderr
         assert not (tmp_path / "escaped.bin").exists() and not Path("/tmp/escaped.bin").exists()
+        index["files"][0]["path"] = "x.bin"
+        for store, prefix, why in (
+            ("http://127.0.0.1:9/steal", "j/0/1", "refusing to read artifacts from 'http://127.0.0.1:9/steal'"),
+            (f"file://{tmp_path}", "../../etc", "would leave the destination directory"),
+        ):
+            index.update(store=store, prefix=prefix)  # a worker naming where the puller should fetch from
+            r.hset(keys.task(tid), "artifacts", json.dumps(index))
+            ran = cli("pull", job.id, "--to", str(tmp_path / "d"))
+            assert ran.returncode == 2 and why in ran.stderr, ran.stderr
         ran = cli("pull", "nosuchjob", "--to", str(tmp_path / "d"))
         assert ran.returncode == 4
 

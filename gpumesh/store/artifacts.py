@@ -3,7 +3,7 @@ its job until the job's retention ends (or it is cancelled), and read back by ``
 
 Where they live:
 
-* **in the broker** (the default): each attempt copy stages its files as 1 MiB chunks in one hash,
+* **in the broker** (the default): each attempt copy stages its files as ~1 MiB chunks in one hash,
   ``gpumesh:task:<id>:files:<copy>`` (field ``<file number>:<chunk number>``), with a TTL. The fenced
   ``complete`` script renames the winner's hash to ``gpumesh:task:<id>:files`` and drops the TTL in
   the same step that records the result, so a losing backup copy, a failed or a lost attempt leaves
@@ -39,7 +39,9 @@ from gpumesh.errors import BrokerError, UsageError
 from gpumesh.settings import Settings
 from gpumesh.store import keys
 
-CHUNK = 1 << 20  # bytes per chunk in the broker, and per read and write everywhere
+# Bytes per chunk in the broker, and per read and write everywhere: a little under 1 MiB, so that a
+# chunk with Redis's string header fits jemalloc's 1 MiB size class (1 MiB + header takes 1.25 MiB).
+CHUNK = (1 << 20) - 4096
 PIPELINE_BYTES = 8 << 20  # chunks sent per round trip
 STAGING_TTL_S = 3600  # a staged copy nobody completed (its worker died mid-upload) expires
 MB = 1 << 20
@@ -106,10 +108,24 @@ def backend(settings: Settings, rq_client: redis.Redis) -> Backend:
     return BrokerStore(rq_client)
 
 
-def reader(index: dict[str, Any], rq_client: redis.Redis) -> Backend:
+# Object stores a pull reads from on an index's word alone. An index is written by a worker: one naming
+# another protocol (http://, an in-memory or a chained one) would make the puller's machine fetch from
+# wherever the worker says, so it is read only when the puller's own GPUMESH_ARTIFACTS names it.
+READABLE = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file")
+
+
+def reader(index: dict[str, Any], rq_client: redis.Redis, trusted: str = "") -> Backend:
     """The store an index was written to (which may not be the one this machine's settings name)."""
-    store = index.get("store", "broker")
-    return BrokerStore(rq_client) if store == "broker" else ObjectStore(str(store))
+    store = str(index.get("store", "broker"))
+    if store == "broker":
+        return BrokerStore(rq_client)
+    if store.rstrip("/") != trusted.rstrip("/") and store.partition("://")[0] not in READABLE:
+        raise UsageError(
+            f"refusing to read artifacts from {store!r}, which a worker named: set GPUMESH_ARTIFACTS={store} "
+            "here if you trust it"
+        )
+    safe_path(index.get("prefix"))
+    return ObjectStore(store)
 
 
 def stage(
@@ -378,8 +394,9 @@ class _Want:
 
 
 def plan(
-    r: Any, rq_client: redis.Redis, task_ids: list[str], dest: Path, pattern: str | None, force: bool, out: Pulled
-) -> list[_Want]:
+    r: Any, rq_client: redis.Redis, task_ids: list[str], dest: Path, pattern: str | None, force: bool, out: Pulled,
+    trusted: str = "",
+) -> list[_Want]:  # fmt: skip
     """The files to fetch for these tasks into ``dest``/<task index>/<path>; what is already there and whole
     is recorded as present (unless ``force``)."""
     with r.pipeline(transaction=False) as p:
@@ -395,7 +412,7 @@ def plan(
             out.not_done.append((int(index_no), status))
             continue
         index = json.loads(raw) if raw else {"files": [], "skipped": []}
-        store = reader(index, rq_client) if index["files"] else None
+        store = reader(index, rq_client, trusted) if index["files"] else None
         for skipped in index.get("skipped", []):
             out.notes.append(f"task {index_no}: {skipped['path']} was not stored: {skipped['reason']}")
         for n, f in enumerate(index["files"]):
@@ -450,12 +467,12 @@ def fetch(want: _Want, on_bytes: Callable[[int], None]) -> None:
 def pull(
     r: Any, rq_client: redis.Redis, task_ids: list[str], dest: Path, *, pattern: str | None = None,
     force: bool = False, parallel: int = 8, on_start: Callable[[int, int], None] | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None, trusted: str = "",
 ) -> Pulled:  # fmt: skip
     """Fetch the stored files of ``task_ids`` into ``dest``, ``parallel`` at a time. ``on_start(files,
     bytes)`` is told what will be fetched, ``on_bytes(n)`` as bytes arrive (from several threads)."""
     out = Pulled()
-    wants = plan(r, rq_client, task_ids, dest, pattern, force, out)
+    wants = plan(r, rq_client, task_ids, dest, pattern, force, out, trusted)
     total = sum(w.size for w in wants)
     if on_start is not None:
         on_start(len(wants), total)

@@ -315,7 +315,7 @@ class Broker:
         try:
             return artifacts.pull(
                 self.r, self.rq, ids, dest, pattern=pattern, force=force, parallel=parallel, on_start=on_start,
-                on_bytes=on_bytes,
+                on_bytes=on_bytes, trusted=self.settings.artifacts,
             )  # fmt: skip
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
