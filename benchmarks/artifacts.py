@@ -43,7 +43,7 @@ def used(broker: Broker) -> float:
 
 def one(url: str, tmp: Path, store: str, tasks: int, mib: int, extra_env: dict[str, str]) -> dict[str, float]:
     env = {"XDG_CACHE_HOME": str(tmp / "cache"), "GPUMESH_ARTIFACTS": store, **extra_env}
-    broker = Broker(Settings(url=url))
+    broker = Broker(Settings(url=url, artifacts=store))  # pull reads a file:// store only when told to trust it
     broker.r.flushall()
     base = used(broker)
     procs = [start_worker(url, 10, env=env) for _ in range(2)]

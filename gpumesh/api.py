@@ -378,17 +378,21 @@ class Job:
         seen: set[str] = set()
         after = "0"  # the last entry read from the stream of ends
         while len(seen) < total:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id}: {len(seen)} of {total} tasks ended within {timeout} s")
             after, ended = ride(functools.partial(broker.task_ends, self.id, after, block_ms=1000))
             fresh = [t for t in dict.fromkeys(ended) if t not in seen]
+            finished = False
             if not ended:  # nothing ended for a second: still going? (also what survives a lost stream)
-                if ride(lambda: broker.job_status(self.id)).finished:
+                finished = ride(lambda: broker.job_status(self.id)).finished
+                if finished:
                     fresh = [t for t in ride(lambda: broker.task_ids(self.id)) if t not in seen]
-                elif deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: {len(seen)} of {total} tasks ended within {timeout} s")
             for res in ride(functools.partial(broker.task_results, fresh)):
                 if res.status in TERMINAL:  # a task re-queued since (retry) ends again later
                     seen.add(res.task_id)
                     yield res
+            if finished:
+                return  # every task that still exists was read once the job had ended
 
     def logs(self, follow: bool = False, interval: float = 0.5) -> Iterator[tuple[str, str, str]]:
         """The output of every task as (task id, stream, line), stream being stdout, stderr or gpumesh

@@ -63,7 +63,23 @@ def _report(exc):
     _sys.exit(1)
 
 
+class _Tail:
+    # sys.stdout, remembering whether the function left a line unfinished (print(..., end=""))
+
+    def __init__(self, stream):
+        self._stream, self.ended = stream, True
+
+    def write(self, text):
+        if text:
+            self.ended = text.endswith("\\n")
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 _payload = _json.load(_sys.stdin)
+_sys.stdout = _out = _Tail(_sys.stdout)
 _module = _types.ModuleType({module!r})
 _module.__file__ = {filename!r}
 _sys.modules[{module!r}] = _module
@@ -77,7 +93,8 @@ try:
     _line = _json.dumps(_result, allow_nan=False)
 except (TypeError, ValueError, RecursionError) as _exc:
     _report(TypeError(f"{name}() returned a value that is not JSON ({{_exc}}); return dicts, lists, str, numbers, bools or None"))
-print(_line, flush=True)
+_sys.stdout = _out._stream
+print(("" if _out.ended else "\\n") + _line, flush=True)  # the result is a line of its own
 """
 
 
@@ -175,7 +192,16 @@ def _cell_definitions(cell: str) -> list[str]:
     except SyntaxError as exc:  # IPython compiled it, so only its own syntax (magics) can get here
         raise UsageError(f"cannot read the cell that defines the function: {exc}") from None
     kept = [node for node in tree.body if isinstance(node, _KEPT) or _constant_assignment(node)]
-    return [ast.get_source_segment(cell, node, padded=False) or "" for node in kept]
+    lines = cell.splitlines()
+    segments = []
+    for node in kept:
+        decorators = getattr(node, "decorator_list", None)
+        if decorators:  # the segment starts at the def or class line: take its decorators along
+            first = min(d.lineno for d in decorators) - 1
+            segments.append("\n".join(lines[first : node.end_lineno]))
+        else:
+            segments.append(ast.get_source_segment(cell, node, padded=False) or "")
+    return segments
 
 
 def _with_imports(segments: list[str], namespace: dict[str, Any], name: str) -> str:

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -308,9 +308,24 @@ class TaskResult(BaseModel):
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker") or None,
             duration_s=float(h["duration"]) if h.get("duration") else None,
-            artifacts=[Artifact(path=f["path"], bytes=f["bytes"], sha256=f["sha256"]) for f in index.get("files", [])],
-            skipped_artifacts=[SkippedArtifact(**f) for f in index.get("skipped", [])],
+            artifacts=_entries(Artifact, index.get("files")),
+            skipped_artifacts=_entries(SkippedArtifact, index.get("skipped")),
         )
+
+
+_Entry = TypeVar("_Entry", bound=BaseModel)
+
+
+def _entries(model: type[_Entry], raw: Any) -> list[_Entry]:
+    """An index's list of entries; one that does not fit the model (written by a broken or hostile worker)
+    is left out rather than breaking ``results`` for the whole job."""
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            out.append(model.model_validate({k: v for k, v in item.items() if k in model.model_fields}))
+        except (ValidationError, AttributeError):
+            continue
+    return out
 
 
 def _stored_index(text: str | None) -> dict[str, Any]:

@@ -197,13 +197,16 @@ def test_a_backup_copy_whose_completion_loses_keeps_nothing(env, r, broker, mesh
         (out / "sub").mkdir(parents=True)
         (out / "sub" / "f.txt").write_text(text)
         staged[text.split()[0]] = worker.executor._stage(lease, outputs.walk(str(out)))
-    assert sorted(staged_keys(r)) == sorted([keys.task_files_staging(tid, "b1"), keys.task_files_staging(tid, "1")])
+    names = sorted(k.rsplit(":", 1)[1] for k in staged_keys(r))  # attempt 1's two copies, named apart
+    assert len(names) == 2 and names[0].startswith("1-") and names[1].startswith("b1-")
 
     def clean_end(collected):
         return Attempt(returncode=0, last_line='"ok"', duration=0.1, collected=collected)
 
     limits = worker.limits(60)
     assert worker.executor._report(Running(copy), clean_end(staged["backup"]), limits) == "done"
+    # the same completion again (its reply was lost, the call retried) still wins, and keeps the files
+    assert scripts.complete(broker.scripts, r, copy, "fast", '"ok"', 0.1).accepted
     assert worker.executor._report(Running(primary), clean_end(staged["primary"]), limits) == "rejected:done"
     assert staged_keys(r) == []  # the loser's staging is gone at once, the winner's became the task's files
     with gpumesh.connect() as mesh:
@@ -259,7 +262,8 @@ def test_pull_refuses_a_path_that_would_leave_the_destination(env, r, mesh_worke
         index["files"][0]["path"] = "x.bin"
         for store, prefix, why in (
             ("http://127.0.0.1:9/steal", "j/0/1", "refusing to read artifacts from 'http://127.0.0.1:9/steal'"),
-            (f"file://{tmp_path}", "../../etc", "would leave the destination directory"),
+            (f"file://{tmp_path}", "j/0/1", f"refusing to read artifacts from 'file://{tmp_path}'"),
+            ("s3://bucket/x", "../../etc", "would leave the destination directory"),
         ):
             index.update(store=store, prefix=prefix)  # a worker naming where the puller should fetch from
             r.hset(keys.task(tid), "artifacts", json.dumps(index))
@@ -279,8 +283,9 @@ def test_artifacts_in_a_file_url_object_store_never_pass_through_redis(env, r, m
         job = mesh.submit(writer, four_tasks())
         assert job.wait(timeout=60).status == "done"
         assert list(r.scan_iter("gpumesh:task:*:files*")) == []  # only the index is in the broker
-        assert (store / job.id / "2" / "1" / "ckpt" / "epoch2" / "model.bin").stat().st_size == 3 * MIB
-        paths = job.pull(tmp_path / "pulled")  # this process has no GPUMESH_ARTIFACTS: the index names the store
+        (copy,) = (store / job.id / "2").iterdir()  # attempt 1's copy, named by its lease
+        assert copy.name.startswith("1-") and (copy / "ckpt" / "epoch2" / "model.bin").stat().st_size == 3 * MIB
+        paths = job.pull(tmp_path / "pulled")  # file:// is read because GPUMESH_ARTIFACTS here names it
         assert len(paths) == 12
         assert (tmp_path / "pulled" / "3" / "ckpt/epoch3/model.bin").read_bytes() == content(
             "ckpt/epoch3/model.bin", 3, MIB
@@ -337,7 +342,7 @@ def test_artifacts_in_a_real_s3_api_server(env, r, mesh_worker, writer, tmp_path
         row = job.results()[1]
         assert row.artifacts[1].bytes == 2 * MIB  # ckpt/epoch1/model.bin (top.json comes first)
         index = json.loads(r.hget(keys.task(row.task_id), "artifacts"))
-        assert index["store"] == "s3://gpumesh-test/runs" and index["prefix"] == f"{job.id}/1/1"
+        assert index["store"] == "s3://gpumesh-test/runs" and index["prefix"].startswith(f"{job.id}/1/1-")
         paths = job.pull(tmp_path / "pulled")
         assert len(paths) == 12
         assert (tmp_path / "pulled" / "1" / "ckpt/epoch1/model.bin").read_bytes() == content(
@@ -366,3 +371,20 @@ def test_a_store_that_refuses_the_files_fails_the_attempt_with_the_reason(env, r
         row = job.results()[0]
     assert st.status == "failed" and row.attempts == 2  # each try spent an attempt: no endless hand-backs
     assert row.error.startswith("storing the output files failed: ")
+
+
+def test_pruning_deletes_object_store_files_only_from_this_machines_own_store(env, r, tmp_path, monkeypatch):
+    # A job hash names its object store, and any worker can write one: the reaper must not run a recursive
+    # delete wherever it says.
+    victim = tmp_path / "victim" / "job1"
+    victim.mkdir(parents=True)
+    (victim / "precious.txt").write_text("keep me")
+    r.hset(
+        keys.job("job1"), mapping={"status": "done", "finished_at": "1", "artifact_store": f"file://{tmp_path}/victim"}
+    )
+    r.zadd(keys.JOBS, {"job1": 1})
+    monkeypatch.setenv("GPUMESH_JOB_RETENTION", "1")
+    b = Broker(Settings.load())
+    assert reap_once(b)["jobs_pruned"] == 1
+    b.close()
+    assert not r.exists(keys.job("job1")) and (victim / "precious.txt").read_text() == "keep me"

@@ -149,6 +149,25 @@ def test_a_notebook_cell_ships_its_definitions_and_the_modules_it_uses(monkeypat
     assert "the cell ran" not in ran.stdout
 
 
+def test_a_notebook_cell_keeps_its_decorators_and_a_result_after_an_unfinished_line(monkeypatch, tmp_path) -> None:
+    ns = define_in_cell(
+        monkeypatch,
+        "import dataclasses\n"
+        "@dataclasses.dataclass\n"
+        "class Point:\n"
+        "    x: int\n"
+        "    y: int = 2\n"
+        "def total(p):\n"
+        "    print('working...', end='')\n"  # leaves stdout's line unfinished
+        "    pt = Point(p['x'])\n"
+        "    return pt.x + pt.y\n",
+        {},
+    )
+    ran = run_entry(ns["total"], {"x": 1}, tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["working...", "3"]
+
+
 def test_a_notebook_function_using_another_cells_variable_is_refused(env, r, monkeypatch) -> None:
     ns = define_in_cell(monkeypatch, "weights = [0.5, 2.0]\n", {})
     ns = define_in_cell(monkeypatch, "def weigh(p):\n    return p['x'] * weights[p['i']]\n", ns)

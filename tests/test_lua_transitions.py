@@ -59,9 +59,12 @@ def test_complete_is_fenced_by_the_token(broker: Broker, r: redis.Redis):
     assert r.hget(keys.task(tid), "result") == '{"x": 2}'
     assert counters(r, job)["status"] == "done"
     assert not r.exists(keys.lease(tid)) and r.zscore(keys.LEASES, tid) is None
-    # a second completion of the same lease changes nothing
-    assert scripts.complete(broker.scripts, r, lease, "w1", '{"x": 3}', 0.1) == scripts.Outcome(False, "done")
+    # the same completion again (its reply was lost and the call retried) is told it won, and changes nothing
+    assert scripts.complete(broker.scripts, r, lease, "w1", '{"x": 3}', 0.1) == scripts.Outcome(True, "done")
     assert r.hget(keys.task(tid), "result") == '{"x": 2}'
+    assert counters(r, job)["done"] == "1" and r.hget(keys.STATS, "done") == "1"
+    # another lease's late completion is still refused
+    assert scripts.complete(broker.scripts, r, forged, "w2", '{"x": 4}', 0.1) == scripts.Outcome(False, "done")
 
 
 @pytest.mark.core

@@ -48,7 +48,9 @@ def test_grid_search_example_through_submit_wait(env, workers: Workers):
     assert [row["index"] for row in res] == list(range(6))
     assert all(row["status"] == "done" and row["attempts"] == 1 for row in res)
     assert res[0]["result"]["loss"] < 0.05  # lr 0.5, 80 epochs fits y = 3x - 2
-    assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s"}
+    assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s",
+                           "artifacts", "skipped_artifacts"}  # fmt: skip
+    assert res[0]["artifacts"] == [] and res[0]["skipped_artifacts"] == []  # the example writes no files
 
 
 @pytest.mark.faults

@@ -35,11 +35,13 @@ class Skipped:
     reason: str
 
 
-def walk(output_dir: str) -> Iterator[Found | Skipped]:
+def walk(output_dir: str, dir_fd: int | None = None) -> Iterator[Found | Skipped]:
     """Every entry under ``output_dir``, in a stable order: a directory's files (sorted), then each of its
-    subdirectories (sorted), depth first."""
+    subdirectories (sorted), depth first. With ``dir_fd`` (the attempt's directory, opened before the task
+    could touch it) ``output_dir`` is a name in it: a task that renamed its directory and planted a
+    symlink in its place cannot point the walk elsewhere."""
     try:
-        top = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        top = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         return  # the task removed (or replaced) its output dir: nothing to collect
     try:

@@ -225,6 +225,8 @@ def run(
     attempt's whole tree is gone and before its directory is removed; its answer is ``collected``."""
     out = Attempt()
     workdir = taskdir.make()
+    # Held from before the task may touch its directory: the output files are read through it.
+    workdir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
@@ -234,10 +236,11 @@ def run(
         _watch(proc, out, limits, on_line, should_stop, started)
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
-            out.collected = collect(outputs.walk(output_dir))
+            out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
     finally:
         if not out.duration:
             out.duration = time.monotonic() - started
+        os.close(workdir_fd)
         taskdir.remove(workdir, script, output_dir)
     return out
 

@@ -43,6 +43,7 @@ from gpumesh.store import keys
 # chunk with Redis's string header fits jemalloc's 1 MiB size class (1 MiB + header takes 1.25 MiB).
 CHUNK = (1 << 20) - 4096
 PIPELINE_BYTES = 8 << 20  # chunks sent per round trip
+DELETE_WAIT_S = 120.0  # how long cancel waits for an object store's delete before going on without it
 STAGING_TTL_S = 3600  # a staged copy nobody completed (its worker died mid-upload) expires
 MB = 1 << 20
 
@@ -97,8 +98,10 @@ class StageFailed:
     reason: str
 
 
-def copy_name(attempt: int, backup: bool) -> str:
-    return f"{'b' if backup else ''}{attempt}"
+def copy_name(attempt: int, backup: bool, token: str) -> str:
+    """The name of one attempt copy's files: the attempt, and its lease token's digest (a retried job
+    counts attempts from 1 again, and a handed-back attempt is not counted: the token is never reused)."""
+    return f"{'b' if backup else ''}{attempt}-{hashlib.sha256(token.encode()).hexdigest()[:12]}"
 
 
 def backend(settings: Settings, rq_client: redis.Redis) -> Backend:
@@ -111,7 +114,10 @@ def backend(settings: Settings, rq_client: redis.Redis) -> Backend:
 # Object stores a pull reads from on an index's word alone. An index is written by a worker: one naming
 # another protocol (http://, an in-memory or a chained one) would make the puller's machine fetch from
 # wherever the worker says, so it is read only when the puller's own GPUMESH_ARTIFACTS names it.
-READABLE = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file")
+# file:// is not among them: it would let a worker make pull copy any local file (or /dev/zero) into DIR.
+READABLE = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+MAX_NOTES = 100  # skipped files listed per task; past it, one line counts the rest
+JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 def reader(index: dict[str, Any], rq_client: redis.Redis, trusted: str = "") -> Backend:
@@ -170,8 +176,14 @@ def _stage_all(
 
 
 def _skip(staged: Staged, path: str, reason: str) -> None:
-    staged.index["skipped"].append({"path": path, "reason": reason})
-    staged.notes.append(f"artifact {path} skipped: {reason}")
+    """Note a file not stored; past MAX_NOTES only counted (a task making a million symlinks must not make
+    a million-entry index)."""
+    skipped = staged.index["skipped"]
+    if len(skipped) < MAX_NOTES:
+        skipped.append({"path": path, "reason": reason})
+        staged.notes.append(f"artifact {path} skipped: {reason}")
+        return
+    staged.index["skipped_more"] = staged.index.get("skipped_more", 0) + 1
 
 
 def _over_cap(caps: Caps, size: int, task_total: int, job_total: int, count: int) -> str | None:
@@ -331,8 +343,12 @@ class ObjectStore:
             self.fs.rm(path, recursive=True)
 
     def read(self, index: dict[str, Any], n: int) -> Iterator[bytes]:
+        left = int(index["files"][n]["bytes"])
         with self.fs.open(self._path(index, n), "rb") as f:
-            while data := f.read(CHUNK):
+            while data := f.read(min(CHUNK, left + 1)):
+                left -= len(data)
+                if left < 0:
+                    raise LookupError("the stored file is longer than its index says")
                 yield data
 
 
@@ -340,18 +356,34 @@ def dumps(index: dict[str, Any]) -> str:
     return json.dumps(index, separators=(",", ":"))
 
 
-def delete_from_object_store(url: str, job_id: str) -> None:
-    """Remove a job's files from the object store it used (best effort: the job goes either way)."""
-    try:
-        ObjectStore(url).delete_job(job_id)
-    except Exception as exc:  # noqa: BLE001 - an unreachable store or missing fsspec must not keep the job
-        log.warning("could not delete job %s's files from %s: %s", job_id, url, exc)
+def delete_from_object_store(url: str, job_id: str, own: str, wait: float = 0.0) -> bool:
+    """Remove a job's files from the object store it used, if that is this machine's own (``own``, its
+    GPUMESH_ARTIFACTS): the URL was written by a worker, and a recursive delete of wherever a worker
+    says is not something to run. Best effort, in a thread waited on for ``wait`` seconds (the reaper
+    does not wait: a slow store must not hold up a heartbeat); whether it was started."""
+    if not url or url.rstrip("/") != own.rstrip("/") or not job_id or not set(job_id) <= JOB_ID_CHARS:
+        if url:
+            log.warning("job %s's files in %s are left there: this machine's GPUMESH_ARTIFACTS is not that store",
+                        job_id, url)  # fmt: skip
+        return False
+
+    def delete() -> None:
+        try:
+            ObjectStore(url).delete_job(job_id)
+        except Exception as exc:  # noqa: BLE001 - an unreachable store or missing fsspec must not keep the job
+            log.warning("could not delete job %s's files from %s: %s", job_id, url, exc)
+
+    thread = threading.Thread(target=delete, name=f"gpumesh-delete-{job_id}", daemon=True)
+    thread.start()
+    if wait:
+        thread.join(timeout=wait)
+    return True
 
 
-def drop(r: Any, job_id: str, task_ids: list[str], store: str | None) -> int:
+def drop(r: Any, job_id: str, task_ids: list[str], store: str | None, own: str = "") -> int:
     """Delete the output files a job's tasks stored (``cancel`` does) and their indexes; how many tasks had any."""
     if store:
-        delete_from_object_store(store, job_id)
+        delete_from_object_store(store, job_id, own, wait=DELETE_WAIT_S)
     n = 0
     for start in range(0, len(task_ids), 1000):
         chunk = task_ids[start : start + 1000]
@@ -411,22 +443,37 @@ def plan(
         if status != "done":
             out.not_done.append((int(index_no), status))
             continue
-        index = json.loads(raw) if raw else {"files": [], "skipped": []}
-        store = reader(index, rq_client, trusted) if index["files"] else None
-        for skipped in index.get("skipped", []):
-            out.notes.append(f"task {index_no}: {skipped['path']} was not stored: {skipped['reason']}")
-        for n, f in enumerate(index["files"]):
-            path = safe_path(f["path"])
-            if pattern and not fnmatch.fnmatchcase(path, pattern):
-                continue
-            target = root / str(int(index_no)) / path
-            if not target.resolve().is_relative_to(root):  # a symlink already in dest would lead out of it
-                raise UsageError(f"refusing to write {target}: it leads out of {dest} (a symbolic link?)")
-            if not force and _whole(target, int(f["bytes"]), f["sha256"]):
-                out.present.append(target)
-                continue
-            assert store is not None
-            wants.append(_Want(store, index, n, target, int(f["bytes"]), f["sha256"]))
+        try:
+            wants += _task_wants(int(index_no), raw, rq_client, root, pattern, force, out, trusted)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an index no honest worker writes
+            raise BrokerError(f"task {index_no}'s file index is malformed ({type(exc).__name__}: {exc})") from None
+    return wants
+
+
+def _task_wants(
+    index_no: int, raw: str | None, rq_client: redis.Redis, root: Path, pattern: str | None, force: bool,
+    out: Pulled, trusted: str,
+) -> list[_Want]:  # fmt: skip
+    index = json.loads(raw) if raw else {"files": [], "skipped": []}
+    store = reader(index, rq_client, trusted) if index["files"] else None
+    for skipped in index.get("skipped", []):
+        out.notes.append(f"task {index_no}: {skipped['path']} was not stored: {skipped['reason']}")
+    if index.get("skipped_more"):
+        out.notes.append(f"task {index_no}: {int(index['skipped_more'])} more files were not stored")
+    wants = []
+    for n, f in enumerate(index["files"]):
+        path = safe_path(f["path"])
+        if pattern and not fnmatch.fnmatchcase(path, pattern):
+            continue
+        target = root / str(index_no) / path
+        if not target.resolve().is_relative_to(root):  # a symlink already in dest would lead out of it
+            raise UsageError(f"refusing to write {target}: it leads out of {root} (a symbolic link?)")
+        size, sha = int(f["bytes"]), str(f["sha256"])
+        if not force and _whole(target, size, sha):
+            out.present.append(target)
+            continue
+        assert store is not None
+        wants.append(_Want(store, index, n, target, size, sha))
     return wants
 
 
@@ -444,13 +491,17 @@ def _whole(target: Path, size: int, sha256: str) -> bool:
 
 
 def fetch(want: _Want, on_bytes: Callable[[int], None]) -> None:
-    """Write one file next to its target, check its checksum, then move it into place."""
-    want.target.parent.mkdir(parents=True, exist_ok=True)
+    """Write one file next to its target, check its size and checksum, then move it into place."""
     part = want.target.with_name(f".{want.target.name}.gpumesh-part")
     digest = hashlib.sha256()
     try:
+        want.target.parent.mkdir(parents=True, exist_ok=True)
         with open(part, "wb") as f:
-            for data in want.store.read(want.index, want.n):
+            got = 0
+            for data in _stored(want):
+                got += len(data)
+                if got > want.size:
+                    raise BrokerError(f"{want.target}: the stored copy is longer than its index says; nothing written")
                 digest.update(data)
                 f.write(data)
                 on_bytes(len(data))
@@ -460,8 +511,27 @@ def fetch(want: _Want, on_bytes: Callable[[int], None]) -> None:
                 "the stored copy is damaged, nothing was written"
             )
         os.replace(part, want.target)
+    except OSError as exc:
+        raise UsageError(f"cannot write {want.target}: {exc.strerror or exc}") from None
     finally:
         part.unlink(missing_ok=True)
+
+
+def _stored(want: _Want) -> Iterator[bytes]:
+    """The stored bytes; any failure of the store (missing chunk, an object store's own errors) is one line."""
+    chunks = want.store.read(want.index, want.n)
+    while True:
+        try:
+            data = next(chunks)
+        except StopIteration:
+            return
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own types
+            raise BrokerError(
+                f"reading {want.target.name} from its store failed: {type(exc).__name__}: {exc}"
+            ) from None
+        yield data
 
 
 def pull(
@@ -470,7 +540,8 @@ def pull(
     on_bytes: Callable[[int], None] | None = None, trusted: str = "",
 ) -> Pulled:  # fmt: skip
     """Fetch the stored files of ``task_ids`` into ``dest``, ``parallel`` at a time. ``on_start(files,
-    bytes)`` is told what will be fetched, ``on_bytes(n)`` as bytes arrive (from several threads)."""
+    bytes)`` is told what will be fetched, ``on_bytes(n)`` as bytes arrive (from several threads). The
+    first error (or Ctrl-C) stops the fetches not yet started; files already moved into place stay."""
     out = Pulled()
     wants = plan(r, rq_client, task_ids, dest, pattern, force, out, trusted)
     total = sum(w.size for w in wants)
@@ -484,7 +555,12 @@ def pull(
         if on_bytes is not None:
             on_bytes(n)
 
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        for want, _ in zip(wants, pool.map(lambda w: fetch(w, count), wants)):
+    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    try:
+        futures = [pool.submit(fetch, w, count) for w in wants]
+        for want, future in zip(wants, futures):
+            future.result()
             out.fetched.append(want.target)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return out

@@ -324,7 +324,8 @@ class Broker:
         """Delete the output files a job's tasks stored, from the broker or its object store; how many
         tasks had some."""
         ids = self.task_ids(job_id)
-        return artifacts.drop(self.r, job_id, ids, self.r.hget(keys.job(job_id), "artifact_store"))
+        store = self.r.hget(keys.job(job_id), "artifact_store")
+        return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)
 
     def retry(self, job_id: str) -> tuple[int, JobStatus]:
         """Re-queue every failed task of a job with a fresh set of attempts. Returns (tasks re-queued, status)."""

@@ -85,9 +85,10 @@ def _check_idempotency_key(key: str) -> None:
         raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
 
 
-def delete_job(r: TextClient, job_id: str, index: str) -> None:
+def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> None:
     """Delete a job with its tasks, logs, output files and pending sets, and drop it from ``index`` (the
-    jobs index, or the staging claims for a job that never became visible)."""
+    jobs index, or the staging claims for a job that never became visible). Files in an object store
+    are deleted only from ``own_store`` (this machine's GPUMESH_ARTIFACTS), in the background."""
     tids = r.lrange(keys.job_tasks(job_id), 0, -1)
     classes, store = r.hmget(keys.job(job_id), "classes", "artifact_store")
     if classes is not None:
@@ -95,7 +96,7 @@ def delete_job(r: TextClient, job_id: str, index: str) -> None:
     else:  # staged, never made visible: its classes were not recorded
         pending = list(r.scan_iter(match=keys.pending(job_id, 0)[:-1] + "*", count=1000))
     if store:
-        artifacts.delete_from_object_store(store, job_id)
+        artifacts.delete_from_object_store(store, job_id, own_store)
     with r.pipeline(transaction=True) as p:
         if pending:
             p.delete(*pending)

@@ -184,7 +184,7 @@ class Executor:
     def _stage(self, lease: scripts.Lease, entries: Iterator[Any]) -> artifacts.Staged | artifacts.StageFailed | None:
         """Store the clean attempt's output files as a staged copy (the complete script keeps it if this
         attempt wins); None when it wrote none. Notes on skipped files go to the task's log."""
-        copy = artifacts.copy_name(lease.attempt, lease.backup)
+        copy = artifacts.copy_name(lease.attempt, lease.backup, lease.token)
         try:
             job_bytes = int(self.broker.r.hget(keys.job(lease.job_id), "artifact_bytes") or 0)
             staged = artifacts.stage(

@@ -88,7 +88,7 @@ def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
         status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
         if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
             continue  # still open, or finished within the retention
-        delete_job(b.r, job_id, keys.JOBS)
+        delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts)
         pruned += 1
     return pruned
 

@@ -11,7 +11,7 @@
 -- )
 -- The winner's output files are kept in the same step as its result: a losing copy's stay staged and
 -- expire (store/artifacts.py).
--- Reply (see _lib.lua): {1, 'done'}, or {0, why}: why = the task's status, 'missing' or 'stale'
+-- Reply (see _lib.lua): {1, 'done'} (also for a repeat of the winning call), or {0, why}: why = the task's status, 'missing' or 'stale'
 -- (another lease holds it).
 
 local task_key = KEYS[1]
@@ -37,6 +37,10 @@ local promote = ARGV[9] == '1'
 
 local copy, refused = holder(task_key, token)
 if not copy then
+  -- The same completion again (its first reply was lost and the call retried): it did win.
+  if refused[2] == 'done' and redis.call('HGET', task_key, 'done_token') == token then
+    return {1, 'done'}
+  end
   return refused
 end
 local ms = now_ms()
@@ -45,7 +49,7 @@ if copy == 'backup' then
 end
 clear_backup(task_key)
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
-  'finished_at', secs(ms), 'duration', duration)
+  'finished_at', secs(ms), 'duration', duration, 'done_token', token)
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, 'running', 'done')
@@ -57,13 +61,17 @@ end
 redis.call('HINCRBY', stats_key, 'done', 1)
 observe_duration(histogram_key, tonumber(duration))
 clear_current(worker_key, task_id)
+if promote and redis.call('EXISTS', staged_key) == 0 then
+  artifacts = ''  -- its staging expired before it completed: no index that names missing chunks
+  redis.call('HINCRBY', stats_key, 'artifacts_lost', 1)
+end
 if artifacts ~= '' then
   redis.call('HSET', task_key, 'artifacts', artifacts)
   redis.call('HINCRBY', job_key, 'artifact_bytes', artifact_bytes)
   if artifact_store ~= '' then
     redis.call('HSET', job_key, 'artifact_store', artifact_store)
   end
-  if promote and redis.call('EXISTS', staged_key) == 1 then
+  if promote then
     redis.call('RENAME', staged_key, files_key)
     redis.call('PERSIST', files_key)
   end
