@@ -1,7 +1,7 @@
 """Train a small MLP on data it generates, on whatever device the worker has (CUDA, MPS or CPU).
 
 Payload: {"hidden": 64, "lr": 0.01, "steps": 300, "seed": 0}. Result: final train and test loss.
-Needs torch on the worker (`pip install 'gpumesh[gpu]'`):
+Needs torch on the worker (`pip install -e '.[gpu]'`):
 
     gpumesh submit examples/torch_regression.py --payloads examples/torch_payloads.json --wait
 """

@@ -24,7 +24,7 @@ def _crypto() -> Any:
     try:
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
-        raise UsageError("signed jobs need the cryptography package: pip install 'gpumesh[signing]'") from None
+        raise UsageError("signed jobs need the cryptography package: pip install 'gpumesh-pool[signing]'") from None
     return ed25519
 
 

@@ -5,4 +5,5 @@ RUN pip install --no-cache-dir rq-dashboard==0.9.0 six==1.17.0 \
  && useradd --create-home --uid 10001 dashboard
 USER dashboard
 EXPOSE 9181
-CMD ["rq-dashboard", "-j", "--bind", "0.0.0.0", "--port", "9181"]
+# --disable-delete: watching the mesh must not delete its deliveries or empty its registries on a click
+CMD ["rq-dashboard", "-j", "--disable-delete", "--bind", "0.0.0.0", "--port", "9181"]

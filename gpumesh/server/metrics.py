@@ -22,7 +22,7 @@ def _prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise UsageError("metrics need prometheus-client: pip install 'gpumesh[metrics]'") from None
+        raise UsageError("metrics need prometheus-client: pip install 'gpumesh-pool[metrics]'") from None
     return prometheus_client
 
 

@@ -291,7 +291,7 @@ class ObjectStore:
             import fsspec
         except ImportError:
             raise UsageError(
-                f"GPUMESH_ARTIFACTS={url} needs fsspec (and s3fs for s3://): pip install 'gpumesh[artifacts]'"
+                f"GPUMESH_ARTIFACTS={url} needs fsspec (and s3fs for s3://): pip install 'gpumesh-pool[artifacts]'"
             ) from None
         self.url = url.rstrip("/")
         try:
