@@ -1,0 +1,641 @@
+"""``gpumesh doctor``: what this machine and the broker look like, and what is wrong.
+
+Each check is a small function that returns :class:`Line` (status ok / warn / fail, what it found, and for
+warn and fail the fix in one sentence). A check that breaks is a ``fail`` line of its own, never a traceback,
+and an unreachable broker is one ``fail`` line while the machine checks still run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
+
+import click
+import redis
+
+import gpumesh
+from gpumesh.cli.helpers import emit_json, json_option, url_option
+from gpumesh.errors import UsageError
+from gpumesh.models import Capability
+from gpumesh.settings import Settings
+from gpumesh.store.connection import client, command, mask_url, text, translate
+
+Status = Literal["ok", "warn", "fail"]
+
+SOCKET_TIMEOUT = 3.0  # s the broker may take to answer before it counts as unreachable
+TORCH_TIMEOUT = 120.0  # s importing torch may take in the child (slow on a cold disk, never a hang)
+SMI_TIMEOUT = 10.0
+SKEW_WARN, SKEW_FAIL = 1.0, 30.0  # s between this machine's clock and the broker's
+OTHER_PROJECT = "gpumesh"  # the name on PyPI of another project (versions 3.x); ours is gpumesh-pool
+LANDLOCK_SYSCALL = {"x86_64": 444, "aarch64": 444, "arm64": 444}
+LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One check's result: what ``gpumesh doctor`` prints as a line, and ``--json`` as an object."""
+
+    check: str
+    status: Status
+    detail: str
+    fix: str | None = None
+
+
+def ok(check: str, detail: str) -> Line:
+    return Line(check, "ok", detail)
+
+
+def warn(check: str, detail: str, fix: str) -> Line:
+    return Line(check, "warn", detail, fix)
+
+
+def fail(check: str, detail: str, fix: str) -> Line:
+    return Line(check, "fail", detail, fix)
+
+
+# -- this machine ----------------------------------------------------------------------------------
+
+
+def python_line(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Line:
+    shown = ".".join(map(str, version))
+    if version[:2] < (3, 11):
+        return fail(
+            "python",
+            f"{shown} ({sys.executable}): gpumesh needs 3.11 or newer",
+            "Install Python 3.11 or newer and reinstall gpumesh-pool with it (pip install gpumesh-pool).",
+        )
+    return ok("python", f"{shown} ({sys.executable})")
+
+
+def gpumesh_line() -> Line:
+    return ok("gpumesh", f"{gpumesh.__version__} ({Path(gpumesh.__file__ or '').parent})")
+
+
+def _top_level(dist: importlib.metadata.Distribution) -> set[str]:
+    names = set((dist.read_text("top_level.txt") or "").split())
+    return names or {f.parts[0] for f in dist.files or () if f.parts and not f.parts[0].endswith(".dist-info")}
+
+
+def _where(dist: importlib.metadata.Distribution) -> str:
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        return "editable, from " + unquote(urlsplit(direct.get("url", "")).path)
+    return str(dist.locate_file(""))
+
+
+def installed_providers() -> list[tuple[str, str, str]]:
+    """(name, version, where) of every installed distribution that provides the ``gpumesh`` package. Only
+    installed ones (an INSTALLER file, as pip writes): a source tree's *.egg-info on sys.path is not one."""
+    seen: dict[tuple[str, str, str], None] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if name and dist.read_text("INSTALLER") is not None and "gpumesh" in _top_level(dist):
+            seen[(name, dist.version, _where(dist))] = None
+    return list(seen)
+
+
+def _is_other_project(name: str, version: str) -> bool:
+    major = version.split(".", 1)[0]
+    return name.lower().replace("_", "-") == OTHER_PROJECT and major.isdigit() and int(major) >= 3
+
+
+def distribution_line() -> Line:
+    providers = installed_providers()
+    shown = ", ".join(f"{n} {v} ({w})" for n, v, w in providers)
+    other = [f"{n} {v}" for n, v, _ in providers if _is_other_project(n, v)]
+    if other:
+        return warn(
+            "distribution",
+            f"{', '.join(other)} is installed: that is another project on PyPI, not this one (gpumesh-pool)",
+            "Run pip uninstall gpumesh, then pip install gpumesh-pool.",
+        )
+    if len(providers) > 1:
+        return warn(
+            "distribution",
+            f"several installed distributions provide the gpumesh package, each overwriting the other: {shown}",
+            "Run pip uninstall on all but one of them, then reinstall that one (pip install --force-reinstall).",
+        )
+    if not providers:
+        return ok("distribution", f"none installed: imported from the source tree at {Path(gpumesh.__file__ or '')}")
+    return ok("distribution", shown)
+
+
+@dataclass(frozen=True)
+class Torch:
+    """What a child process found importing torch; ``error`` when it could not."""
+
+    version: str = ""
+    cuda: bool = False
+    cuda_version: str | None = None
+    devices: int = 0
+    error: str = ""
+
+
+_TORCH_CHILD = """
+import json, torch
+cuda = torch.cuda.is_available()
+print(json.dumps({"version": torch.__version__, "cuda": cuda, "cuda_version": torch.version.cuda,
+                  "devices": torch.cuda.device_count() if cuda else 0}))
+"""
+
+
+def probe_torch() -> Torch | None:
+    """torch as a task would see it, or None when it is not installed (then it is never imported). Imported
+    in a child process: this one never initialises CUDA (see gpumesh.capability), and a broken install
+    that crashes its interpreter is a line here, not a crash of doctor."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _TORCH_CHILD], capture_output=True, text=True, timeout=TORCH_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return Torch(error=f"importing torch took over {TORCH_TIMEOUT:.0f} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return Torch(error=f"importing torch failed: {tail}")
+    return Torch(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def probe_driver() -> tuple[str | None, str]:
+    """(NVIDIA driver version or None, what nvidia-smi said): None when there is no nvidia-smi or it failed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None, "not found on PATH (no NVIDIA driver here)"
+    try:
+        proc = subprocess.run(
+            [exe, "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=SMI_TIMEOUT, check=False,
+        )  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return None, f"nvidia-smi did not answer: {exc}"
+    rows = [r.split(",", 1) for r in proc.stdout.strip().splitlines() if r.strip()]
+    if proc.returncode != 0 or not rows:
+        tail = ((proc.stderr or proc.stdout).strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return None, f"nvidia-smi failed: {tail}"
+    names = ", ".join(r[-1].strip() for r in rows)
+    return rows[0][0].strip(), f"driver {rows[0][0].strip()}: {names}"
+
+
+def _describe(cap: Capability) -> str:
+    memory = f", {cap.vram_gb} GiB VRAM" if cap.vram_gb is not None else ""
+    return (
+        f"{cap.device} {cap.device_name}{memory}, {cap.cpu_cores} cores, {cap.ram_gb} GiB RAM, "
+        f"score {cap.score_gflops:.4g} GFLOP/s ({cap.backend})"
+    )
+
+
+def device_line(cache_dir: Path, torch: Torch | None) -> Line:
+    from gpumesh import capability
+
+    cap = capability.load(cache_dir)
+    if cap is None:
+        return warn(
+            "device",
+            f"no benchmark cached yet ({capability.cache_file(cache_dir)}): a worker benchmarks before it starts",
+            "Run gpumesh bench --save, or start a worker: it benchmarks on its first start and caches the score.",
+        )
+    if not cap.comparable:
+        return warn(
+            "device",
+            f"{_describe(cap)}: a pure-Python score, not comparable with other machines'",
+            "Run pip install numpy, then gpumesh bench --save.",
+        )
+    if cap.device == "cpu" and torch is not None and torch.cuda:
+        return warn(
+            "device",
+            f"{_describe(cap)}: cached for the CPU, but torch sees CUDA, so workers rank this machine far too low",
+            "Run gpumesh bench --save (or gpumesh worker --rebench).",
+        )
+    return ok("device", _describe(cap))
+
+
+def torch_line(torch: Torch | None, driver: str | None) -> Line:
+    if torch is None:
+        if driver is not None:
+            return warn(
+                "torch",
+                f"not installed, though this machine has an NVIDIA GPU (driver {driver}): tasks and the benchmark "
+                "run on the CPU",
+                "Run pip install torch (the gpu extra: pip install 'gpumesh-pool[gpu]').",
+            )
+        return ok("torch", "not installed (tasks and the benchmark use the CPU)")
+    if torch.error:
+        return warn("torch", torch.error, "Reinstall torch (pip install --force-reinstall torch).")
+    if torch.cuda:
+        return ok("torch", f"{torch.version}, CUDA {torch.cuda_version} available ({torch.devices} device(s))")
+    if driver is not None:
+        return warn(
+            "torch",
+            f"{torch.version} cannot use CUDA (torch.cuda.is_available() is False) though driver {driver} is there",
+            "Install a torch build for CUDA that this driver supports (pip install torch from pytorch.org's index).",
+        )
+    return ok("torch", f"{torch.version}, CUDA not available (torch.cuda.is_available() is False)")
+
+
+def nvidia_smi_line(found: str) -> Line:
+    if found.startswith("nvidia-smi "):  # it is there, and failed or hung
+        return warn("nvidia-smi", found, "Check the NVIDIA driver: run nvidia-smi by itself to see its error.")
+    return ok("nvidia-smi", found)
+
+
+def numpy_line() -> Line:
+    if importlib.util.find_spec("numpy") is None:
+        return warn(
+            "numpy",
+            "not installed: without it (or torch) the CPU benchmark falls back to pure Python, whose score "
+            "is not comparable with other machines'",
+            "Run pip install numpy, then gpumesh bench --save.",
+        )
+    try:
+        version = importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        version = "installed"
+    return ok("numpy", version)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def cache_line(cache_dir: Path) -> Line:
+    fix = f"Make {cache_dir} writable, or set GPUMESH_CACHE_DIR (cache_dir in the config file) to a writable directory."
+    if cache_dir.is_dir():
+        try:
+            with tempfile.TemporaryFile(dir=cache_dir):
+                pass
+        except OSError as exc:
+            return warn("cache", f"{cache_dir} is not writable ({exc.strerror}): workers re-benchmark every start", fix)
+        return ok("cache", f"{cache_dir} writable")
+    base = _nearest_existing(cache_dir)
+    if not base.is_dir():
+        return warn("cache", f"{base} is not a directory, so {cache_dir} cannot be created", fix)
+    if not os.access(base, os.W_OK | os.X_OK):
+        return warn("cache", f"{cache_dir} cannot be created: {base} is not writable", fix)
+    return ok("cache", f"{cache_dir} (not created yet; {base} is writable)")
+
+
+def landlock_abi() -> tuple[int, int]:
+    """(ABI version, 0), or (-1, errno) when the kernel has no usable Landlock; ENOSYS off Linux."""
+    nr = LANDLOCK_SYSCALL.get(platform.machine())
+    if sys.platform != "linux" or nr is None:
+        return -1, errno.ENOSYS
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = int(
+        libc.syscall(ctypes.c_long(nr), None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    )
+    return (abi, 0) if abi >= 0 else (-1, ctypes.get_errno())
+
+
+def landlock_line() -> Line:
+    if sys.platform != "linux":
+        why = f"not Linux ({sys.platform})"
+    elif platform.machine() not in LANDLOCK_SYSCALL:
+        why = f"not checked on {platform.machine()} (syscall number unknown)"
+    else:
+        abi, err = landlock_abi()
+        if abi > 0:
+            return ok("landlock", f"ABI {abi}")
+        why = {
+            errno.ENOSYS: "this kernel has no Landlock (Linux 5.13+ has it)",
+            errno.EOPNOTSUPP: "Landlock is built into this kernel but disabled at boot",
+        }.get(err, f"unavailable ({os.strerror(err)})")
+    return warn(
+        "landlock",
+        f"{why}: tasks are not isolated from the host's files",
+        "Run workers on Linux 5.13+ with Landlock enabled (add landlock to the lsm= kernel boot parameter).",
+    )
+
+
+def own_cgroup(version: str, proc_cgroup: str) -> Path | None:
+    """This process's own cgroup directory: the v2 one, or v1's memory controller's."""
+    for row in proc_cgroup.splitlines():
+        _, controllers, path = row.split(":", 2)
+        if version == "v2" and controllers == "":
+            return CGROUP_ROOT / path.lstrip("/")
+        if version == "v1" and "memory" in controllers.split(","):
+            return CGROUP_ROOT / "memory" / path.lstrip("/")
+    return None
+
+
+def cgroup_line() -> Line:
+    fix = (
+        "Run the worker where it may manage its own cgroup: as root, in a systemd unit with Delegate=yes, "
+        "or in a container with a writable /sys/fs/cgroup."
+    )
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        version, shown = "v2", "v2"
+    elif (CGROUP_ROOT / "memory").is_dir():
+        hybrid = (CGROUP_ROOT / "unified" / "cgroup.controllers").exists()
+        version, shown = "v1", "v1 (hybrid, v2 at /sys/fs/cgroup/unified)" if hybrid else "v1"
+    else:
+        return warn("cgroup", f"no cgroup filesystem at {CGROUP_ROOT}: task trees cannot be confined by cgroups", fix)
+    try:
+        own = own_cgroup(version, Path("/proc/self/cgroup").read_text())
+    except (OSError, ValueError):
+        own = None
+    if own is None or not own.is_dir():
+        return warn("cgroup", f"{shown}; this process's own cgroup is not visible under {CGROUP_ROOT}", fix)
+    if not os.access(own, os.W_OK | os.X_OK):
+        return warn("cgroup", f"{shown}; this process cannot create a child cgroup in {own} (no write access)", fix)
+    controllers = ""
+    if version == "v2":
+        controllers = " (controllers: " + ((own / "cgroup.controllers").read_text().strip() or "none") + ")"
+    return ok("cgroup", f"{shown}; this process can create a child cgroup in {own}{controllers}")
+
+
+def probe_gpu() -> tuple[str | None, Torch | None, str]:
+    """(driver version, torch, what nvidia-smi said); a probe that breaks is said in its line."""
+    try:
+        driver, smi = probe_driver()
+    except Exception as exc:  # noqa: BLE001 - doctor reports whatever it finds, its own failures too
+        driver, smi = None, f"nvidia-smi could not be checked: {type(exc).__name__}: {exc}"
+    try:
+        torch = probe_torch()
+    except Exception as exc:  # noqa: BLE001
+        torch = Torch(error=f"probing torch failed: {type(exc).__name__}: {exc}")
+    return driver, torch, smi
+
+
+def machine_lines(settings: Settings) -> list[Line]:
+    driver, torch, smi = probe_gpu()
+    checks: list[tuple[str, Callable[[], Line]]] = [
+        ("python", python_line),
+        ("gpumesh", gpumesh_line),
+        ("distribution", distribution_line),
+        ("device", lambda: device_line(settings.cache_dir, torch)),
+        ("torch", lambda: torch_line(torch, driver)),
+        ("nvidia-smi", lambda: nvidia_smi_line(smi)),
+        ("numpy", numpy_line),
+        ("cache", lambda: cache_line(settings.cache_dir)),
+        ("landlock", landlock_line),
+        ("cgroup", cgroup_line),
+    ]
+    return [guarded(name, check) for name, check in checks]
+
+
+def guarded(name: str, check: Callable[[], Line]) -> Line:
+    """A check that breaks is a fail line of its own: doctor never ends in a traceback."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - doctor reports whatever it finds, its own failures too
+        return crashed(name, exc)
+
+
+def crashed(name: str, exc: Exception) -> Line:
+    return fail(name, f"the check itself failed: {type(exc).__name__}: {exc}", "Report this as a gpumesh bug.")
+
+
+# -- the broker ------------------------------------------------------------------------------------
+
+
+def _server_name(info: dict[str, Any]) -> str:
+    if info.get("server_name") == "valkey" and info.get("valkey_version"):
+        return f"Valkey {info['valkey_version']}"
+    return f"Redis {info.get('redis_version', '(version unknown)')}"
+
+
+def unreachable_fix(exc: redis.RedisError) -> str:
+    text_ = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in text_ or "NOAUTH" in text_:
+        return "Put the right user and password in the broker URL (--url or GPUMESH_URL)."
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return "Start Redis there (gpumesh serve starts one), or point --url or GPUMESH_URL at the broker."
+    return "Point --url or GPUMESH_URL at a Redis server: something answered there, but not as Redis does."
+
+
+def reachable_line(r: redis.Redis, url: str) -> Line:
+    try:
+        text(r).ping()  # connects
+        start = time.perf_counter()
+        text(r).ping()
+        rtt = (time.perf_counter() - start) * 1000
+        try:
+            version = _server_name(dict(r.info("server")))
+        except redis.ResponseError:
+            version = "version unknown (INFO refused)"
+    except redis.RedisError as exc:
+        return fail("broker", str(translate(exc, url)), unreachable_fix(exc))
+    return ok("broker", f"{mask_url(url)} reachable, {version} ({rtt:.1f} ms round trip)")
+
+
+def _config(r: redis.Redis, name: str) -> str | None:
+    """A CONFIG GET value, or None when CONFIG is refused (an ACL, a managed Redis) or answers nothing."""
+    try:
+        return text(r).config_get(name).get(name)
+    except redis.ResponseError:
+        return None
+
+
+REFUSED_FIX = "Run gpumesh doctor --url with an admin user's URL to check it."
+
+
+def persistence_line(r: redis.Redis) -> Line:
+    aof, save = _config(r, "appendonly"), _config(r, "save")
+    if aof is None or save is None:
+        return warn("persistence", "cannot tell (CONFIG refused)", REFUSED_FIX)
+    if aof == "yes":
+        fsync = _config(r, "appendfsync") or "?"
+        rdb = f", RDB snapshots (save {save})" if save else ""
+        return ok("persistence", f"append-only file on (appendfsync {fsync}){rdb}")
+    if save:
+        return ok("persistence", f"RDB snapshots only (save {save}): a crash loses the writes since the last one")
+    return warn(
+        "persistence",
+        "none (appendonly no, save ''): a broker crash or restart loses the queue and every job",
+        "Run CONFIG SET appendonly yes on the broker (and put appendonly yes in redis.conf), or run it with "
+        "gpumesh serve, which persists.",
+    )
+
+
+def maxmemory_line(r: redis.Redis) -> Line:
+    policy = _config(r, "maxmemory-policy")
+    if policy is None:
+        return warn("maxmemory-policy", "cannot tell (CONFIG refused)", REFUSED_FIX)
+    limit = int(_config(r, "maxmemory") or 0)
+    cap = f"maxmemory {limit / 2**20:.0f} MiB" if limit else "no maxmemory"
+    if policy == "noeviction":
+        return ok("maxmemory-policy", f"noeviction ({cap})")
+    return warn(
+        "maxmemory-policy",
+        f"{policy}, not noeviction ({cap}): under memory pressure Redis evicts keys, queued tasks and results "
+        "among them",
+        "Run CONFIG SET maxmemory-policy noeviction on the broker (and put it in redis.conf).",
+    )
+
+
+def _acl_fields(reply: Any) -> dict[str, Any]:
+    """ACL GETUSER's flat [name, value, ...] reply (RESP2) or map (RESP3) as a dict."""
+    if isinstance(reply, dict):
+        return {str(k): v for k, v in reply.items()}
+    return {str(reply[i]): reply[i + 1] for i in range(0, len(reply) - 1, 2)}
+
+
+def acl_line(r: redis.Redis, url: str) -> Line:
+    try:
+        user = str(command(r, "ACL", "WHOAMI"))
+    except redis.ResponseError as exc:
+        if "unknown" in str(exc).lower():
+            return ok("acl", "no ACLs (Redis before 6): one password for everyone")
+        return ok("acl", f"{urlsplit(url).username or 'default'}: restricted (ACL WHOAMI refused)")
+    try:
+        fields = _acl_fields(command(r, "ACL", "GETUSER", user))
+    except redis.ResponseError:
+        return ok("acl", f"{user}: restricted (may not read its own ACL)")
+    rules = str(fields.get("commands", ""))
+    flags = [str(f) for f in fields.get("flags", [])]
+    nopass = ", no password" if "nopass" in flags else ""
+    if rules.startswith("+@all") and " -" not in rules:
+        return ok("acl", f"{user}: admin (all commands){nopass}")
+    shown = rules if len(rules) <= 60 else rules[:57] + "..."
+    return ok("acl", f"{user}: restricted ({shown}){nopass}")
+
+
+def clock_line(r: redis.Redis, now: Callable[[], float] = time.time) -> Line:
+    before = now()
+    sec, usec = text(r).time()
+    after = now()
+    skew = (before + after) / 2 - (sec + usec / 1e6)
+    detail = f"this machine is {abs(skew):.3f} s {'ahead of' if skew >= 0 else 'behind'} the broker"
+    fix = "Sync this machine's clock with NTP (timedatectl set-ntp true, or chrony)."
+    if abs(skew) > SKEW_FAIL:
+        return fail("clock", f"{detail}: leases are timed by the broker, but logs and retention mix clocks", fix)
+    if abs(skew) > SKEW_WARN:
+        return warn("clock", f"{detail}: logs and job retention mix the two clocks", fix)
+    return ok("clock", detail)
+
+
+def workers_line(settings: Settings) -> Line:
+    from gpumesh.store.broker import Broker
+
+    broker = Broker(settings, retries=1, health_check=False)
+    try:
+        found = broker.workers()
+    except redis.ResponseError as exc:
+        return warn("workers", f"cannot tell ({exc})", REFUSED_FIX)
+    finally:
+        broker.close()
+    if not found:
+        return warn(
+            "workers",
+            "none live: jobs wait in the queue until one joins",
+            f"Start one: gpumesh worker {broker.url_masked}",
+        )
+    shown = ", ".join(f"{w.name} ({w.device}, {w.score_gflops:.4g} GFLOP/s, {w.state})" for w in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return ok("workers", f"{len(found)} live: {shown}{more}")
+
+
+def broker_lines(settings: Settings) -> list[Line]:
+    url = settings.url
+    try:
+        r = client(url, decode=True, socket_timeout=SOCKET_TIMEOUT, retries=0, health_check=False)
+    except UsageError as exc:
+        return [fail("broker", str(exc), "Pass --url redis://HOST:PORT/DB or set GPUMESH_URL.")]
+    try:
+        first = reachable_line(r, url)
+        if first.status == "fail":
+            return [first]  # the rest would only say the same, each after a timeout
+        checks: list[tuple[str, Callable[[], Line]]] = [
+            ("persistence", lambda: persistence_line(r)),
+            ("maxmemory-policy", lambda: maxmemory_line(r)),
+            ("acl", lambda: acl_line(r, url)),
+            ("clock", lambda: clock_line(r)),
+            ("workers", lambda: workers_line(settings)),
+        ]
+        return [first, *_broker_checks(checks, url)]
+    finally:
+        r.close()
+
+
+def _broker_checks(checks: Iterable[tuple[str, Callable[[], Line]]], url: str) -> list[Line]:
+    """Run the checks in turn; a broker that stops answering ends them (each would wait out a timeout)."""
+    lines = []
+    for name, check in checks:
+        try:
+            lines.append(check())
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            fix = "Check the broker and its network: it stopped answering partway through; run gpumesh doctor again."
+            lines.append(fail(name, str(translate(exc, url)), fix))
+            break
+        except Exception as exc:  # noqa: BLE001 - doctor reports whatever it finds, its own failures too
+            lines.append(crashed(name, exc))
+    return lines
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def load_settings(url: str | None) -> tuple[Settings, Line | None]:
+    try:
+        return Settings.load(url=url), None
+    except UsageError as exc:
+        fallback = Settings.model_validate({"url": url} if url else {})
+        fix = "Correct it in the config file (gpumesh config show prints it) or in its GPUMESH_* variable."
+        return fallback, fail("settings", f"{exc}; checking with the defaults", fix)
+
+
+def run_checks(url: str | None) -> list[Line]:
+    settings, problem = load_settings(url)
+    lines = [problem] if problem else []
+    return lines + machine_lines(settings) + broker_lines(settings)
+
+
+COLOURS = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def print_lines(lines: list[Line]) -> None:
+    width = max(len(line.check) for line in lines)
+    for line in lines:
+        status = click.style(f"{line.status:<4}", fg=COLOURS[line.status], bold=line.status != "ok")
+        click.echo(f"{status}  {line.check:<{width}}  {line.detail}")
+        if line.fix:
+            click.echo(f"{'':4}  {'':<{width}}  fix: {line.fix}")
+    warns = sum(line.status == "warn" for line in lines)
+    fails = sum(line.status == "fail" for line in lines)
+    click.echo(f"\n{len(lines)} checks: {fails} failed, {warns} warned")
+
+
+@click.command()
+@url_option
+@json_option
+@click.pass_context
+def doctor(ctx: click.Context, url: str | None, as_json: bool) -> None:
+    """Check this machine and the broker, and say how to fix what is wrong.
+
+    One line per check, each ok, warn or fail, with the fix for a warn or fail: Python, the installed
+    gpumesh, the device and its cached benchmark, torch, nvidia-smi, numpy, the benchmark cache, Landlock,
+    cgroups; then the broker: reachable and its version, persistence, maxmemory-policy, the ACL user,
+    clock skew, live workers. Exit code 1 when a check fails, else 0 (warnings do not fail).
+
+    \b
+    Example:
+      gpumesh doctor --url redis://:PASSWORD@10.0.0.5:6379/0
+      gpumesh doctor --json | jq '.[] | select(.status != "ok")'
+    """
+    lines = run_checks(url)
+    if as_json:
+        emit_json([asdict(line) for line in lines])
+    else:
+        print_lines(lines)
+    if any(line.status == "fail" for line in lines):
+        ctx.exit(1)
