@@ -42,10 +42,12 @@ from gpumesh.models import (
     failure_kind,
 )  # fmt: skip
 from gpumesh.settings import Settings
+from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
 T = TypeVar("T")
 Script = str | Path | Callable[..., Any]
+FAILURE_SCAN = 10_000  # tasks read to find failed ones when the job's list of failures cannot tell
 SIGNED_FOR = 7 * 86400.0  # s a signed job stays valid unless ``expires`` says otherwise
 
 
@@ -424,6 +426,23 @@ class Job:
         """
         n, _st = self.mesh.broker.retry(self.id)
         return n
+
+    def failures(self, limit: int = 5) -> tuple[list[TaskResult], int]:
+        """(the first ``limit`` tasks that failed for good, how many failed in all): what ``status`` and
+        ``submit --wait`` print, with ``error_summary`` for each.
+
+        >>> rows, n = job.failures()                                 # doctest: +SKIP
+        >>> [gpumesh.models.error_summary(r.status, r.error) for r in rows], n   # doctest: +SKIP
+        (['script_error: ZeroDivisionError: division by zero'], 1)
+        """
+        broker = self.mesh.broker
+        ids = broker.r.lrange(keys.job_failed(self.id), 0, -1)
+        failed = [res for res in broker.task_results(ids) if res.status == "failed"]
+        total = broker.job_status(self.id).tasks.failed
+        if len(failed) < min(limit, total):  # failed before its worker kept the list (or re-failed after a retry)
+            ids = broker.task_ids(self.id)[:FAILURE_SCAN]
+            failed = [res for res in broker.task_results(ids) if res.status == "failed"]
+        return failed[:limit], max(total, len(failed))
 
     def pull(
         self, dest: str | Path, task: str | int | None = None, *, glob: str | None = None, force: bool = False

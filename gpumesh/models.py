@@ -260,6 +260,7 @@ class SubmitResult(BaseModel):
     tiers: dict[str, int]
     priority: int = 0
     waiting_for: list[Waiting] = Field(default_factory=list)
+    existing: bool = False  # the idempotency key named a job submitted before: nothing new was written
 
 
 class Artifact(BaseModel):
@@ -383,6 +384,29 @@ def failure_kind(status: str, error: str | None) -> str:
     if first.startswith(("result line is over", "the script printed nothing", "the last stdout line", "the result")):
         return "bad_result"
     return "script_error"
+
+
+def error_summary(status: str, error: str | None) -> str:
+    """One line saying how a task failed: its kind, then the exception (``ZeroDivisionError: division by
+    zero``) when the error holds a Python traceback, else the error's first line."""
+    kind = failure_kind(status, error)
+    text = (error or "").rstrip()
+    if kind == "cancelled":
+        return "cancelled"
+    marker = text.rfind("\n" + EXCEPTION_MARKER)
+    if marker >= 0:
+        try:
+            info = json.loads(text[marker + 1 + len(EXCEPTION_MARKER) :].splitlines()[0])
+            return f"{kind}: {info['type']}: {info['message']}".splitlines()[0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            pass
+    lines = text.splitlines()
+    first = lines[0] if lines else status
+    if "Traceback (most recent call last):" in text:
+        for line in reversed(lines):
+            if line and not line.startswith((" ", "\t", "Traceback")):
+                return f"{kind}: {line}" if line != first else f"{kind}: {first}"
+    return f"{kind}: {first}"
 
 
 class Capability(BaseModel):

@@ -15,7 +15,7 @@ import redis
 from gpumesh import api
 from gpumesh.cli import render
 from gpumesh.errors import GpumeshError, UsageError
-from gpumesh.models import JobOptions, JobStatus, parse_payloads
+from gpumesh.models import JobOptions, JobStatus, error_summary, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
@@ -77,6 +77,20 @@ def emit_json(data: Any) -> None:
 def exit_for(ctx: click.Context, st: JobStatus) -> None:
     if st.status != "done":
         ctx.exit(1)
+
+
+def explain_failures(mesh: api.Mesh, st: JobStatus, limit: int = 5) -> None:
+    """On stderr, why a job's tasks failed: the first few, each in one line (kind, exception, message),
+    and the commands that show the rest."""
+    if not st.tasks.failed:
+        return
+    rows, total = mesh.job(st.job_id).failures(limit)
+    for row in rows:
+        err.print(f"  task {row.index} failed: {error_summary(row.status, row.error)}", markup=False)
+        err.print(f"    its output: gpumesh logs {row.task_id}", markup=False)
+    if total > len(rows):
+        err.print(f"  ... and {total - len(rows)} more failed task(s)", markup=False)
+    err.print(f"  every task's result and error: gpumesh results {st.job_id}", markup=False)
 
 
 # -- jobs ------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from gpumesh.cli.helpers import (
     emit_json,
     err,
     exit_for,
+    explain_failures,
     job_input,
     job_options,
     json_option,
@@ -71,21 +72,26 @@ def submit(
     res.waiting_for = job.status().waiting_for
     for w in res.waiting_for:
         err.print(f"warning: {render.waiting_line(w)}")
+    if res.existing and not as_json:
+        err.print(f"existing job {res.job_id}: the idempotency key was used before with the same request; "
+                  "nothing new was submitted")  # fmt: skip
     if not wait:
         if as_json:
             emit_json(res.model_dump())
         else:
             tiers = ", ".join(f"tier {t}: {n}" for t, n in res.tiers.items())
-            err.print(f"submitted job {res.job_id}: {res.tasks} tasks ({tiers})")
+            if not res.existing:
+                err.print(f"submitted job {res.job_id}: {res.tasks} tasks ({tiers})")
             click.echo(res.job_id)
         return
-    if not as_json:
+    if not as_json and not res.existing:
         err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
     st = wait_for(ctx, broker, res.job_id, quiet=as_json)
     if as_json:
         emit_json(st.model_dump(mode="json"))
     else:
         click.echo(f"{st.job_id} {st.status}")
+        explain_failures(mesh, st)
     exit_for(ctx, st)
 
 
@@ -107,12 +113,14 @@ def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_jso
         click.echo(render.status_line(st) + (f"  [{st.name}]" if st.name else ""))
         for w in st.waiting_for:
             click.echo("  " + render.waiting_line(w))
+    if not as_json:
+        explain_failures(mesh, st)
     if watch:
         exit_for(ctx, st)
 
 
 @click.command()
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000), help="How many jobs to list.")
 @url_option
 @json_option
 @click.pass_context
@@ -136,9 +144,17 @@ def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None
     help="Write to FILE instead of stdout.",
 )
 @url_option
+@json_option
 @click.pass_context
-def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url: str | None) -> None:
-    """Print a job's per-task results in payload order."""
+def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url: str | None, as_json: bool) -> None:
+    """Print a job's per-task results in payload order (--json is --format json).
+
+    \b
+    Example:
+      gpumesh results 8f3c2a1b9d0e --format csv -o results.csv
+    """
+    if as_json:
+        fmt = "json"
     rows = open_mesh(ctx, url).job(job_id).results()
     if fmt == "table":
         if output:
@@ -257,6 +273,8 @@ def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json:
         emit_json({"requeued": n, **st.model_dump(mode="json")})
     else:
         click.echo(render.status_line(st))
+        if wait:
+            explain_failures(mesh, st)
     if wait:
         exit_for(ctx, st)
 

@@ -25,7 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo
+from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line, whatever the width
 
@@ -110,10 +110,10 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
     if not err.is_terminal:
         last = ""
         while True:
-            line = status_line(st, rate)
-            if line != last:
-                err.print(line)
-                last = line
+            counts = status_line(st)  # a new line when the counts change, not each time the rate does
+            if counts != last:
+                err.print(status_line(st, rate))
+                last = counts
             if st.finished:
                 return st
             time.sleep(interval)
@@ -174,7 +174,7 @@ def results_table(rows: Iterable[TaskResult]) -> Table:
             str(r.index),
             r.status,
             json.dumps(r.result) if r.result is not None else "",
-            r.error.splitlines()[0] if r.error else "",
+            error_summary(r.status, r.error) if r.error else "",
             str(r.attempts),
             r.worker or "",
             f"{r.duration_s:.2f}" if r.duration_s is not None else "",

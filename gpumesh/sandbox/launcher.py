@@ -89,10 +89,13 @@ def _run_script(script: str) -> None:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
-    except BaseException:  # the script's own error: its traceback is the task's error
+    except BaseException as exc:  # the script's own error: its traceback is the task's error
         import traceback
 
-        traceback.print_exc()
+        tb = exc.__traceback__
+        if tb is not None and tb.tb_frame.f_code is _run_script.__code__:
+            tb = tb.tb_next  # this launcher's own frame: the script's start is the first one that matters
+        traceback.print_exception(type(exc), exc, tb)
         code = 1
     try:
         sys.stdout.flush()

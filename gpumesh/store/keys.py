@@ -37,6 +37,11 @@ def job_ended(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:ended"
 
 
+def job_failed(job_id: str) -> str:
+    """list: the first 100 tasks of the job to fail for good (what status and submit --wait explain)."""
+    return f"{PREFIX}job:{job_id}:failed"
+
+
 def task(task_id: str) -> str:
     return f"{PREFIX}task:{task_id}"
 

@@ -104,7 +104,7 @@ def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> N
             chunk = tids[start : start + 1000]
             p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
             p.delete(*[keys.task_files(t) for t in chunk])
-        p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id))
+        p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id))
         p.zrem(index, job_id)
         p.execute()
 
@@ -215,7 +215,7 @@ class Submitter:
                 f"idempotency key {key!r} was already used for job {job_id} with a different script, payloads or "
                 "options; use a new key for a new job"
             )
-        return SubmitResult(job_id=job_id, tasks=int(existing[1]), tiers=json.loads(existing[2]))
+        return SubmitResult(job_id=job_id, tasks=int(existing[1]), tiers=json.loads(existing[2]), existing=True)
 
     def _write_job(self, p: Any, job: _Job) -> None:
         p.set(keys.script(job.sha), job.source, nx=True)

@@ -226,6 +226,10 @@ local function end_attempt(a)
   redis.call('HINCRBY', a.stats_key, 'failed', 1)
   emit(a.events_key, 'task', a.task_id, 'failed')
   ended(job_key, a.task_id, 'failed')
+  -- The first tasks to fail, for status and submit --wait to say why (keys.job_failed)
+  if redis.call('RPUSH', job_key .. ':failed', a.task_id) > 100 then
+    redis.call('LTRIM', job_key .. ':failed', 0, 99)
+  end
   maybe_finish(job_key, a.events_key, job_id, a.ms)
   return {1, 'failed', 'attempts', attempts}
 end
