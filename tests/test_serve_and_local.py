@@ -89,6 +89,38 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.processes
+def test_a_second_serve_on_the_same_data_dir_exits_2_naming_the_first(env, tmp_path: Path):
+    port = free_port()
+    first = subprocess.Popen([sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir",
+                              str(tmp_path / "b")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_until(lambda: (tmp_path / "b" / "serve.lock").exists() and _answers(port), what="the first broker")
+        second = gpumesh("serve", "--port", str(free_port()), "--data-dir", str(tmp_path / "b"), env=env)
+        assert second.returncode == 2
+        assert second.stderr.startswith(f"error: another broker (pid {first.pid}, port {port}) uses {tmp_path / 'b'}")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+    again = subprocess.Popen([sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir",
+                              str(tmp_path / "b")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:  # once the first has stopped, the data dir is free again
+        wait_until(lambda: _answers(port) or again.poll() is not None, what="the broker to start again")
+        assert again.poll() is None
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=30)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
+    except redis.AuthenticationError:
+        return True  # it answers, and wants a password
+    except redis.RedisError:
+        return False
+
+
+@pytest.mark.processes
 def test_serve_refuses_a_taken_port_with_one_line(env, tmp_path: Path, redis_server):
     p = gpumesh("serve", "--port", str(redis_server.port), "--data-dir", str(tmp_path / "b"), env=env)
     assert p.returncode == 2

@@ -47,8 +47,9 @@ def keys() -> None:
 
 
 @keys.command("generate")
-@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True)
-@click.option("--name", default="gpumesh-signing", show_default=True)
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path), default=".", show_default=True,
+              help="Directory to write the two key files in.")  # fmt: skip
+@click.option("--name", default="gpumesh-signing", show_default=True, help="File name of the keys, without .key/.pub.")
 def keys_generate(directory: Path, name: str) -> None:
     """Write NAME.key (private, mode 0600: keep it with the submitters) and NAME.pub (for the workers)."""
     from gpumesh.signing import generate
@@ -113,7 +114,8 @@ def access_list(data_dir: Path | None, url: str | None) -> None:
 
 
 @click.command()
-@click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535),
+              help="Port the Prometheus exporter listens on.")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @url_option
 @click.pass_context

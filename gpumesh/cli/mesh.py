@@ -19,6 +19,8 @@ from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.worker import reaper
 
+SERVE_PORT = 6390  # `gpumesh serve`'s port, and what `join HOST` dials when HOST has none
+
 # -- running a mesh --------------------------------------------------------------------------------
 
 
@@ -38,7 +40,11 @@ def worker_options(f: Any) -> Any:
             click.option("--rebench", is_flag=True, help="Benchmark again instead of using the cached score."),
             click.option("--burst", is_flag=True, help="Exit when the queues are empty instead of waiting for work."),
             click.option(
-                "--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING"])
+                "--log-level",
+                default="INFO",
+                show_default=True,
+                type=click.Choice(["DEBUG", "INFO", "WARNING"]),
+                help="How much the worker logs.",
             ),
             log_format_option,
             click.option(
@@ -144,6 +150,12 @@ def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
     hostport = urlsplit(f"//{rest}").netloc.rsplit("@", 1)[-1]
     if not hostport:
         raise UsageError(f"join needs HOST:PORT, got {address!r}")
+    try:
+        port = urlsplit(f"//{hostport}").port
+    except ValueError:
+        raise UsageError(f"join needs HOST:PORT with a number for PORT, got {address!r}") from None
+    if port is None:
+        hostport += f":{SERVE_PORT}"  # what `gpumesh serve` listens on unless told otherwise
     user, _, password = token.rpartition(":")
     _run_worker(ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0", opts)
 
@@ -152,13 +164,14 @@ def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 for every interface."
 )
-@click.option("--port", default=6390, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=SERVE_PORT, show_default=True, type=click.IntRange(1, 65535),
+              help="Port Redis listens on.")  # fmt: skip
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Jobs, password and logs [~/.local/share/gpumesh/broker].",
 )
-@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh[tunnel]').")
+@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh-pool[tunnel]').")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Also export Prometheus metrics on 127.0.0.1:PORT.")
 @log_format_option
 @click.pass_context
@@ -186,7 +199,7 @@ def serve(
         try:
             from pyngrok import ngrok
         except ImportError:
-            raise UsageError("--public needs pyngrok: pip install 'gpumesh[tunnel]'") from None
+            raise UsageError("--public needs pyngrok: pip install 'gpumesh-pool[tunnel]'") from None
     server = BrokerServer(data_dir or default_data_dir(), host=host, port=port).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -250,7 +263,12 @@ def serve(
 )
 @job_options
 @click.option(
-    "--format", "fmt", type=click.Choice(["table", "json", "jsonl", "csv"]), default="table", show_default=True
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json", "jsonl", "csv"]),
+    default="table",
+    show_default=True,
+    help="table for people; json, jsonl or csv for programs.",
 )
 @json_option
 @click.pass_context

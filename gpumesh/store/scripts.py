@@ -259,10 +259,10 @@ def cancel(s: Scripts, client: Any, task_id: str) -> Any:
     return s["cancel"](keys=_task_keys(task_id, keys.READY), args=[task_id], client=client)
 
 
-def retry(s: Scripts, client: Any, task_id: str) -> Any:
-    """The raw reply: [1, 'queued'] or [0, status or 'missing']."""
+def retry(s: Scripts, client: Any, task_id: str, cancelled: bool = False) -> Any:
+    """The raw reply: [1, 'queued'] or [0, status or 'missing']. ``cancelled``: a cancelled task too."""
     return s["retry"](
         keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.READY, keys.IDLE],
-        args=[task_id],
+        args=[task_id, "1" if cancelled else "0"],
         client=client,
     )

@@ -1,10 +1,10 @@
--- retry: failed -> queued with a fresh set of attempts; the job opens again.
+-- retry: failed (or, when asked, cancelled) -> queued with a fresh set of attempts; the job opens again.
 --
 -- retry(
 --   keys = {task hash, job hash, events stream, ready zset, idle set},
---   args = {task id}
+--   args = {task id, '1' to re-queue a cancelled task too}
 -- )
--- Reply (see _lib.lua): {1, 'queued'}, or {0, status or 'missing'} for a task that is not failed.
+-- Reply (see _lib.lua): {1, 'queued'}, or {0, status or 'missing'} for a task it may not re-queue.
 
 local task_key = KEYS[1]
 local job_key = KEYS[2]
@@ -13,15 +13,16 @@ local ready_key = KEYS[4]
 local idle_key = KEYS[5]
 
 local task_id = ARGV[1]
+local cancelled_too = ARGV[2] == '1'
 
 local status = redis.call('HGET', task_key, 'status')
-if status ~= 'failed' then
+if status ~= 'failed' and not (cancelled_too and status == 'cancelled') then
   return {0, status or 'missing'}
 end
 local job_id = job_of(task_id)
 redis.call('HSET', task_key, 'status', 'queued', 'attempts', 0, 'lease', '')
 redis.call('HDEL', task_key, 'finished_at', 'duration')
-move(job_key, 'failed', 'queued')
+move(job_key, status, 'queued')
 make_pending({task_key = task_key, job_key = job_key, ready_key = ready_key, idle_key = idle_key, job_id = job_id})
 local job = redis.call('HMGET', job_key, 'status', 'id')
 local job_status, job_hash_id = job[1], job[2]
