@@ -210,6 +210,9 @@ class Waiting(BaseModel):
 
     requires: list[str]
     tasks: int
+    # set when workers that meet the requirements are live, but each runs only tasks signed by keys it
+    # trusts and this job is not ("unsigned", or the id of the key that signed it)
+    signer: str | None = None
 
 
 class JobStatus(BaseModel):

@@ -121,3 +121,13 @@ def canonical(reqs: Iterable[Requirement]) -> tuple[str, ...]:
 def fmt_number(x: float) -> str:
     """A probed number as a resource value: integers without '.0', others rounded to 0.1."""
     return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
+
+
+def accepts_signer(resources: dict[str, object], key_id: str) -> bool:
+    """Whether a worker runs a job signed by ``key_id`` ("" for unsigned): a worker started with --trust
+    publishes ``trusts`` (its keys' ids, comma-separated) and runs only those; any other runs every task.
+    The twin of accepts_signer in gpumesh/store/lua/_lib.lua."""
+    trusts = str(resources.get("trusts") or "")
+    if not trusts:
+        return True
+    return bool(key_id) and key_id in trusts.split(",")

@@ -89,6 +89,16 @@ def status_line(st: JobStatus, rate: Rate | None = None) -> str:
 
 def waiting_line(w: Waiting) -> str:
     """Why queued tasks do not run: no live worker meets what they require."""
+    if w.signer == "unsigned":
+        return (
+            f"{w.tasks} task(s) wait: every live worker that could run them runs only signed tasks "
+            "(started with --trust), and this job is not signed: submit it with --sign-key KEY"
+        )
+    if w.signer:
+        return (
+            f"{w.tasks} task(s) wait: they are signed by key {w.signer}, which no live worker that could run "
+            "them trusts: start one with --trust that key's .pub file"
+        )
     if not w.requires:
         return f"{w.tasks} task(s) wait: no worker is live (start one with `gpumesh worker URL`)"
     what = ", ".join(w.requires)

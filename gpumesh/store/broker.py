@@ -180,11 +180,15 @@ class Broker:
                 p.zcard(keys.pending(job_id, k))
             counts = p.execute()
         fleet = list(self.live_resources().values())
+        signer = h.get("key_id") or ""
         out = []
         for reqs, n in zip(classes, counts):
             parsed = [requirements.Requirement(*r) for r in reqs]
-            if n and not any(requirements.meets_all(parsed, res) for res in fleet):
+            able = [res for res in fleet if requirements.meets_all(parsed, res)]
+            if n and not able:
                 out.append(Waiting(requires=[str(r) for r in parsed], tasks=n))
+            elif n and not any(requirements.accepts_signer(res, signer) for res in able):
+                out.append(Waiting(requires=[str(r) for r in parsed], tasks=n, signer=signer or "unsigned"))
         return out
 
     def task_ids(self, job_id: str) -> list[str]:

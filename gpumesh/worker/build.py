@@ -44,6 +44,10 @@ class WorkerOptions:
     rq_logging_level: str = field(default="INFO", compare=False)
 
 
+# The resource a worker started with --trust publishes: the ids of the keys it trusts, comma-separated.
+TRUSTS = "trusts"
+
+
 def run(broker: Broker, opts: WorkerOptions) -> int:
     """Run a worker (or, with ``gpus``, a supervisor of one per GPU) until it stops; the exit code."""
     if opts.gpus is not None:
@@ -51,6 +55,8 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
     declared = dict(parse_resource(r) for r in opts.resources)
     trusted = [*opts.trust, *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
     verifier = Verifier(trusted) if trusted else None
+    if verifier is not None:  # dispatch gives this worker only tasks signed by one of these keys
+        declared[TRUSTS] = ",".join(sorted(verifier.keys))
     sandbox_user = check_sandbox_user(opts.sandbox_user, broker.settings.sandbox_python or sys.executable)
     cap = capability.probe(broker.settings.cache_dir, refresh=opts.rebench, score=opts.score)
     warning = capability.warning(cap)

@@ -234,6 +234,20 @@ local function end_attempt(a)
   return {1, 'failed', 'attempts', attempts}
 end
 
+-- Whether a worker runs a job signed by key_id ('' or nil: unsigned). A worker started with --trust
+-- publishes the resource 'trusts' (the ids of its keys, comma-separated) and runs only tasks signed by
+-- one of them; any other worker runs every task. res: the worker's resources (decoded), or nil.
+local function accepts_signer(res, key_id)
+  local trusts = res and res['trusts']
+  if not trusts or trusts == '' then
+    return true
+  end
+  if not key_id or key_id == '' then
+    return false
+  end
+  return string.find(',' .. trusts .. ',', ',' .. key_id .. ',', 1, true) ~= nil
+end
+
 -- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
 -- reqs: list of {key, op, value}; res: the worker's resources (strings and numbers).
 -- A decimal number or nil, as requirements.py reads one (strtod alone would take 'inf', 'nan', hex).

@@ -32,7 +32,12 @@ local score = tonumber(ARGV[3])
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
 local raw = redis.call('HGET', worker_key, 'resources')
-local resources  -- decoded only when some queued work has requirements
+local resources  -- decoded only when some queued work has requirements, or the worker trusts keys
+local trusting = raw and string.find(raw, '"trusts"', 1, true) ~= nil
+if trusting then
+  resources = cjson.decode(raw)
+end
+local KEY_ID = 4 + 6  -- where the job's key_id sits in JOB_FIELDS (CHOOSE_BY fields, then TAKE_JOB's)
 -- what we choose by (the first CHOOSE_BY fields), then what take() needs, in one read per candidate job
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
 local CHOOSE_BY = 4
@@ -59,6 +64,9 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
           resources = resources or (raw and cjson.decode(raw)) or {}
           ok = meets_all(reqs, resources)
         end
+      end
+      if ok and trusting then
+        ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
       end
       if ok then
         local running, created = tonumber(job[2]) or 0, tonumber(job[3]) or 0

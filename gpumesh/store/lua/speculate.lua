@@ -50,9 +50,13 @@ if speculative ~= '1' then
   return {0, 'not speculative'}
 end
 local raw = redis.call('HGET', worker_key, 'resources')
+local res = raw and cjson.decode(raw) or {}
 local reqs = cjson.decode(classes or '[[]]')[tonumber(klass or 0) + 1] or {}
-if not meets_all(reqs, raw and cjson.decode(raw) or {}) then
+if not meets_all(reqs, res) then
   return {0, 'requirements not met'}
+end
+if not accepts_signer(res, key_id) then
+  return {0, 'not signed by a key it trusts'}
 end
 if mode ~= 'straggler' and tonumber(queued) > 0 then
   return {0, 'job has queued tasks'}
