@@ -418,13 +418,14 @@ class Job:
             self.mesh.broker.drop_files(self.id)
         return st
 
-    def retry(self) -> int:
-        """Re-queue the failed tasks, each with a fresh set of attempts; returns how many were re-queued.
+    def retry(self, cancelled: bool = False) -> int:
+        """Re-queue the failed tasks (and the cancelled ones with ``cancelled``), each with a fresh set of
+        attempts; returns how many were re-queued.
 
         >>> job.retry()                                              # doctest: +SKIP
         2
         """
-        n, _st = self.mesh.broker.retry(self.id)
+        n, _st = self.mesh.broker.retry(self.id, cancelled)
         return n
 
     def failures(self, limit: int = 5) -> tuple[list[TaskResult], int]:

@@ -148,3 +148,17 @@ def test_every_command_shows_an_example_and_explains_every_option() -> None:
             if isinstance(p, click.Option) and not p.hidden and not p.help:
                 missing.append(f"{path} {p.opts[0]}: no help")
     assert missing == []
+
+
+def test_retry_cancelled_resumes_a_cancelled_job(env, mesh_worker, tmp_path) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n")
+    job = cli("submit", str(script), "--payloads", "-", input='[{"i": 0}, {"i": 1}]').stdout.strip()
+    assert cli("cancel", job).returncode == 0  # before any worker took them
+    plain = cli("retry", job)
+    assert plain.returncode == 0 and f"job {job} has no failed task to retry" in plain.stderr
+    mesh_worker.start()
+    again = cli("retry", job, "--cancelled", "--wait")
+    assert again.returncode == 0, again.stderr
+    assert "re-queued 2 failed or cancelled task(s)" in again.stderr
+    assert [row["status"] for row in json.loads(cli("results", job, "--json").stdout)] == ["done", "done"]

@@ -256,17 +256,20 @@ def cancel(ctx: click.Context, job_id: str, keep_files: bool, url: str | None, a
 @click.command()
 @click.argument("job_id")
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it did not succeed.")
+@click.option("--cancelled", is_flag=True, help="Re-queue the cancelled tasks too (resume a cancelled job).")
 @url_option
 @json_option
 @click.pass_context
-def retry(ctx: click.Context, job_id: str, wait: bool, url: str | None, as_json: bool) -> None:
-    """Re-queue the failed tasks of a job, each with a fresh set of attempts."""
+def retry(ctx: click.Context, job_id: str, wait: bool, cancelled: bool, url: str | None, as_json: bool) -> None:
+    """Re-queue the failed tasks of a job (with --cancelled, its cancelled ones too), each with a fresh
+    set of attempts."""
     mesh = open_mesh(ctx, url)
-    n = mesh.job(job_id).retry()
+    n = mesh.job(job_id).retry(cancelled=cancelled)
     broker = mesh.broker
     st = broker.job_status(job_id)
     if not as_json:
-        err.print(f"re-queued {n} failed task(s) of {job_id}" if n else f"job {job_id} has no failed task to retry")
+        what = "failed or cancelled" if cancelled else "failed"
+        err.print(f"re-queued {n} {what} task(s) of {job_id}" if n else f"job {job_id} has no {what} task to retry")
     if wait and n:
         st = wait_for(ctx, broker, job_id, quiet=as_json)
     if as_json:

@@ -331,13 +331,14 @@ class Broker:
         store = self.r.hget(keys.job(job_id), "artifact_store")
         return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)
 
-    def retry(self, job_id: str) -> tuple[int, JobStatus]:
-        """Re-queue every failed task of a job with a fresh set of attempts. Returns (tasks re-queued, status)."""
+    def retry(self, job_id: str, cancelled: bool = False) -> tuple[int, JobStatus]:
+        """Re-queue every failed task of a job (and, with ``cancelled``, every cancelled one) with a fresh set
+        of attempts. Returns (tasks re-queued, status)."""
         ids = self.task_ids(job_id)
         n = 0
         for start in range(0, len(ids), 2000):
             with self.r.pipeline(transaction=False) as p:
                 for tid in ids[start : start + 2000]:
-                    scripts.retry(self.scripts, p, tid)
+                    scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
