@@ -108,9 +108,10 @@ def test_submit_json_shape_and_tier_counts(env, r: redis.Redis):
     p = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--name", "sweep", "--json", env=env)
     assert p.returncode == 0
     out = json.loads(p.stdout)
-    assert set(out) == {"job_id", "tasks", "tiers", "priority", "waiting_for"} and out["tasks"] == 6
+    assert set(out) == {"job_id", "tasks", "tiers", "priority", "waiting_for", "existing"} and out["tasks"] == 6
+    assert out["existing"] is False
     assert sum(out["tiers"].values()) == 6 and out["priority"] == 0
-    assert out["waiting_for"] == [{"requires": [], "tasks": 6}], "no worker is live to run any of them"
+    assert out["waiting_for"] == [{"requires": [], "tasks": 6, "signer": None}], "no worker is live to run any of them"
     assert "no worker is live" in gpumesh("status", out["job_id"], env=env).stdout
     assert r.zcard(keys.pending(out["job_id"], 0)) == 6
     st = json.loads(gpumesh("status", out["job_id"], "--json", env=env).stdout)

@@ -112,7 +112,10 @@ def test_rq_dashboard_sees_the_mesh(env, workers: Workers, redis_server):
         jobs = []
         for q in queues:
             jobs += json.loads(_get(f"{base}/jobs/{q['name']}/finished/50/asc/1.json"))["jobs"]
-        assert sorted(j["description"] for j in jobs) == sorted(f"gpumesh task {job}-{i}" for i in range(6))
+        costs = [p["cost"] for p in json.loads(Path(PAYLOADS).read_text())]
+        assert sorted(j["description"] for j in jobs) == sorted(
+            f"task {i} of job {job}: attempt 1 of 3, cost {c:g} -> done" for i, c in enumerate(costs)
+        )  # what a person reads there: which task of which job, and how it ended
     finally:
         os.killpg(dash.pid, signal.SIGTERM)
         dash.communicate(timeout=10)

@@ -178,7 +178,7 @@ def test_a_worker_never_gets_what_it_may_not_run_and_priority_comes_first(broker
     assert isinstance(cpu, scripts.Lease) and cpu.job_id == low
     assert isinstance(take(broker, r, "h100", 10.0), str), "nothing else it may run"
     waiting = broker.job_status(gpu, waiting=True).waiting_for
-    assert [w.model_dump() for w in waiting] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1}]
+    assert [w.model_dump() for w in waiting] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1, "signer": None}]
 
 
 @pytest.mark.core
@@ -253,15 +253,17 @@ def test_tasks_no_live_worker_can_run_wait_say_why_and_run_when_one_joins(env, w
     st = status(env, job)
     assert st["tasks"]["queued"] == 3 and st["status"] == "queued"
     assert sorted(st["waiting_for"], key=lambda w: w["tasks"]) == [
-        {"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1},
-        {"requires": ["vram_gb>=40"], "tasks": 2},
+        {"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1, "signer": None},
+        {"requires": ["vram_gb>=40"], "tasks": 2, "signer": None},
     ]
     human = gpumesh("status", job, env=env).stdout
     assert "2 task(s) wait for a worker with vram_gb>=40" in human
     workers.start("--resource", "vram_gb=80", "--resource", "gpu=NVIDIA H100", score=5)
     wait_until(lambda: status(env, job)["tasks"]["done"] == 2, what="the two tasks an H100 with 80 GB may run")
     st = status(env, job)
-    assert st["tasks"]["queued"] == 1 and st["waiting_for"] == [{"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1}]
+    assert st["tasks"]["queued"] == 1 and st["waiting_for"] == [
+        {"requires": ["gpu~a100", "vram_gb>=40"], "tasks": 1, "signer": None}
+    ]
     workers.start("--resource", "vram_gb=80", "--resource", "gpu=A100-SXM4", score=5)
     assert wait_done(env, job)["status"] == "done"
     rows = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)

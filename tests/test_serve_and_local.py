@@ -135,7 +135,7 @@ def test_serve_public_without_pyngrok_names_the_extra(env, tmp_path: Path):
     (hidden / "__init__.py").write_text("raise ImportError('pyngrok hidden by the test')\n")
     env = {**env, "PYTHONPATH": str(hidden.parent)}
     p = gpumesh("serve", "--public", "--port", str(free_port()), "--data-dir", str(tmp_path / "b"), env=env)
-    assert p.returncode == 2 and "pip install 'gpumesh[tunnel]'" in p.stderr
+    assert p.returncode == 2 and "pip install 'gpumesh-pool[tunnel]'" in p.stderr
 
 
 @pytest.mark.security

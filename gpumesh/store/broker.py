@@ -16,8 +16,8 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from gpumesh import requirements, scheduling
-from gpumesh.errors import NotFound
+from gpumesh import models, requirements, scheduling
+from gpumesh.errors import NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
 from gpumesh.signing import Signer
@@ -33,6 +33,11 @@ EXECUTOR = "gpumesh.executor.run_task"
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
 SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
+JOB_LABELS_KEPT = 4096  # jobs whose name and requirements a worker keeps for its deliveries' labels
+PAYLOAD_LABEL_BYTES = 1 << 20  # a larger payload is not parsed for its cost and requirements on the dispatch path
+
+# (broker URL, job id) -> (job name, job-wide requirements), for Broker.deliver's labels
+_JOB_LABELS: dict[tuple[str, str], tuple[str, tuple[requirements.Requirement, ...]]] = {}
 
 
 class Broker:
@@ -133,9 +138,14 @@ class Broker:
 
     def deliver(self, queue: Queue, lease: scripts.Lease) -> None:
         """The RQ job that carries a dispatched task to the worker holding its lease (RQ moves every task,
-        so rq-dashboard and ``rq info`` see each delivery). Its id names the attempt, so a repeat is harmless."""
+        so rq-dashboard and ``rq info`` see each delivery). Its id names the attempt, so a repeat is harmless.
+
+        Its description and meta say, for a person reading rq-dashboard, which task of which job it is
+        (see :func:`delivery_label`); the job's name and requirements are read once per job and kept."""
         # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
+        name, job_requires = self._job_label(lease.job_id)
+        description, meta = delivery_label(lease, name, job_requires)
         data = Queue.prepare_data(
             EXECUTOR,
             args=(lease.task_id,),
@@ -143,11 +153,33 @@ class Broker:
             timeout=backstop,
             result_ttl=RESULT_TTL,
             failure_ttl=FAILURE_TTL,
-            description=f"gpumesh task {lease.task_id}" + (" (backup copy)" if lease.backup else ""),
+            # Run within a lease of its dispatch or never (the executor would stop it as lost at once):
+            # a delivery left on a stopped worker's queue expires instead of staying queued for good.
+            ttl=int(self.settings.lease_ttl) + 60,
+            description=description,
+            meta=meta,
         )
         with self.rq.pipeline() as p:
             queue.enqueue_many([data], pipeline=p)
             p.execute()
+
+    def _job_label(self, job_id: str) -> tuple[str, tuple[requirements.Requirement, ...]]:
+        """A job's name and its job-wide requirements (``submit --require``): one read per job, then kept
+        (neither changes while the job exists), so a delivery costs no extra round trip."""
+        key = (self.url, job_id)
+        label = _JOB_LABELS.get(key)
+        if label is None:
+            name, classes = self.r.hmget(keys.job(job_id), "name", "classes")
+            try:
+                base = tuple(requirements.Requirement(*r) for r in json.loads(classes or "[[]]")[0])
+            except (ValueError, TypeError, IndexError):
+                base = ()
+            label = (name or "", base)
+            if name is not None or classes is not None:  # a job that is gone is not kept
+                if len(_JOB_LABELS) >= JOB_LABELS_KEPT:
+                    _JOB_LABELS.clear()
+                _JOB_LABELS[key] = label
+        return label
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -342,3 +374,47 @@ class Broker:
                     scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
+
+
+def delivery_label(
+    lease: scripts.Lease, job_name: str, job_requires: tuple[requirements.Requirement, ...] = ()
+) -> tuple[str, dict[str, Any]]:
+    """What rq-dashboard shows of a delivery: a one-line description and meta (JSON), e.g.
+    ``task 7 of job "sweep" (3f2a9c1d0b7e): attempt 2 of 3, cost 4, requires vram_gb>=40``.
+    The worker adds how the attempt ended once it has run (``-> done``, ``-> failed: ...``)."""
+    cost: float | None = None
+    reqs: list[str] | None = None
+    if len(lease.payload) <= PAYLOAD_LABEL_BYTES:
+        try:
+            payload = json.loads(lease.payload)
+            if isinstance(payload, dict):
+                cost = models.payload_cost(payload)
+                own = requirements.parse_all(models.payload_requires(payload), "requires")
+                reqs = list(requirements.canonical(job_requires + own))
+        except (ValueError, TypeError, UsageError):
+            pass  # submit checked the payload; a label never stops a delivery
+    if reqs is None:
+        reqs = list(requirements.canonical(job_requires))
+    meta: dict[str, Any] = {
+        "job": job_name,
+        "job_id": lease.job_id,
+        "task_id": lease.task_id,
+        "task_index": lease.index,
+        "attempt": lease.attempt,
+        "max_attempts": lease.max_attempts,
+        "cost": cost,
+        "requires": reqs,
+        "backup": lease.backup,
+        "timeout_s": lease.timeout,
+    }
+    if lease.backup:
+        meta["backup_mode"] = lease.backup_mode
+    job = f'job "{job_name}" ({lease.job_id})' if job_name else f"job {lease.job_id}"
+    parts = [f"attempt {lease.attempt}" + (f" of {lease.max_attempts}" if lease.max_attempts else "")]
+    if cost is not None:
+        parts.append(f"cost {cost:g}")
+    if reqs:
+        parts.append("requires " + " ".join(reqs))
+    if lease.backup:
+        parts.append("backup copy")
+    return f"task {lease.index} of {job}: " + ", ".join(parts), meta

@@ -31,6 +31,7 @@ from gpumesh.worker.logship import LogShipper
 log = logging.getLogger("gpumesh.worker")
 
 ERROR_TAIL_CHARS = 2000
+ERROR_LINE_CHARS = 300  # of a failed attempt's error line, in the summary rq-dashboard shows
 UNREPORTED = ("lease lost", "broker lost")  # stop reasons after which the attempt's outcome is not ours to report
 
 
@@ -81,6 +82,8 @@ def run_task(task_id: str) -> dict[str, Any]:
 
 
 class Executor:
+    last_error = ""  # the error the last failed attempt reported, for run's summary
+
     def __init__(self, host: Host) -> None:
         self.w = host
         self.broker = host.broker
@@ -109,15 +112,19 @@ class Executor:
         return src
 
     def run(self, task_id: str) -> dict[str, Any]:
-        """Run the task the dispatcher leased to this worker; any other delivery is skipped."""
+        """Run the task the dispatcher leased to this worker; any other delivery is skipped (the worker
+        drops those before RQ runs them, so none is recorded as finished). The summary RQ keeps says how
+        the attempt ended for rq-dashboard: ``outcome`` done, failed (with ``error``), cancelled or lost."""
         held = self.w.dispatched.pop(task_id, None)
         if held is None:
             log.info("skip %s: not dispatched to this worker (a stale or foreign delivery)", task_id)
             return {"task_id": task_id, "skipped": "not dispatched here"}
         lease, leased_at = held
+        self.last_error = ""
         # Nothing renewed the lease between dispatch and now (a broker outage may have held RQ's pop):
         # counted from the dispatch, a lease older than its TTL may be someone else's task by now.
-        return self.run_lease(lease, leased_at)
+        summary = self.run_lease(lease, leased_at)
+        return {**summary, **outcome(summary["status"], self.last_error)}
 
     def hand_back(self, lease: scripts.Lease, why: str) -> None:
         """Return a leased task that never started, without spending its attempt."""
@@ -299,6 +306,7 @@ class Executor:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         copy = "backup copy of attempt" if lease.backup else "attempt"
+        self.last_error = error
         self.w.logs.put(lease.task_id, "gpumesh", f"{copy} {lease.attempt} failed: {error.splitlines()[0]}")
         log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
         return res.status
@@ -326,6 +334,34 @@ class Executor:
                 log.warning("broker unreachable while reporting (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def outcome(status: str, error: str = "") -> dict[str, Any]:
+    """How a delivery ended, for a person reading rq-dashboard: ``outcome`` done, failed (``error``: the
+    error in one line, see error_line; ``next``: what happens to the task), cancelled or lost (killed or
+    not ours to report: the task runs again elsewhere). ``status`` is what the attempt's report answered."""
+    if status in ("done", "cancelled", "lost"):
+        return {"outcome": status}
+    if status.startswith("rejected:"):  # the report came after the lease moved on
+        why = status.partition(":")[2]
+        return {"outcome": "cancelled" if why == "cancelled" else "lost", "why": f"the report was refused ({why})"}
+    out: dict[str, Any] = {"outcome": "failed", "error": error_line(error)}
+    out["next"] = {
+        "queued": "queued for another attempt",
+        "failed": "failed for good",
+        "running": "another copy of the task runs on",
+    }.get(status, status)
+    return out
+
+
+def error_line(error: str) -> str:
+    """An attempt's error in one line: its first (how the script ended), with the last line of what it
+    wrote to stderr when there is one (a traceback's exception): ``exit code 1: ValueError: bad lr``."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    said = lines[0] if len(lines) == 1 else f"{lines[0]}: {lines[-1]}"
+    return said[:ERROR_LINE_CHARS]
 
 
 def _bad_result(out: sandbox.Attempt, limits: sandbox.Limits) -> str | None:

@@ -9,14 +9,18 @@ it only leaves a lease that lapses.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import redis
 from rq.queue import Queue
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from gpumesh.models import TERMINAL
 from gpumesh.store import keys, scripts
-from gpumesh.store.broker import Broker
+from gpumesh.store.broker import FAILURE_TTL, Broker
 from gpumesh.store.connection import translate
 from gpumesh.store.submit import STAGING_STALE_MS, delete_job
 
@@ -63,6 +67,7 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
                     report["failed"] += 1
     dead = b.r.zrangebyscore(keys.WORKERS, "-inf", now - b.settings.worker_ttl * 1000)
     if dead:
+        _drop_rq_records(b, dead)
         with b.r.pipeline(transaction=True) as p:
             p.zrem(keys.WORKERS, *dead)
             p.zrem(keys.SCORES, *dead)
@@ -76,6 +81,25 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
         report["workers_dropped"] = len(dead)
     report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
     return report
+
+
+def _drop_rq_records(b: Broker, dead: list[str]) -> None:
+    """What RQ keeps of dead workers' queues, which no RQ worker cleans (each cleans only its own queues).
+    A delivery still shown as started (its worker was killed, cut off or revoked mid-run) is failed as
+    abandoned, by RQ's own cleanup; the queue's other bookkeeping goes or expires. gpumesh requeues the
+    task itself when its lease lapses."""
+    for w in dead:
+        name = keys.queue_name(w)
+        StartedJobRegistry(name, connection=b.rq, serializer=JSONSerializer).cleanup(timestamp=math.inf)
+        queue = Queue(name, connection=b.rq, serializer=JSONSerializer)
+        with b.rq.pipeline(transaction=False) as p:
+            p.delete(
+                queue.intermediate_queue_key,
+                FinishedJobRegistry(name, connection=b.rq).key,
+                WORKERS_BY_QUEUE_KEY % name,
+            )
+            p.expire(FailedJobRegistry(name, connection=b.rq).key, FAILURE_TTL)
+            p.execute()
 
 
 def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:

@@ -10,10 +10,16 @@ task, and at the end of a job.
 The worker process itself never initialises CUDA: the benchmark and every task run in child
 processes. A heartbeat thread renews the registration and the current lease, learns about
 cancellation, and takes its turn as the mesh's reaper.
+
+What rq-dashboard shows is what ran: a delivery that must not run here (a stale or duplicate one) is
+dropped before RQ starts it, so it counts nowhere; each delivery's description and meta name its task
+and, once it ran, how the attempt ended. A worker whose credentials the broker refuses (``gpumesh access
+revoke``) stops at once without RQ's bookkeeping, which it can no longer write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -22,13 +28,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
 import redis
 from rq.exceptions import StopRequested
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
@@ -47,6 +53,9 @@ log = logging.getLogger("gpumesh.worker")
 SWEEP_INTERVAL = 60.0  # s between sweeps for the task directories of workers that died here
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
+# The broker refuses this worker's credentials: its ACL user was deleted or disabled (`gpumesh access revoke`),
+# or stripped of the commands a worker needs. Nothing it does can succeed any more.
+REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
 
 
 def refusal(job: Job) -> str | None:
@@ -69,6 +78,25 @@ class MeshJob(Job):
         if self.func_name != EXECUTOR:
             raise PermissionError(f"refused: function {self.func_name!r} is not gpumesh's executor")
         return executor.run_task
+
+    def perform(self) -> Any:
+        summary = super().perform()
+        if isinstance(summary, dict) and summary.get("outcome"):
+            self._label_outcome(summary)
+        return summary
+
+    def _label_outcome(self, summary: dict[str, Any]) -> None:
+        """Add how the attempt ended to what rq-dashboard shows of this delivery: its description (RQ
+        saves it with its record of the run) and its meta."""
+        ended = {k: summary[k] for k in ("outcome", "error", "next", "why") if summary.get(k)}
+        said = ended["outcome"] + (f": {ended['error']}" if "error" in ended else "")
+        said += f" ({ended['next']})" if "next" in ended else ""
+        self.description = f"{self.description} -> {said}"
+        self.meta.update(ended)
+        try:
+            self.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+        except redis.RedisError as exc:  # RQ's own bookkeeping meets the same error next, and handles it
+            log.debug("could not label RQ job %s with its outcome (%s)", self.id, exc)
 
 
 class MeshWorker(SimpleWorker):
@@ -115,6 +143,8 @@ class MeshWorker(SimpleWorker):
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
+        self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
+        self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         super().__init__(
             [self.my_queue],
@@ -154,6 +184,9 @@ class MeshWorker(SimpleWorker):
                 if lease is not None:
                     self._deliver(lease)
                     continue
+            except REFUSED as exc:
+                self._revoked(exc)
+                break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("broker unreachable while asking for work (%s); waiting for it", exc)
                 self._wait_for_broker()
@@ -196,6 +229,8 @@ class MeshWorker(SimpleWorker):
 
     def _hand_back_all(self, why: str) -> None:
         """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
+        if self.revoked:  # nothing can be handed back: their leases lapse and the reaper requeues them
+            self.dispatched.clear()
         while self.dispatched:
             _tid, (lease, _at) = self.dispatched.popitem()
             self.executor.hand_back(lease, why)
@@ -204,6 +239,8 @@ class MeshWorker(SimpleWorker):
         self.set_state("idle")
         try:
             self.registry.sleep_until_woken(timeout)
+        except REFUSED as exc:
+            self._revoked(exc)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("broker unreachable while idle (%s); waiting for it", exc)
             self._wait_for_broker()
@@ -252,12 +289,38 @@ class MeshWorker(SimpleWorker):
             self.handle_job_failure(job, queue, exc_string=why)
             return
         try:
-            super().execute_job(job, queue)
+            if self._delivered_here(job):
+                super().execute_job(job, queue)
+            else:
+                self._drop(job, queue)
+        except REFUSED as exc:
+            self._revoked(exc)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # RQ's own bookkeeping lost the broker: keep the worker alive (RQ would quit) and wait for it.
             # gpumesh's state is safe: the task was reported, or its lease lapses and it is re-queued.
             log.warning("broker unreachable during RQ bookkeeping for %s (%s); waiting for it", job.id, exc)
             self._wait_for_broker()
+
+    def _delivered_here(self, job: Job) -> bool:
+        """Whether this RQ job is the delivery of a task the dispatcher leased to this worker, for the
+        attempt it holds: not a stale one (an earlier attempt's, a handed-back task's) or a duplicate."""
+        held = self.dispatched.get(job.args[0])
+        if held is None:
+            return False
+        lease = held[0]
+        return bool(job.id == keys.rq_job_id(lease.task_id, lease.attempt, lease.backup))
+
+    def _drop(self, job: Job, queue: Any) -> None:
+        """Drop a delivery that must not run here before RQ starts it, so that RQ records no run: it counts
+        as neither finished nor failed in rq-dashboard. Its RQ record goes too, unless it is not this
+        delivery's to delete (a run already recorded under the same id, or another worker's delivery)."""
+        log.info("dropped %s: task %s is not dispatched to this worker (a stale or duplicate delivery)",
+                 job.id, job.args[0])  # fmt: skip
+        with self.connection.pipeline() as p:
+            p.lrem(queue.intermediate_queue_key, 1, job.id)  # where RQ's pop moved it
+            if job.origin == queue.name and job.get_status(refresh=False) == JobStatus.QUEUED:
+                job.delete(pipeline=p, remove_from_queue=False)
+            p.execute()
 
     def _wait_for_broker(self) -> None:
         delay = 0.5
@@ -266,11 +329,92 @@ class MeshWorker(SimpleWorker):
                 self.connection.ping()
                 log.info("broker reachable again")
                 return
+            except REFUSED as exc:
+                self._revoked(exc)
+                return
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+    # -- once the broker refuses our credentials, RQ's bookkeeping is skipped and the worker stops ------
+
+    @contextlib.contextmanager
+    def _unless_refused(self) -> Iterator[None]:
+        """Around RQ's bookkeeping: once the broker refuses this worker, write nothing more and stop (RQ's
+        loop ends on StopRequested); the reaper fails what RQ still shows as started on our queue."""
+        if self.revoked:
+            raise StopRequested
+        try:
+            yield
+        except REFUSED as exc:
+            self._revoked(exc)
+            raise StopRequested from None
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        with self._unless_refused():
+            super().heartbeat(timeout, pipeline)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        with self._unless_refused():
+            super().check_for_suspension(burst)
+
+    def run_maintenance_tasks(self) -> None:
+        with self._unless_refused():
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+
+    def handle_execution_ended(self, job: Job, queue: Any, heartbeat_ttl: int) -> None:
+        with self._unless_refused():
+            super().handle_execution_ended(job, queue, heartbeat_ttl)
+
+    def handle_job_success(self, job: Job, queue: Any, started_job_registry: Any, execution: Any) -> None:
+        with self._unless_refused():
+            super().handle_job_success(job, queue, started_job_registry, execution)
+
+    def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
+                           execution: Any = None) -> None:  # fmt: skip
+        with self._unless_refused():
+            super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        if self.revoked:
+            self._state = state
+            return
+        super().set_state(state, pipeline)
+
+    def set_shutdown_requested_date(self) -> None:
+        # Runs in the signal handler, for display only: it must not raise into the task it interrupts.
+        if not self.revoked:
+            with contextlib.suppress(redis.RedisError):
+                super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+
+    def register_death(self) -> None:
+        if self.revoked:
+            return
+        try:
+            super().register_death()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+        except REFUSED as exc:
+            self._revoked(exc)
+
+    def unsubscribe(self) -> None:
+        if self.revoked:  # the channel's connection is gone for good: stop listening, say nothing
+            if self.pubsub_thread:
+                self.pubsub_thread.stop()
+                self.pubsub_thread.join(timeout=1)
+            return
+        super().unsubscribe()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+
+    def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
+        if isinstance(exc, REFUSED) or self.revoked:
+            self._revoked(exc)
+            pubsub_thread.stop()
+        elif isinstance(exc, redis.ConnectionError):
+            log.debug("RQ's command channel lost the broker (%s); retrying", exc)  # the heartbeat reports it
+            time.sleep(2.0)
+        else:
+            super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
+
     def work(self, *args: Any, **kwargs: Any) -> bool:
+        self._work_thread = threading.current_thread()
         executor.bind(self.executor)
         self.epoch = self.broker.epoch()
         warning = self.broker.eviction_warning()
@@ -321,6 +465,8 @@ class MeshWorker(SimpleWorker):
         self.registry.register(self.display_name, self.capability, self.resources, ttl_ms)
 
     def _unregister(self) -> None:
+        if self.revoked:
+            return  # the registration expires by itself; the reaper drops the rest
         try:
             self.registry.unregister()
         except redis.RedisError as exc:
@@ -341,8 +487,8 @@ class MeshWorker(SimpleWorker):
                 if self._hb_failing:
                     log.info("broker reachable again")
                 self._hb_failing = False
-            except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
-                self._stop_for_good("the broker refused this worker's credentials (revoked?)", exc)
+            except REFUSED as exc:
+                self._revoked(exc)
             except redis.RedisError as exc:
                 if not self._hb_failing:
                     log.warning("heartbeat failed (%s); retrying every %.1fs", exc, self.settings.heartbeat_interval)
@@ -404,16 +550,34 @@ class MeshWorker(SimpleWorker):
             "Start it again to join the broker as it is now"
         )
 
-    def _stop_for_good(self, why: str, exc: Exception | None = None) -> None:
+    def _revoked(self, exc: Exception) -> None:
+        """The broker refuses this worker's credentials: stop for good, saying so in one line (the CLI
+        prints ``fatal`` as the worker exits, with code 3). Refused outright (the user was deleted or
+        disabled), it writes nothing more; refused some commands only (NOPERM), RQ's bookkeeping of the
+        delivery still gets its chance."""
+        self.revoked = self.revoked or isinstance(exc, redis.AuthenticationError)
+        reason = str(exc).rstrip(". ") or type(exc).__name__
+        self._stop_for_good(
+            f"access revoked: the broker refused this worker's credentials ({reason}); ask the mesh's admin "
+            "for a new token (gpumesh access add)",
+            announce=False,
+        )
+
+    def _stop_for_good(self, why: str, exc: Exception | None = None, announce: bool = True) -> None:
+        """Kill the current task, unreported, and stop. ``announce``: log ``why`` now (else the exit says it)."""
         if self.fatal:
             return
         self.fatal = why
-        log.error("%s%s: killing the current task and stopping", why, f" ({exc})" if exc else "")
         running = self.executor.current
+        if announce:
+            log.error("%s%s: killing the current task and stopping", why, f" ({exc})" if exc else "")
         if running is not None:
-            running.stop("broker lost: " + why)
+            running.stop("broker lost: " + (why if announce else "the worker stops for good"))
         self._hb_stop.set()
-        os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: no new work
+        if threading.current_thread() is self._work_thread:
+            self._stop_requested = True  # RQ's loop checks it (and our bookkeeping raises StopRequested)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: no new work
 
     def _reaper_turn(self) -> bool:
         return self.registry.reaper_turn(int(self.settings.heartbeat_interval * 2000) + 1000)

@@ -1,0 +1,237 @@
+"""What a person watching the mesh in rq-dashboard sees: only real runs count as finished (a stale or
+duplicate delivery is dropped before RQ starts it), each delivery says which task of which job it
+carries and how its attempt ended, and a worker whose access is revoked stops with one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rq.job import Job
+from rq.queue import Queue
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+import gpumesh
+from gpumesh.server.broker_server import ROLES
+from gpumesh.store import keys, scripts
+from gpumesh.store.broker import Broker, delivery_label
+from gpumesh.worker.reaper import reap_once
+
+from .conftest import RedisServer, Workers, wait_until
+
+SCRIPT = """import json, sys, time
+p = json.load(sys.stdin)
+time.sleep(p.get("sleep", 0))
+if p.get("fail"):
+    raise ValueError("bad learning rate")
+print(json.dumps(p))
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "task.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def rq_job(broker: Broker, task_id: str, attempt: int = 1) -> Job:
+    return Job.fetch(keys.rq_job_id(task_id, attempt), connection=broker.rq, serializer=JSONSerializer)
+
+
+def registries(broker: Broker, worker_id: str) -> dict[str, int]:
+    """The counts rq-dashboard shows for a worker's queue."""
+    name, rq = keys.queue_name(worker_id), broker.rq
+    return {
+        "queued": len(Queue(name, connection=rq, serializer=JSONSerializer)),
+        "started": StartedJobRegistry(name, connection=rq, serializer=JSONSerializer).count,
+        "finished": FinishedJobRegistry(name, connection=rq, serializer=JSONSerializer).count,
+        "failed": FailedJobRegistry(name, connection=rq, serializer=JSONSerializer).count,
+    }
+
+
+@pytest.fixture
+def dashboard(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """rq-dashboard itself (as `rq-dashboard -j` runs it), answering in this process: its JSON views."""
+    web = pytest.importorskip("rq_dashboard.web")
+    from rq_dashboard.cli import make_flask_app
+
+    monkeypatch.setattr(web.config, "serializer", JSONSerializer)  # what its -j flag sets
+    app = make_flask_app(None, None, None, "")
+    app.config["RQ_DASHBOARD_REDIS_URL"] = [redis_server.url]
+    web.setup_rq_connection(app)
+    client = app.test_client()
+
+    def get(path: str) -> Any:
+        resp = client.get(f"/0/data/{path}")
+        assert resp.status_code == 200, resp.data[:500]
+        return json.loads(resp.data)
+
+    return get
+
+
+# -- 1. only real runs count ------------------------------------------------------------------------
+
+
+@pytest.mark.core
+def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broker, mesh_worker, script, dashboard):
+    w = mesh_worker.start(name="dash")
+    queue = broker.queue(w.worker_id)
+    with gpumesh.connect() as mesh:
+        # A cancelled job whose tasks never ran here: deliveries of them on our queue are stale, and the
+        # first is there twice (a duplicate delivery).
+        gone = mesh.submit(script, [{"i": i} for i in range(3)], requires=["nowhere=1"])
+        assert gone.cancel().status == "cancelled"
+        stale = [
+            scripts.Lease(task_id=keys.task_id(gone.id, i), token="stale", attempt=1, job_id=gone.id, index=i,
+                          payload="{}", script_sha="", script_name="task.py", timeout=60)
+            for i in range(3)
+        ]  # fmt: skip
+        for lease in [stale[0], *stale]:
+            broker.deliver(queue, lease)
+        assert registries(broker, w.worker_id)["queued"] == 4
+
+        job = mesh.submit(script, [{"i": i} for i in range(4)])  # each delivery lands behind the stale ones
+        assert job.wait(timeout=60).status == "done"
+
+    wait_until(lambda: registries(broker, w.worker_id)["queued"] == 0, what="the queue to be drained")
+    assert registries(broker, w.worker_id) == {"queued": 0, "started": 0, "finished": 4, "failed": 0}
+    for lease in stale:  # dropped before RQ started them: no record left to show
+        assert not Job.exists(keys.rq_job_id(lease.task_id, 1), connection=broker.rq)
+    for i in range(4):
+        assert rq_job(broker, keys.task_id(job.id, i)).get_status() == "finished"
+    (seen,) = [q for q in dashboard("queues.json")["queues"] if q["name"] == queue.name]
+    assert seen["finished_job_registry_count"] == 4 and seen["failed_job_registry_count"] == 0
+    assert seen["count"] == 0
+
+
+# -- 2. a delivery says what it carries and how it ended ---------------------------------------------
+
+
+@pytest.mark.core
+def test_a_delivery_says_its_job_task_cost_requirements_and_outcome(env, broker, mesh_worker, script, dashboard):
+    w = mesh_worker.start(name="dash", resources={"pool": "a", "zone": "x"})
+    payloads = [{"i": 0, "cost": 2.5, "requires": ["zone=x"]}, {"i": 1, "fail": True}]
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(script, payloads, name="sweep", requires=["pool=a"], max_attempts=2, timeout=600)
+        assert job.wait(timeout=60).status == "failed"
+    ok, bad = keys.task_id(job.id, 0), keys.task_id(job.id, 1)
+
+    done = rq_job(broker, ok)
+    assert (
+        done.description
+        == f'task 0 of job "sweep" ({job.id}): attempt 1 of 2, cost 2.5, requires pool=a zone=x -> done'
+    )
+    assert done.get_meta() == {
+        "job": "sweep", "job_id": job.id, "task_id": ok, "task_index": 0, "attempt": 1, "max_attempts": 2,
+        "cost": 2.5, "requires": ["pool=a", "zone=x"], "backup": False, "timeout_s": 600.0, "outcome": "done",
+    }  # fmt: skip
+
+    first, last = rq_job(broker, bad, 1), rq_job(broker, bad, 2)
+    error = "exit code 1: ValueError: bad learning rate"
+    assert first.description == (
+        f'task 1 of job "sweep" ({job.id}): attempt 1 of 2, cost 1, requires pool=a -> failed: {error} '
+        "(queued for another attempt)"
+    )
+    assert last.description.endswith(f"attempt 2 of 2, cost 1, requires pool=a -> failed: {error} (failed for good)")
+    assert {k: first.get_meta()[k] for k in ("task_index", "attempt", "outcome", "error", "next")} == {
+        "task_index": 1, "attempt": 1, "outcome": "failed", "error": error, "next": "queued for another attempt",
+    }  # fmt: skip
+    assert last.get_meta()["next"] == "failed for good"
+    # Each attempt ran, so RQ counts each as finished; the outcome says how it went.
+    assert registries(broker, w.worker_id) == {"queued": 0, "started": 0, "finished": 3, "failed": 0}
+
+    page = dashboard(f"job/{done.id}.json")  # rq-dashboard's job page
+    assert page["description"] == done.description and page["status"] == "finished"
+    assert json.loads(page["metadata"])["requires"] == ["pool=a", "zone=x"]
+    assert page["result"] == {"task_id": ok, "attempt": 1, "status": "done", "outcome": "done"}
+    listed = dashboard(f"jobs/{keys.queue_name(w.worker_id)}/finished/50/asc/1.json")["jobs"]
+    assert sorted(j["description"] for j in listed) == sorted(j.description for j in (done, first, last))
+
+
+@pytest.mark.core
+def test_a_cancelled_attempt_says_so(env, broker, r, mesh_worker, script):
+    mesh_worker.start(name="dash")
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(script, [{"sleep": 60}])
+        tid = keys.task_id(job.id, 0)
+        wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the task to start")
+        job.cancel()
+        wait_until(lambda: rq_job(broker, tid).get_status() == "finished", what="the killed attempt's record")
+    delivery = rq_job(broker, tid)
+    assert delivery.description == f"task 0 of job {job.id}: attempt 1 of 3, cost 1 -> cancelled"
+    assert delivery.get_meta()["outcome"] == "cancelled" and delivery.get_meta()["job"] == ""
+
+
+@pytest.mark.core
+def test_a_backup_copy_says_so():
+    lease = scripts.Lease(task_id="j1-3", token="t", attempt=2, job_id="j1", index=3, payload='{"cost": 4}',
+                          script_sha="", script_name="s.py", timeout=60, max_attempts=3, backup=True,
+                          backup_mode="straggler")  # fmt: skip
+    description, meta = delivery_label(lease, "", ())
+    assert description == "task 3 of job j1: attempt 2 of 3, cost 4, backup copy"
+    assert meta["backup"] is True and meta["backup_mode"] == "straggler" and meta["cost"] == 4
+    json.dumps(meta)  # RQ stores meta with the JSON serializer
+
+
+# -- 3. a revoked worker ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def worker_user(r: redis.Redis, redis_server: RedisServer) -> Iterator[tuple[str, str]]:
+    """A per-person worker credential on the test Redis, as `gpumesh access add` makes one: (user, URL)."""
+    user, password = f"worker-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    r.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *ROLES["worker"].split())
+    yield user, f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+    r.execute_command("ACL", "DELUSER", user)
+
+
+def revoke_mid_task(r: redis.Redis, workers: Workers, script: Path, user: str, url: str, how: str) -> tuple[str, str]:
+    """Start a worker with the user's credential, give it a long task, revoke the user while it runs;
+    (the worker's id, the task id)."""
+    proc = workers.start(url, "--name", "ana", score=2)
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(script, [{"sleep": 60}])
+    tid = keys.task_id(job.id, 0)
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="ana's worker to run the task")
+    (wid,) = r.zrange(keys.WORKERS, 0, -1)
+    if how == "deleted":
+        r.execute_command("ACL", "DELUSER", user)  # what `gpumesh access revoke` does
+    else:  # disabled: its connections must be closed too, or they go on working
+        r.execute_command("ACL", "SETUSER", user, "off")
+        r.execute_command("CLIENT", "KILL", "USER", user)
+    assert proc.wait(timeout=30) == 3
+    return wid, tid
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("how", ["deleted", "disabled"])
+def test_a_revoked_worker_exits_3_with_one_line(env, r, workers: Workers, script, worker_user, how):
+    user, url = worker_user
+    revoke_mid_task(r, workers, script, user, url, how)
+    lines = [line for line in workers.log(0).splitlines() if line.strip()]
+    assert "Traceback" not in workers.log(0), workers.log(0)
+    assert not [line for line in lines if re.search(r"\b(ERROR|CRITICAL)\b", line)], workers.log(0)
+    said = [line for line in lines if "revoked" in line]
+    assert said == [lines[-1]], workers.log(0)
+    assert lines[-1].startswith("error: access revoked: the broker refused this worker's credentials")
+    assert "gpumesh access add" in lines[-1]
+
+
+@pytest.mark.processes
+def test_the_reaper_fails_the_delivery_a_revoked_worker_left_started(env, r, broker, workers, script, worker_user):
+    user, url = worker_user
+    wid, tid = revoke_mid_task(r, workers, script, user, url, "deleted")
+    assert registries(broker, wid)["started"] == 1  # the worker could not record anything once revoked
+    time.sleep(broker.settings.worker_ttl + 0.5)  # its registration lapses: the reaper counts it dead
+    assert reap_once(broker)["workers_dropped"] == 1
+    assert registries(broker, wid)["started"] == 0
+    assert rq_job(broker, tid).get_status() == "failed"
