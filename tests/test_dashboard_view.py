@@ -61,7 +61,7 @@ def registries(broker: Broker, worker_id: str) -> dict[str, int]:
 @pytest.fixture
 def dashboard(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Any:
     """rq-dashboard itself (as `rq-dashboard -j` runs it), answering in this process: its JSON views."""
-    web = pytest.importorskip("rq_dashboard.web")
+    import rq_dashboard.web as web  # in the test extra: never skipped
     from rq_dashboard.cli import make_flask_app
 
     monkeypatch.setattr(web.config, "serializer", JSONSerializer)  # what its -j flag sets
@@ -203,6 +203,9 @@ def revoke_mid_task(r: redis.Redis, workers: Workers, script: Path, user: str, u
     tid = keys.task_id(job.id, 0)
     wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="ana's worker to run the task")
     (wid,) = r.zrange(keys.WORKERS, 0, -1)
+    # "running" is set at dispatch; revoke only once RQ has started the delivery too
+    started = StartedJobRegistry(keys.queue_name(wid), connection=r, serializer=JSONSerializer)
+    wait_until(lambda: started.count == 1, what="RQ to start ana's delivery")
     if how == "deleted":
         r.execute_command("ACL", "DELUSER", user)  # what `gpumesh access revoke` does
     else:  # disabled: its connections must be closed too, or they go on working
