@@ -136,9 +136,10 @@ def reader(index: dict[str, Any], rq_client: redis.Redis, trusted: str = "") -> 
 
 def stage(
     store: Backend, task_id: str, job_id: str, task_index: int, copy: str, entries: Iterable[Any], caps: Caps,
-    job_bytes: int, close: Callable[[int], None] = os.close,
+    job_bytes: Callable[[], int], close: Callable[[int], None] = os.close,
 ) -> Staged:  # fmt: skip
-    """Write every found file under the caps (``job_bytes``: what the job's tasks stored already) and
+    """Write every found file under the caps (``job_bytes()``: what the job's tasks stored already, asked
+    once, and only when there is a file and a per-job cap: most tasks write none) and
     return the staged copy. Each found entry's descriptor is closed here."""
     staged = Staged(store, copy, store.new_index(task_id, job_id, task_index, copy))
     try:
@@ -153,17 +154,20 @@ def stage(
 
 
 def _stage_all(
-    staged: Staged, entries: Iterable[Any], caps: Caps, job_bytes: int, close: Callable[[int], None]
+    staged: Staged, entries: Iterable[Any], caps: Caps, job_bytes: Callable[[], int], close: Callable[[int], None]
 ) -> None:
     store = staged.store
     n = 0
+    already: int | None = None  # what the job's tasks stored before this one, read at the first file
     for entry in entries:
         size = getattr(entry, "size", None)
         if size is None:  # skipped by the walk
             _skip(staged, entry.path, entry.reason)
             continue
         try:
-            why = _over_cap(caps, size, staged.total, job_bytes + staged.total, n)
+            if already is None:
+                already = job_bytes() if caps.job_bytes else 0
+            why = _over_cap(caps, size, staged.total, already + staged.total, n)
             if why:
                 _skip(staged, entry.path, why)
                 continue

@@ -193,10 +193,10 @@ class Executor:
         attempt wins); None when it wrote none. Notes on skipped files go to the task's log."""
         copy = artifacts.copy_name(lease.attempt, lease.backup, lease.token)
         try:
-            job_bytes = int(self.broker.r.hget(keys.job(lease.job_id), "artifact_bytes") or 0)
             staged = artifacts.stage(
-                self.artifacts, lease.task_id, lease.job_id, lease.index, copy, entries, self.artifact_caps, job_bytes
-            )
+                self.artifacts, lease.task_id, lease.job_id, lease.index, copy, entries, self.artifact_caps,
+                lambda: int(self.broker.r.hget(keys.job(lease.job_id), "artifact_bytes") or 0),
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - an object store's errors are its own; each is the attempt's failure
             for entry in entries:  # close what the walk has not yielded yet
                 if isinstance(entry, Found):
