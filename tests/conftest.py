@@ -116,6 +116,8 @@ def env(redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "GPUMESH_URL": redis_server.url,
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
         "GPUMESH_CONFIG": str(tmp_path / "config.toml"),
+        # Tasks in the suite leave marker files in the test's directory: the workers' Landlock rules let them.
+        "GPUMESH_WRITE_PATHS": str(tmp_path),
         **FAST,
     }
     for k, v in values.items():

@@ -314,7 +314,10 @@ def landlock_line() -> Line:
     else:
         abi, err = landlock_abi()
         if abi > 0:
-            return ok("landlock", f"ABI {abi}")
+            scoped = "" if abi >= 6 else "; before ABI 6 a task may still signal processes of the worker's user"
+            return ok(
+                "landlock", f"ABI {abi}: workers confine tasks to the system, Python and their own directory{scoped}"
+            )
         why = {
             errno.ENOSYS: "this kernel has no Landlock (Linux 5.13+ has it)",
             errno.EOPNOTSUPP: "Landlock is built into this kernel but disabled at boot",

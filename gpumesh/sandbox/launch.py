@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -48,6 +49,30 @@ def launcher_command(python: str) -> list[str]:
     if python == sys.executable:
         return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
     return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
+
+
+def writable_by(path: str, uid: int, gid: int) -> str | None:
+    """The first of ``path``, what it resolves to, and their directories that the user ``uid`` (group ``gid``)
+    could change or replace, or None. What root runs for a sandbox user must be none of these: the user's own,
+    group- or world-writable (a world-writable directory only with the sticky bit, as /tmp has)."""
+    seen: set[str] = set()
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        p = start
+        while p not in seen:
+            seen.add(p)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                return p
+            sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+            if not stat.S_ISLNK(st.st_mode) and (
+                st.st_uid == uid
+                or (st.st_mode & stat.S_IWGRP and st.st_gid == gid)
+                or (st.st_mode & stat.S_IWOTH and not sticky_dir)
+            ):
+                return p
+            p = os.path.dirname(p)
+    return None
 
 
 def forget_launcher_command(cmd: list[str]) -> None:

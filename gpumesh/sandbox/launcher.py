@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
 COPY_DIR_PREFIX = "gpumesh-launcher-"  # a private copy of this file, for a helper in another interpreter
 
@@ -66,13 +67,137 @@ def _signal_tree(sig: int) -> None:
             pass
 
 
-def _run_script(script: str) -> None:
-    """In the forked child: become the script's ``__main__`` and exit with its code.
+# -- Landlock: the task's view of the host -------------------------------------------------------------
+# A small binding of the three Landlock syscalls (Linux 5.13+), applied in the forked script child only: the
+# supervisor keeps its own view (its /proc walk, the attempt's directory). The worker decides the rule set
+# (gpumesh.sandbox.landlock.rules) and passes it as JSON; this adds the interpreter it runs in.
+
+LANDLOCK_SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "arm64": (444, 445, 446)}
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+LANDLOCK_SCOPE_SIGNAL = 1 << 1  # ABI 6: no signal to a process outside the domain (its supervisor, the worker)
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
+FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # all a file may be given
+FS_READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+FS_DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV  # /dev/null, /dev/nvidia0: opened read-write
+# Every right this kernel's ABI knows: ABI 1 has bits 0-12, ABI 2 adds REFER (13), 3 TRUNCATE (14), 5 IOCTL_DEV (15).
+FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
+FS_ALL_LATEST = (1 << 16) - 1
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where there is none (not Linux, an old kernel, disabled at boot)."""
+    nrs = LANDLOCK_SYSCALLS.get(os.uname().machine)
+    if not sys.platform.startswith("linux") or nrs is None:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = int(
+        libc.syscall(ctypes.c_long(nrs[0]), None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    )
+    return max(abi, 0)
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _Ruleset(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]  # fmt: skip
+
+
+def _python_paths(script_dir: str) -> list[str]:
+    """What this interpreter reads to run: its executable, its installation, the entries of its sys.path."""
+    paths = [os.path.realpath(sys.executable), os.path.dirname(os.path.realpath(sys.executable))]
+    paths += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    if __package__ == "gpumesh.sandbox":  # run as a module: gpumesh itself (an editable checkout's package too)
+        paths.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for entry in sys.path:  # site-packages, an editable checkout; never "/" (python -m puts the cwd there)
+        if entry and os.path.isabs(entry) and os.path.realpath(entry) not in ("/", os.path.realpath(script_dir)):
+            paths.append(entry)
+    return paths
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """A task that runs as root (a root worker without --sandbox-user) keeps uid 0 but no capability: with
+    one (CAP_DAC_OVERRIDE, CAP_SYS_PTRACE...) it could still read /proc/<worker>/environ under Landlock."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in range(64):  # the bounding set, so that nothing it runs gets one back
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; EINVAL past the last capability
+            break
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), ctypes.byref((_CapData * 2)())) != 0:  # v3: all zero
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
+    """Confine this process and all it starts: read (and run) only ``rules["read"]`` and this interpreter's
+    files, write only ``rules["write"]``, use only the devices of ``rules["devices"]``, and (ABI 6+) signal
+    no process outside. Raises OSError when the kernel refuses: the caller must then not run the task."""
+    abi = int(rules["abi"])
+    create, add_rule, restrict = LANDLOCK_SYSCALLS[os.uname().machine]
+    handled = FS_ALL_BY_ABI.get(abi, FS_ALL_LATEST)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    attr = _Ruleset(handled, 0, LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct as this ABI knows it
+    ruleset = int(libc.syscall(ctypes.c_long(create), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        grants = [(p, FS_READ) for p in [*rules["read"], *_python_paths(script_dir)]]
+        grants += [(p, handled) for p in rules["write"]] + [(p, FS_DEVICE) for p in rules["devices"]]
+        for path, access in grants:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                if not os.path.isdir(f"/proc/self/fd/{fd}"):
+                    access &= FS_FILE_RIGHTS  # a file takes only file rights
+                rule = _PathBeneath(access & handled, fd)
+                if (
+                    libc.syscall(ctypes.c_long(add_rule), ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+                    < 0
+                ):
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
+            finally:
+                os.close(fd)
+        if os.geteuid() == 0:
+            drop_capabilities()
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(ctypes.c_long(restrict), ruleset, ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+
+
+def _run_script(script: str, rules: dict[str, Any] | None) -> None:
+    """In the forked child: confine itself (``rules``: Landlock's, or None), become the script's ``__main__``
+    and exit with its code.
 
     Plain compile + exec rather than runpy: in a freshly forked child runpy's imports cost ~7 ms a task."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if rules is not None:
+        try:
+            apply_landlock(rules, os.path.dirname(script))
+        except OSError as exc:  # never run a task less isolated than the worker said it would be
+            print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
+            os._exit(70)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
     main = type(sys)("__main__")
@@ -141,19 +266,35 @@ def remove_dir_of(path: str, prefix: str) -> None:
 
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
-    *, report: tuple[int, int] | None = None,
+    isolation: str = "-", cgroup: str = "-", *, report: tuple[int, int] | None = None, cwd: str | None = None,
 ) -> int:  # fmt: skip
     """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it).
 
+    ``isolation``: the Landlock rule set (JSON, from gpumesh.sandbox.landlock) the script runs under, or "-".
     ``report`` (warm mode): a socket to send the outcome on, and this supervisor's own stderr. The
     script's tree then holds the attempt's stdout and stderr alone, and the outcome goes out once
-    that tree is gone, so the worker does not wait for this process to exit and be reaped."""
+    that tree is gone, so the worker does not wait for this process to exit and be reaped.
+    ``cgroup``: the attempt's cgroup directory (or "-"), joined before anything of the task starts.
+    ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped."""
     libc = ctypes.CDLL(None, use_errno=True)
+    if cgroup != "-":
+        try:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write("0")  # this process; all it starts is born in the attempt's cgroup
+        except OSError:
+            pass  # not ours to join after all: the worker, as subreaper, still kills what is left
     _set_rlimits(int(cpu), int(fsize), int(nofile))
     if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
         os.setgroups([])
         os.setgid(int(gid))
         os.setuid(int(uid))
+    # Into the task's directory (its user's) only now: no path in it is ever resolved with more privilege.
+    os.chdir(cwd or os.path.dirname(script))
+    rules = None
+    if isolation != "-":
+        import json
+
+        rules = json.loads(isolation)
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     # The worker removes the attempt's directory when the attempt ends. Once it (or the zygote) has
@@ -164,7 +305,7 @@ def supervise(
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
     _take_the_tree_down_on_term(grace)
-    status = _wait_for(_fork_script(script, report))
+    status = _wait_for(_fork_script(script, report, rules))
     # The script is gone; nothing it started may outlive it.
     if _has_children():
         _signal_tree(signal.SIGKILL)
@@ -212,7 +353,7 @@ def _take_the_tree_down_on_term(grace: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _fork_script(script: str, report: tuple[int, int] | None) -> int:
+def _fork_script(script: str, report: tuple[int, int] | None, rules: dict[str, Any] | None) -> int:
     """Fork the child that runs ``script``; in this process, return its pid.
 
     In warm mode the script's tree then holds the attempt's stdout and stderr alone: this process
@@ -224,7 +365,7 @@ def _fork_script(script: str, report: tuple[int, int] | None) -> int:
     if child == 0:
         for fd in report or ():  # the task holds neither the worker's socket nor its log
             os.close(fd)
-        _run_script(script)
+        _run_script(script, rules)
     if report is not None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -314,6 +455,8 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if _parent_gone(parent):
         sys.exit(70)
+    # What a task leaves behind when it kills its supervisor comes to the zygote, which kills it (_Forks.reap).
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctrl = socket.socket(fileno=ctrl_fd)
     _preload(ctrl, preload)
     forks = _Forks(ctrl)
@@ -425,25 +568,67 @@ class _Forks:
         return None
 
     def reap(self) -> None:
-        """Reap every child that ended; tell the worker the status of each attempt's supervisor."""
+        """Reap every child that ended; kill what a dead supervisor left behind; then tell the worker the
+        status of each attempt's supervisor."""
         try:
             os.read(self.wake_r, 4096)
         except BlockingIOError:
             pass
+        ended: list[tuple[int, int]] = []
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
             if self.spare is not None and pid == self.spare[0]:  # the spare died before its attempt came
                 self.spare[1].close()
                 self.spare = None
-            reply = self.replies.pop(pid, None)
-            if reply is not None:
-                _reply(reply.fileno(), {"pid": pid, "status": status})
-                reply.close()
+            if pid in self.replies:
+                ended.append((pid, status))
+        if ended:
+            self.kill_orphans()
+        for pid, status in ended:
+            reply = self.replies.pop(pid)
+            _reply(reply.fileno(), {"pid": pid, "status": status})
+            reply.close()
+
+    def kill_orphans(self) -> None:
+        """KILL and reap every child that is neither a running supervisor nor the spare: as a subreaper the
+        zygote inherits what a task left when it killed its supervisor. Until none is left (a killed orphan's
+        own children come to us in turn)."""
+        for _round in range(10_000):
+            known = set(self.replies) | ({self.spare[0]} if self.spare else set())
+            orphans = [pid for pid in _children() if pid not in known]
+            if not orphans:
+                return
+            for pid in orphans:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            for pid in orphans:
+                try:
+                    os.waitpid(pid, 0)
+                except (ChildProcessError, InterruptedError):
+                    pass
+
+
+def _children() -> list[int]:
+    """This process's children (every thread's), from /proc."""
+    out: list[int] = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out += [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+    return out
 
 
 def spare(ctrl_fd: int, parent: int) -> int:
@@ -514,7 +699,6 @@ def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: in
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
     if "tempfile" in sys.modules:  # imported already (by --preload): no cost, and no import the task did not ask for
@@ -524,7 +708,7 @@ def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: in
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
         nprandom.seed()
-    return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting)
+    return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting, cwd=req["cwd"])
 
 
 def main(argv: list[str]) -> None:
@@ -538,8 +722,7 @@ def main(argv: list[str]) -> None:
         sys.exit(spare(int(argv[1]), int(argv[2])))
     else:
         # A fresh attempt starts outside its directory (so the task's files are not on sys.path while
-        # this file's imports run) and moves there before the script is forked.
-        os.chdir(os.path.dirname(os.path.abspath(argv[1])))
+        # this file's imports run); supervise() moves there, as the task's user, before the script is forked.
         sys.exit(supervise(*argv))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from gpumesh.sandbox import outputs, taskdir
+from gpumesh.sandbox import landlock, outputs, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command, launcher_command
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
@@ -46,6 +46,7 @@ class Limits:
     result_bytes: int = 1_000_000
     user: tuple[int, int] | None = None  # (uid, gid) to run the task as; the worker must be root
     python: str = ""  # the interpreter for the task; default: the worker's
+    isolation: landlock.Isolation | None = None  # confine the task with Landlock (the worker checked it is there)
 
 
 @dataclass
@@ -86,7 +87,9 @@ def _launcher(limits: Limits) -> list[str]:
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
         return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
-    return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
+    # -s: the interpreter starts as root with HOME set to the task's directory; the user site-packages there
+    # (a .pth file runs code) must not be read before the launcher drops root.
+    return [python, "-u", *(["-s"] if limits.user else []), copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
 
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
@@ -224,41 +227,71 @@ def run(
     ``collect`` gets the files of the output dir (sandbox.outputs.walk) after a clean exit, once the
     attempt's whole tree is gone and before its directory is removed; its answer is ``collected``."""
     out = Attempt()
+    tree.become_subreaper()  # what outlives its supervisor comes back to us, to be killed with its attempt
     workdir = taskdir.make()
     # Held from before the task may touch its directory: the output files are read through it.
     workdir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     started = time.monotonic()
     script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
     output_dir = os.path.join(workdir, "output")
+    proc: AttemptProcess | None = None
+    since = None
+    cgroup = None
     try:
-        full_env = _prepare(source, workdir, script, output_dir, env, limits)
-        proc = _start(payload, workdir, script, full_env, limits, zygote, spares)
+        full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
+        cgroup = tree.new_cgroup()
+        with tree.launching():
+            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup)
+            tree.started(proc.pid)
+        since = tree.start_time(proc.pid)
         _watch(proc, out, limits, on_line, should_stop, started)
+        # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
+        # says exactly what it started; without one, what came back to this subreaper since it began.
+        if cgroup is not None:
+            tree.end_cgroup(cgroup)
+            cgroup, since = None, None
+        tree.kill_escaped(proc.pid, since)
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
             out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
     finally:
+        if cgroup is not None:
+            tree.end_cgroup(cgroup)
+            since = None
+        if proc is not None:
+            tree.kill_escaped(proc.pid, since)
         if not out.duration:
             out.duration = time.monotonic() - started
-        os.close(workdir_fd)
-        taskdir.remove(workdir, script, output_dir)
+        try:
+            taskdir.remove(workdir, script, output_dir, dir_fd=workdir_fd)
+        finally:
+            os.close(workdir_fd)
     return out
 
 
 def _prepare(
-    source: str, workdir: str, script: str, output_dir: str, env: Mapping[str, str], limits: Limits
+    source: str, workdir_fd: int, script: str, output_dir: str, env: Mapping[str, str], limits: Limits
 ) -> dict[str, str]:
     """Write the script and the output dir into the attempt's directory, and return the attempt's environment.
-    With ``limits.user`` the task's user owns its directory and nothing of the worker's."""
-    with open(script, "w") as f:
+    With ``limits.user`` the task's user owns its directory and nothing of the worker's.
+
+    Everything through the directory's descriptor, and the directory itself handed over last: until then it
+    is the worker's (0700), so no process of the task's user can swap a name in it for a symlink that a
+    chown as root would follow."""
+    workdir = os.path.dirname(script)
+    name, out_name = os.path.basename(script), os.path.basename(output_dir)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=workdir_fd)
+    with open(fd, "w") as f:
         f.write(source)
-    os.mkdir(output_dir)
+        if limits.user is not None:
+            os.fchown(f.fileno(), *limits.user)
+    os.mkdir(out_name, dir_fd=workdir_fd)
     full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
     if limits.user is not None:
-        for path in (workdir, script, output_dir):
-            os.chown(path, *limits.user)
-        for name in ("USER", "LOGNAME"):
-            full_env.pop(name, None)
+        os.chown(out_name, *limits.user, dir_fd=workdir_fd, follow_symlinks=False)
+        os.fchown(workdir_fd, *limits.user)
+        for var in ("USER", "LOGNAME"):
+            full_env.pop(var, None)
         full_env["HOME"] = workdir
     return full_env
 
@@ -271,14 +304,18 @@ def _start(
     limits: Limits,
     zygote: Zygote | None,
     spares: Spares | None,
+    cgroup: str | None = None,
 ) -> AttemptProcess:
-    """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold."""
+    """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
+    ``cgroup``: the attempt's own, which its supervisor joins."""
     with tempfile.TemporaryFile() as stdin:
         stdin.write(payload.encode())
         stdin.seek(0)
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
             *(limits.user if limits.user else ("-", "-")),
+            landlock.rules(limits.isolation, workdir) if limits.isolation is not None else "-",
+            cgroup or "-",
         ]  # fmt: skip
         proc: AttemptProcess | None = None
         if zygote is not None:

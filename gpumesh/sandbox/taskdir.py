@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 
 from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
@@ -61,12 +62,39 @@ def sweep_dead_workers_dirs() -> int:
     return removed
 
 
-def remove(workdir: str, script: str, output_dir: str) -> None:
+def remove(workdir: str, script: str, output_dir: str, dir_fd: int | None = None) -> None:
     """Remove the task's directory. Most tasks leave only their script and an empty output dir: three
-    syscalls instead of rmtree's directory walk; anything else they left gets the full walk."""
+    syscalls instead of rmtree's directory walk; anything else they left gets the full walk.
+
+    ``dir_fd``: the directory, opened before the task ran. With a sandbox user the task's user owns the
+    directory and may have renamed it and left a symlink in its place (to /etc, say): names inside it are then
+    removed through the descriptor, never through a path that the worker (root) would resolve."""
+    if dir_fd is None:
+        try:
+            os.unlink(script)
+            os.rmdir(output_dir)
+            os.rmdir(workdir)
+        except OSError:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     try:
-        os.unlink(script)
-        os.rmdir(output_dir)
-        os.rmdir(workdir)
+        os.unlink(os.path.basename(script), dir_fd=dir_fd)
+        os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
     except OSError:
-        shutil.rmtree(workdir, ignore_errors=True)
+        for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW
+            try:
+                if _is_dir(name, dir_fd):
+                    shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+                else:
+                    os.unlink(name, dir_fd=dir_fd)
+            except OSError:
+                pass
+    try:
+        if os.path.samestat(os.stat(workdir, follow_symlinks=False), os.fstat(dir_fd)):
+            os.rmdir(workdir)  # still the directory we made, not a symlink put in its place
+    except OSError:
+        pass
+
+
+def _is_dir(name: str, dir_fd: int) -> bool:
+    return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)

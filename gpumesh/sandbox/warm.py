@@ -21,6 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from gpumesh.sandbox import tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command, launcher_command
 
 log = logging.getLogger("gpumesh.worker")
@@ -117,11 +118,13 @@ class Zygote:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = launcher_command(self.python)
         try:
-            self.proc = subprocess.Popen(
-                [*cmd, "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
-                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=clean_env(self.env),
-                cwd="/", start_new_session=True,  # not a shared dir: nothing there shadows an import
-            )  # fmt: skip
+            with tree.launching():  # registered before another thread's kill_escaped could take it for an orphan
+                self.proc = subprocess.Popen(
+                    [*cmd, "--zygote", str(theirs.fileno()), str(os.getpid()), ",".join(self.preload)],
+                    stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=clean_env(self.env),
+                    cwd="/", start_new_session=True,  # not a shared dir: nothing there shadows an import
+                )  # fmt: skip
+                tree.helper(self.proc.pid)  # in a session of its own, and waited for here: never reaped as an orphan
         except OSError:
             mine.close()
             forget_launcher_command(cmd)
@@ -194,3 +197,5 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            tree.helper(self.proc.pid, alive=False)
+            tree.reap_orphans()  # its spare, which died with it, came to this process if it is a subreaper

@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from rq.worker import SimpleWorker
 
 from gpumesh import scheduling
 from gpumesh.models import Capability
+from gpumesh.sandbox import landlock, tree
 from gpumesh.sandbox.runner import Limits
 from gpumesh.sandbox.taskdir import sweep_dead_workers_dirs
 from gpumesh.store import keys, scripts
@@ -68,6 +70,31 @@ def refusal(job: Job) -> str | None:
     if len(job.args) != 1 or not isinstance(job.args[0], str) or job.kwargs:
         return "refused: a gpumesh job takes exactly one task id"
     return None
+
+
+def isolation_of(settings: Any) -> tuple[landlock.Isolation | None, str]:
+    """How tasks will be confined (None: not at all), and the line the worker says about it once, at start."""
+    if not settings.isolation:
+        return None, "isolation off (--no-isolation): tasks can read whatever this worker's user can"
+    why = landlock.unavailable()
+    if why is not None:
+        return None, f"tasks are NOT isolated from this machine's files: {why}; see `gpumesh doctor`"
+    read, write = landlock.split_paths(settings.read_paths), landlock.split_paths(settings.write_paths)
+    said = f"tasks isolated with Landlock (ABI {landlock.abi()}): they read only the system and Python"
+    said += "".join(f", {p}" for p in read) + ", and write only their own directory" + "".join(f", {p}" for p in write)
+    return landlock.Isolation(read, write), said
+
+
+def _refuse_writable_interpreter(python: str, uid: int, gid: int) -> None:
+    from gpumesh.errors import UsageError
+    from gpumesh.sandbox.launch import writable_by
+
+    where = writable_by(python, uid, gid)
+    if where is not None:
+        raise UsageError(
+            f"--sandbox-user: the sandbox user can change {where}, which the worker runs as root ({python}); "
+            "install the interpreter where only root can write"
+        )
 
 
 class MeshJob(Job):
@@ -146,6 +173,9 @@ class MeshWorker(SimpleWorker):
         self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
+        self.isolation, self.isolation_said = isolation_of(self.settings)
+        if sandbox_user is not None:  # root runs this interpreter before it drops to the sandbox user
+            _refuse_writable_interpreter(self.settings.sandbox_python or sys.executable, *sandbox_user)
         super().__init__(
             [self.my_queue],
             name=self.worker_id,
@@ -423,6 +453,12 @@ class MeshWorker(SimpleWorker):
         self.logs.start()
         # List our queue in RQ's registry so `rq info` and rq-dashboard show it while it is empty too.
         self.connection.sadd(self.queue_class.redis_queues_keys, self.my_queue.key)
+        # Everything a task starts is ours to kill when its attempt ends, even what escapes its supervisor.
+        tree.become_subreaper()
+        if self.isolation is None:
+            log.warning(self.isolation_said)
+        else:
+            log.info(self.isolation_said)
         swept = sweep_dead_workers_dirs()
         if swept:
             log.info("removed %d task directories that workers which died on this machine left behind", swept)
@@ -458,6 +494,7 @@ class MeshWorker(SimpleWorker):
             result_bytes=self.settings.result_max_bytes,
             user=self.sandbox_user,
             python=self.settings.sandbox_python,
+            isolation=self.isolation,
         )
 
     def _register(self) -> None:

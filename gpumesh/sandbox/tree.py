@@ -1,0 +1,278 @@
+"""The worker's side of "the tree dies with its attempt": the worker is the subreaper of every process an
+attempt starts, so one that outlives its supervisor (a task that SIGKILLs it, then double-forks out of its
+session) comes back to the worker instead of init, and is killed when the attempt ends.
+
+In fresh mode the launcher is the worker's child; in warm mode the zygote (a subreaper too) does the same
+for its supervisors (gpumesh.sandbox.launcher._Forks.kill_orphans).
+
+Where this process may manage cgroups (root, or a delegated cgroup v2 subtree), each attempt also gets a
+cgroup of its own, which its supervisor joins before it forks the task: whatever the attempt starts is in it,
+wherever it is reparented, and the worker kills every member when the attempt ends (:func:`end_cgroup`).
+A task can leave it only by writing to a cgroup.procs file: not as the sandbox user, not under Landlock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+
+_lock = threading.RLock()
+_subreaper = False
+_running: set[int] = set()  # launchers of attempts running in this process now
+_helpers: set[int] = set()  # long-lived children in sessions of their own (the warm zygote), waited for by their owner
+
+
+def become_subreaper() -> bool:
+    """Make this process the subreaper of everything it starts (once; Linux only). False where it cannot be."""
+    global _subreaper
+    with _lock:
+        if not _subreaper and sys.platform.startswith("linux"):
+            _subreaper = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return _subreaper
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(session id, start time in clock ticks since boot) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[3]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    st = _stat(pid)
+    return st[1] if st else None
+
+
+def children() -> list[int]:
+    """This process's children (every thread's), from /proc."""
+    out: list[int] = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                out += [int(pid) for pid in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+class launching:  # noqa: N801 - used as a context manager, like a lock
+    """Hold while starting an attempt's launcher and telling :func:`started` about it, so that a
+    :func:`kill_escaped` in another thread never takes the new launcher for an orphan."""
+
+    def __enter__(self) -> None:
+        _lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        _lock.release()
+
+
+def helper(pid: int, alive: bool = True) -> None:
+    """A child of this process, in a session of its own, that its owner waits for (the zygote): never reaped here."""
+    with _lock:
+        (_helpers.add if alive else _helpers.discard)(pid)
+
+
+def _state(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return b"?"
+
+
+def reap_orphans() -> None:
+    """Reap the children that came to this subreaper and ended (a dead zygote's spares, say): zombies in a
+    session other than this process's, none of them a running launcher or a helper that is waited for."""
+    own_session = os.getsid(0)
+    with _lock:
+        for pid in children():
+            st = _stat(pid)
+            if pid in _running or pid in _helpers or st is None or st[0] == own_session or _state(pid) != b"Z":
+                continue
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def started(pid: int) -> None:
+    """An attempt's launcher is running (call it inside :class:`launching`): it is no orphan."""
+    _running.add(pid)
+
+
+def kill_escaped(launcher: int, since: int | None) -> int:
+    """After an attempt whose launcher was ``launcher`` (started at ``since``, clock ticks; None when the
+    attempt's cgroup was emptied instead, which is exact: then only reap what ended): KILL and reap every
+    child of this process that the attempt left behind, until none is left. An orphan is a child in a session
+    other than the worker's, started no earlier than the attempt, that is no running attempt's launcher (the
+    worker's own helpers, spares and the benchmark, share its session; the zygote started before). Returns how
+    many were killed."""
+    with _lock:
+        _running.discard(launcher)
+    if not _subreaper:
+        return 0
+    reap_orphans()
+    if since is None:
+        return 0
+    own_session = os.getsid(0)
+    killed = 0
+    for _round in range(10_000):
+        orphans = []
+        with _lock:
+            for pid in children():
+                st = _stat(pid)
+                if pid in _running or pid in _helpers or st is None:
+                    continue
+                if st[0] != own_session and st[1] >= since:
+                    orphans.append(pid)
+        if not orphans:
+            break
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+        for pid in orphans:
+            try:
+                os.waitpid(pid, 0)
+            except (ChildProcessError, InterruptedError):
+                pass
+    return killed
+
+
+# -- a cgroup per attempt, where one is delegated ------------------------------------------------------------
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_PREFIX = "gpumesh-attempt-"
+_cgroup_base: str | None = None
+_cgroup_looked = False
+_cgroup_counter = itertools.count()
+
+
+def cgroup_base() -> str | None:
+    """The cgroup directory this process may make attempt cgroups in: its own (cgroup v2), or its own in
+    v1's pids hierarchy (any v1 hierarchy tracks membership; pids is the lightest). None where it may not."""
+    global _cgroup_base, _cgroup_looked
+    with _lock:
+        if _cgroup_looked:
+            return _cgroup_base
+        _cgroup_looked = True
+        try:
+            with open("/proc/self/cgroup") as f:
+                rows = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        except OSError:
+            return None
+        v2 = os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers"))
+        for _id, controllers, path in rows:
+            if v2 and controllers == "":
+                base = os.path.join(CGROUP_ROOT, path.lstrip("/"))
+            elif not v2 and "pids" in controllers.split(","):
+                base = os.path.join(CGROUP_ROOT, controllers, path.lstrip("/"))
+            else:
+                continue
+            probe = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-probe")
+            try:
+                os.mkdir(probe)
+                os.rmdir(probe)
+            except OSError:
+                return None
+            _cgroup_base = base
+            _sweep_cgroups(base)
+            return base
+        return None
+
+
+def _sweep_cgroups(base: str) -> None:
+    """Remove the attempt cgroups that workers which died here left behind (empty once their tasks died)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        owner = name.removeprefix(CGROUP_PREFIX).partition("-")[0]
+        if not name.startswith(CGROUP_PREFIX) or not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        try:
+            os.kill(int(owner), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = os.path.join(base, name)
+        for pid in cgroup_members(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def new_cgroup() -> str | None:
+    """A new, empty cgroup for one attempt, or None where none can be made."""
+    base = cgroup_base()
+    if base is None:
+        return None
+    path = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-{next(_cgroup_counter)}")
+    try:
+        os.mkdir(path)
+    except OSError:
+        return None
+    return path
+
+
+def cgroup_members(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def end_cgroup(path: str | None, timeout: float = 10.0) -> None:
+    """KILL every process left in an attempt's cgroup until it is empty, then remove it."""
+    if path is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        members = cgroup_members(path)
+        if not members:
+            break
+        try:
+            with open(os.path.join(path, "cgroup.kill"), "w") as f:  # v2, Linux 5.14+: the whole group at once
+                f.write("1")
+        except OSError:
+            for pid in members:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        reap_orphans()
+        time.sleep(0.005)
+    for _try in range(200):  # a killed member leaves the group once it has exited: a moment
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            reap_orphans()
+            time.sleep(0.005)

@@ -1,0 +1,419 @@
+"""Isolation of a task from the worker and the host (issue 13, items 1-3), each shown by performing the attack.
+
+1. No escalation: nothing a task's user can write is run, or followed, by the root worker (--sandbox-user).
+2. The tree dies with its attempt, even when the task SIGKILLs its supervisor and double-forks out of its session.
+3. Landlock: a task reads only the system, Python and its own directory; not the worker's home, its config
+   file, /proc/<worker>/mem or environ; and it cannot signal the worker.
+
+Real processes throughout: sandbox.run, the warm zygote, `gpumesh worker`, and a real attacker process
+running as ``nobody``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumesh.sandbox import landlock, tree
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.warm import Zygote
+
+from .conftest import Workers, gpumesh, pid_alive, wait_until
+
+pytestmark = pytest.mark.security
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # one that nobody can read: this machine's venv lives under /root (0700)
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or sys.platform != "linux",
+    reason="--sandbox-user needs a root worker on Linux and a Python the task user can read; CI here runs as root",
+)
+needs_landlock = pytest.mark.skipif(landlock.abi() < 1, reason="this kernel has no Landlock")
+needs_scoped_signals = pytest.mark.skipif(landlock.abi() < 6, reason="scoped signals need Landlock ABI 6")
+
+
+def nobody() -> tuple[int, int]:
+    entry = pwd.getpwnam("nobody")
+    return entry.pw_uid, entry.pw_gid
+
+
+def attempt(source: str, mode: Any, **limits: Any) -> tuple[sandbox.Attempt, list[tuple[str, str]]]:
+    lines: list[tuple[str, str]] = []
+    lim = sandbox.Limits(**{"timeout": 30, "memory_bytes": 0, "grace": 1.0, **limits})
+    out = sandbox.run(
+        textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: lines.append((s, line)), lambda: None,
+        zygote=mode.get("zygote"), spares=mode.get("spares"),
+    )  # fmt: skip
+    return out, lines
+
+
+@pytest.fixture(params=["fresh", "cold", "warm"])
+def mode(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """fresh: as a worker runs it (a spare interpreter per attempt); cold: a new interpreter started for the
+    attempt; warm: forked from a zygote."""
+    if request.param == "warm":
+        z = Zygote()
+        z.start()
+        held = {"zygote": z}
+        yield held
+        held["zygote"].close()  # the one the test left there
+    elif request.param == "fresh":
+        s = sandbox.Spares()
+        yield {"spares": s}
+        s.close()
+    else:
+        yield {}
+
+
+# -- 2. the tree dies with its attempt --------------------------------------------------------------------
+
+# The task starts a daemon that leaves its session (fork, setsid, fork) and lets go of the attempt's output,
+# says both pids, then SIGKILLs its own supervisor and lingers: everything the supervisor would have taken
+# down with it is now out of its reach.
+ESCAPE = """
+import json, os, signal, sys, time
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(r)
+        os.write(w, str(os.getpid()).encode())
+        os.close(w)
+        while True:
+            time.sleep(1)
+    os._exit(0)
+os.close(w)
+daemon = int(os.read(r, 32))
+print(json.dumps({"daemon": daemon, "task": os.getpid(), "supervisor": os.getppid()}), flush=True)
+try:
+    os.kill(os.getppid(), signal.SIGKILL)
+    print(json.dumps({"killed": True}), flush=True)
+except PermissionError:
+    print(json.dumps({"killed": False}), flush=True)
+time.sleep(60)
+"""
+
+
+def _escaped(lines: list[tuple[str, str]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for stream, line in lines:
+        if stream == "stdout" and line.startswith("{"):
+            seen.update(json.loads(line))
+    return seen
+
+
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "subreaper-only"])
+@pytest.mark.parametrize("user", [None, "nobody"])
+def test_a_task_that_kills_its_supervisor_leaves_nothing_running(mode, user, cgroup, monkeypatch):
+    if user and (os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON)):
+        pytest.skip("--sandbox-user needs a root worker and a Python nobody can read")
+    if cgroup and tree.cgroup_base() is None:
+        pytest.skip("this process may not make cgroups here")
+    if not cgroup:  # as where no cgroup is delegated: the worker, as subreaper, must find what escaped
+        monkeypatch.setattr(tree, "new_cgroup", lambda: None)
+    extra: dict[str, Any] = {"user": nobody(), "python": SYSTEM_PYTHON} if user else {}
+    if user and "zygote" in mode:  # the zygote must run the interpreter the task user can read
+        mode["zygote"].close()
+        mode["zygote"] = Zygote(python=SYSTEM_PYTHON)
+        mode["zygote"].start()
+    if user and "spares" in mode:
+        mode = {}  # --sandbox-user attempts always start cold
+    started = time.monotonic()
+    out, lines = attempt(ESCAPE, mode, **extra)  # without isolation: nothing stops the kill itself
+    seen = _escaped(lines)
+    assert seen.get("killed") is True, (lines, out.describe_exit())
+    assert time.monotonic() - started < 20, "the attempt ended when its supervisor died, not at its timeout"
+    for what in ("task", "daemon"):
+        assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
+
+
+@needs_landlock
+@needs_scoped_signals
+def test_under_isolation_a_task_cannot_even_signal_its_supervisor(mode):
+    out, lines = attempt(ESCAPE, mode, timeout=3, isolation=landlock.Isolation())
+    seen = _escaped(lines)
+    assert seen.get("killed") is False, lines
+    assert out.killed == "timeout"
+    for what in ("task", "daemon"):
+        assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
+
+
+@pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")
+def test_where_a_cgroup_is_delegated_each_attempt_runs_in_its_own_and_it_goes_with_it(mode):
+    out, lines = attempt("print(open('/proc/self/cgroup').read().replace(chr(10), ' '))", mode)
+    assert out.returncode == 0, lines
+    (own,) = [row.split(":", 2)[2] for row in (out.last_line or "").split() if tree.CGROUP_PREFIX in row][:1]
+    base = tree.cgroup_base()
+    assert base is not None and not os.path.exists(os.path.join(base, os.path.basename(own))), "left behind"
+
+
+# -- 1. no escalation ---------------------------------------------------------------------------------------
+
+ATTACKER = r"""
+# Runs as the sandbox user for as long as it is let, as a daemon a task left behind would (or another worker's
+# task, as the same user, on the same machine): it tries to get code run by root, and a root-owned file handed over.
+import os, sys, time, site
+marks, victim = sys.argv[1], sys.argv[2]
+pth = "import os; open(os.path.join(%r, 'ran-as-%%d' %% os.getuid()), 'w')\n" % marks
+userdir = os.path.relpath(site.getusersitepackages(), os.path.expanduser("~"))
+hits = set()
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    for name in os.listdir("/tmp"):
+        path = os.path.join("/tmp", name)
+        try:
+            if name.startswith("gpumesh-launcher-"):  # replace the copy of the launcher that root runs
+                with open(os.path.join(path, "_gpumesh_launcher.py"), "w") as f:
+                    f.write("import os; open(os.path.join(%r, 'ran-as-%%d' %% os.getuid()), 'w')\n" % marks)
+                hits.add("launcher")
+            elif name.startswith("gpumesh-task-") and os.access(path, os.W_OK):
+                if (path, "pth") not in hits:  # user site-packages: a .pth file runs as the interpreter starts
+                    os.makedirs(os.path.join(path, userdir), exist_ok=True)
+                    with open(os.path.join(path, userdir, "zz.pth"), "w") as f:
+                        f.write(pth)
+                    hits.add((path, "pth"))
+                for inner in ("task.py", "output"):  # names root may chown or remove: now symlinks to the victim
+                    p = os.path.join(path, inner)
+                    if not os.path.islink(p):
+                        try:
+                            os.rename(p, p + ".moved")
+                        except OSError:
+                            pass
+                        os.symlink(victim, p)
+        except OSError:
+            pass
+    time.sleep(0.0005)
+"""
+
+# The task itself swaps its directory for a symlink to a root-owned one just before it ends: the worker's
+# clean-up, as root, must not remove the file of the same name in there.
+SWAP = """
+import os
+here = os.getcwd()
+os.rename(here, here + ".moved")
+os.symlink({victim_dir!r}, here)
+print("swapped")
+"""
+
+
+@pytest.fixture
+def trap() -> Iterator[dict[str, Path]]:
+    """Root-owned things an attacker running as nobody must never change, and where root running its code shows.
+    In a directory of /tmp that nobody may traverse (pytest's own is 0700) but never write."""
+    base = Path(tempfile.mkdtemp(prefix="gpumesh-test-trap-"))
+    base.chmod(0o755)
+    marks = base / "marks"
+    marks.mkdir(mode=0o755)
+    victim = base / "victim"
+    victim.write_text("root's file\n")
+    victim.chmod(0o600)
+    victim_dir = base / "victim-dir"
+    victim_dir.mkdir(mode=0o755)
+    (victim_dir / "task.py").write_text("root's file, named like a task's\n")
+    attacker = base / "attacker.py"
+    attacker.write_text(ATTACKER)
+    attacker.chmod(0o644)
+    yield {"marks": marks, "victim": victim, "victim_dir": victim_dir, "attacker": attacker}
+    shutil.rmtree(base, ignore_errors=True)
+    # What the attacks left of this process's attempts: planted symlinks, renamed directories, and directories
+    # the attacker refilled after the worker had emptied them (the worker never follows a name in there).
+    for left in Path("/tmp").glob(f"gpumesh-task-*.{os.getpid()}-*"):
+        if left.is_symlink():
+            left.unlink()
+        else:
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def _attack(trap: dict[str, Path], seconds: float) -> subprocess.Popen[bytes]:
+    uid, gid = nobody()
+    return subprocess.Popen(
+        [SYSTEM_PYTHON, str(trap["attacker"]), str(trap["marks"]), str(trap["victim"]), str(seconds)],
+        user=uid, group=gid, extra_groups=[], cwd="/", env={"HOME": "/nonexistent", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+
+
+def _untouched(trap: dict[str, Path]) -> None:
+    assert sorted(os.listdir(trap["marks"])) == [], "code the task's user wrote ran in a process of the worker's"
+    st = os.stat(trap["victim"])
+    assert (st.st_uid, st.st_gid) == (0, 0), "a root-owned file was handed to the task's user"
+    assert trap["victim"].read_text() == "root's file\n"
+    assert (trap["victim_dir"] / "task.py").exists(), "root removed a file through a symlink the task planted"
+
+
+@needs_root
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_nothing_the_task_user_can_write_is_run_or_followed_by_root(trap, warm):
+    zygote = Zygote(python=SYSTEM_PYTHON) if warm else None
+    if zygote is not None:
+        zygote.start()
+    mode = {"zygote": zygote}
+    user = {"user": nobody(), "python": SYSTEM_PYTHON}
+    attacker = None
+    try:
+        # A first task leaves the attacker behind as a setsid daemon, as in the issue: it must die with its attempt.
+        left = f"""
+            import os, subprocess, sys
+            p = subprocess.Popen([sys.executable, {str(trap["attacker"])!r}, {str(trap["marks"])!r},
+                                  {str(trap["victim"])!r}, "60"], start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(p.pid)
+        """
+        out, _ = attempt(left, mode, **user)
+        assert out.returncode == 0, out.stderr_tail
+        assert not pid_alive(int(out.last_line or 0)), "the daemon a task left outlived its attempt"
+        # A daemon of the same user that does run on (another worker's task) attacks every launch that follows.
+        attacker = _attack(trap, 60)
+        time.sleep(0.5)
+        for _ in range(15):
+            attempt("import os; print(os.getuid())", mode, **user)  # most fail: the attacker swaps their script
+            assert attacker.poll() is None
+        attacker.kill()
+        attacker.wait()
+        # The task swaps its own directory for a symlink to a root-owned one.
+        out, lines = attempt(SWAP.format(victim_dir=str(trap["victim_dir"])), mode, **user)
+        assert out.last_line == "swapped", lines
+    finally:
+        if attacker is not None and attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        if zygote is not None:
+            zygote.close()
+    _untouched(trap)
+
+
+# -- 3. Landlock: the task cannot read the host -----------------------------------------------------------
+
+PEEK = """
+import json, os, signal, sys
+payload = json.load(sys.stdin)
+def ppid(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+def cmdline(pid):
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+worker = os.getppid()
+while "gpumesh worker" not in cmdline(worker):
+    worker = ppid(worker)
+seen = {}
+def attempt(name, fn):
+    try:
+        seen[name] = fn()
+    except OSError as exc:
+        seen[name] = type(exc).__name__
+def read(path, n=-1):
+    with open(path, "rb") as f:
+        return "read " + str(len(f.read(n)))
+attempt("ssh_key", lambda: read(payload["key"]))
+attempt("config", lambda: read(payload["config"]))
+attempt("dataset", lambda: read(payload["dataset"]))
+attempt("home", lambda: len(os.listdir(payload["home"])))
+attempt("mem", lambda: read(f"/proc/{worker}/mem", 1))
+attempt("environ", lambda: read(f"/proc/{worker}/environ"))
+attempt("signal_worker", lambda: os.kill(worker, 0) or "sent")
+attempt("write_outside", lambda: open(payload["outside"], "w").write("x"))
+attempt("write_output", lambda: open(os.path.join(os.environ["GPUMESH_OUTPUT_DIR"], "ok.txt"), "w").write("ok"))
+attempt("write_tmp", lambda: __import__("tempfile").NamedTemporaryFile(dir=None).name.startswith(os.getcwd()))
+import decimal, numpy  # the standard library and site-packages stay readable
+seen["numpy"] = int(numpy.arange(4).sum())
+print(json.dumps(seen))
+"""
+
+
+@pytest.fixture
+def host(tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """A worker home with a private key and the config file that holds the broker URL, and a dataset dir."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    key = home / ".ssh" / "id_ed25519"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY----- stand-in\n")
+    key.chmod(0o600)
+    config = home / ".config" / "gpumesh" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f'url = "{env["GPUMESH_URL"]}"\n')
+    config.chmod(0o600)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "train.csv").write_text("x,y\n1,2\n")
+    payload = {
+        "key": str(key), "config": str(config), "home": str(home), "dataset": str(dataset / "train.csv"),
+        "outside": str(tmp_path / "written-by-a-task"),
+    }  # fmt: skip
+    return {"home": home, "config": config, "dataset": dataset, "payload": payload}
+
+
+def _peek(env: dict[str, str], workers: Workers, host: dict[str, Any], tmp_path: Path, *args: str) -> dict[str, Any]:
+    script = tmp_path / "peek.py"
+    script.write_text(PEEK)
+    # Nothing more readable than the defaults, whatever the suite's environment lets other tests' tasks write.
+    no_extra = {"GPUMESH_READ_PATHS": "", "GPUMESH_WRITE_PATHS": ""}
+    workers.start(*args, HOME=str(host["home"]), GPUMESH_CONFIG=str(host["config"]), **no_extra)
+    payloads = json.dumps([host["payload"]])
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input=payloads).stdout.strip()
+    wait_until(lambda: json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] in ("done", "failed"))
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["status"] == "done", (row, workers.log(len(workers.procs) - 1))
+    return dict(row["result"])
+
+
+@needs_landlock
+@pytest.mark.usefixtures("both_modes")
+def test_a_task_cannot_read_the_worker_s_home_config_or_memory_nor_signal_it(env, workers, host, tmp_path: Path):
+    seen = _peek(env, workers, host, tmp_path, "--read-path", str(host["dataset"]))
+    assert seen["ssh_key"] == "PermissionError", seen
+    assert seen["config"] == "PermissionError", seen
+    assert seen["home"] == "PermissionError", seen
+    assert seen["mem"] == "PermissionError" and seen["environ"] == "PermissionError", seen
+    if landlock.abi() >= 6:
+        assert seen["signal_worker"] == "PermissionError", seen
+    assert seen["write_outside"] == "PermissionError" and not Path(host["payload"]["outside"]).exists()
+    assert seen["dataset"] == "read 8", "a --read-path is readable"
+    assert seen["write_output"] == 2 and seen["write_tmp"] is True and seen["numpy"] == 6, seen
+    log = workers.log(0)
+    assert log.count("tasks isolated with Landlock") == 1, log
+
+
+@pytest.mark.usefixtures("both_modes")
+def test_no_isolation_is_said_once_and_then_the_host_is_readable(env, workers, host, tmp_path: Path):
+    """What --no-isolation gives up (and what shows the test above can fail)."""
+    seen = _peek(env, workers, host, tmp_path, "--no-isolation")
+    assert seen["ssh_key"].startswith("read") and seen["config"].startswith("read"), seen
+    assert seen["signal_worker"] == "sent", seen
+    log = workers.log(0)
+    assert log.count("isolation off (--no-isolation)") == 1, log
+
+
+def test_a_read_path_that_does_not_exist_is_one_line_and_exit_2(env, tmp_path: Path):
+    p = gpumesh("worker", "--read-path", str(tmp_path / "no-such-dataset"), env=env, timeout=30)
+    assert p.returncode == 2, p.stderr
+    assert "no-such-dataset" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@needs_root
+def test_an_interpreter_the_sandbox_user_could_replace_is_refused_at_start(env):
+    """Root runs the sandbox interpreter before it drops to the sandbox user: not one that user may swap."""
+    uid, gid = nobody()
+    theirs = Path(tempfile.mkdtemp(prefix="gpumesh-test-theirs-"))
+    try:
+        theirs.chmod(0o755)
+        (theirs / "python3").symlink_to(SYSTEM_PYTHON)
+        os.chown(theirs, uid, gid)
+        run = {**env, "GPUMESH_SANDBOX_PYTHON": str(theirs / "python3")}
+        p = gpumesh("worker", "--score", "10", "--burst", "--sandbox-user", "nobody", env=run, timeout=60)
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
+    assert p.returncode == 2, p.stderr
+    assert f"the sandbox user can change {theirs}" in p.stderr and "Traceback" not in p.stderr, p.stderr
