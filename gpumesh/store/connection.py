@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Protocol, cast, overload
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from gpumesh.errors import BrokerError, BrokerUnreachable, UsageError
+from gpumesh.store import tlspin
 
 
 def mask_url(url: str) -> str:
@@ -32,9 +33,22 @@ def client(url: str, *, decode: bool, socket_timeout: float, retries: int, healt
     PINGs a connection idle for 15 s before using it (long-lived workers); it doubles the tries."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise UsageError(f"broker URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+    pinned: dict[str, Any] = {}
+    try:
+        values = parse_qs(urlsplit(url).query).get(tlspin.PARAM)
+    except ValueError as exc:
+        raise UsageError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
+    if values:  # `serve --tls`'s lines: the broker's CA pinned by its fingerprint
+        if not url.startswith("rediss://"):
+            raise UsageError(f"broker URL {mask_url(url)!r}: {tlspin.PARAM} needs rediss:// (TLS)")
+        if len(values) != 1:
+            raise UsageError(f"broker URL {mask_url(url)!r}: give {tlspin.PARAM} once")
+        tlspin.parse_fingerprint(values[0])  # a bad one is a usage error now, not at the first command
+        pinned["connection_class"] = tlspin.PinnedSSLConnection  # redis-py hands it the ca_fingerprint
     try:
         return redis.Redis.from_url(
             url,
+            **pinned,
             decode_responses=decode,
             socket_connect_timeout=3,
             socket_timeout=socket_timeout,
@@ -57,6 +71,11 @@ def translate(exc: redis.RedisError, url: str) -> BrokerError:
             "nothing was written. Free memory (finished jobs) or raise maxmemory"
         )
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        if url.startswith("redis://") and "reset by peer" in text:  # what a TLS-only port does to plain Redis
+            return BrokerUnreachable(
+                f"the broker at {mask_url(url)} closed the connection ({text}); if it serves TLS "
+                "(`gpumesh serve --tls`), use the rediss:// line it printed"
+            )
         return BrokerUnreachable(f"cannot reach the broker at {mask_url(url)} ({text}); is Redis running there?")
     return BrokerError(f"the broker at {mask_url(url)} answered an error: {text}")
 
