@@ -359,8 +359,23 @@ class Job:
 
         >>> [r.result for r in job.results()]                       # doctest: +SKIP
         [0.0102, 0.2211]
+
+        Each row says whether its result verifies (``verified``) with the registered result key of the
+        worker credential that signed it (``signed_by``); see :func:`gpumesh.signing.verify_result`.
         """
-        return self.mesh.broker.results(self.id)
+        rows = self.mesh.broker.results(self.id)
+        registry = self._result_keys()
+        return [row.verify_with(registry) for row in rows]
+
+    def _result_keys(self) -> dict[str, str]:
+        """The broker's registry of worker result keys (ACL user -> public key), written by the admin."""
+        broker = self.mesh.broker
+        try:
+            return dict(broker.r.hgetall(keys.RESULT_KEYS))
+        except redis.RedisError as exc:
+            from gpumesh.store.connection import translate
+
+            raise translate(exc, broker.url) from None
 
     def as_completed(self, timeout: float | None = None) -> Iterator[TaskResult]:
         """Yield each task's :class:`TaskResult` as it ends (done, failed or cancelled), in the order they
@@ -377,6 +392,7 @@ class Job:
             return patient(call, broker.settings, _say)()
 
         total = ride(lambda: broker.job_status(self.id)).tasks.total
+        registry = ride(self._result_keys)
         seen: set[str] = set()
         after = "0"  # the last entry read from the stream of ends
         while len(seen) < total:
@@ -392,7 +408,7 @@ class Job:
             for res in ride(functools.partial(broker.task_results, fresh)):
                 if res.status in TERMINAL:  # a task re-queued since (retry) ends again later
                     seen.add(res.task_id)
-                    yield res
+                    yield res.verify_with(registry)
             if finished:
                 return  # every task that still exists was read once the job had ended
 

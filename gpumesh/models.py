@@ -8,7 +8,16 @@ import sys
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from gpumesh.errors import UsageError
 from gpumesh.requirements import parse_all
@@ -299,11 +308,27 @@ class TaskResult(BaseModel):
     duration_s: float | None = None
     artifacts: list[Artifact] = Field(default_factory=list)
     skipped_artifacts: list[SkippedArtifact] = Field(default_factory=list)
+    # Whether the result's proof verifies with the registered result key of the worker credential that
+    # signed it (signing.verify_result): None while the task has no result, or when the broker registers
+    # no result keys; signed_by names that credential (its ACL user), as the proof says.
+    verified: bool | None = None
+    signed_by: str | None = None
+
+    _stored: dict[str, str] = PrivateAttr(default_factory=dict)  # what verify_with checks, as stored
+
+    def verify_with(self, result_keys: dict[str, str]) -> TaskResult:
+        """Set ``verified`` and ``signed_by`` from the broker's registry of result keys (gpumesh:resultkeys)."""
+        from gpumesh.signing import verify_result
+
+        self.verified, self.signed_by = verify_result(self.task_id, self._stored, result_keys)
+        return self
 
     @classmethod
     def from_hash(cls, task_id: str, h: dict[str, str]) -> TaskResult:
+        from gpumesh.signing import PROOF_FIELD
+
         index = _stored_index(h.get("artifacts"))
-        return cls(
+        row = cls(
             index=int(h["index"]),
             task_id=task_id,
             status=cast(JobState, h["status"]),
@@ -315,6 +340,8 @@ class TaskResult(BaseModel):
             artifacts=_entries(Artifact, index.get("files")),
             skipped_artifacts=_entries(SkippedArtifact, index.get("skipped")),
         )
+        row._stored = {k: h[k] for k in ("status", "result", PROOF_FIELD) if k in h}
+        return row
 
 
 _Entry = TypeVar("_Entry", bound=BaseModel)

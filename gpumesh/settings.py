@@ -45,6 +45,9 @@ class Settings(BaseModel):
     task_memory_mb: int = Field(0, ge=0, description="RSS cap per task tree; 0 = 90% of the machine's memory")
     job_retention: float = Field(7 * 86400, ge=0, description="seconds a finished job is kept; 0 = for ever")
     sandbox_python: str = Field("", description="interpreter for tasks (default: the worker's own)")
+    isolation: bool = Field(True, description="worker: confine tasks with Landlock where the kernel has it")
+    read_paths: str = Field("", description="worker: more paths tasks may read under isolation (':' or ',')")
+    write_paths: str = Field("", description="worker: more paths tasks may write under isolation (':' or ',')")
     signing_key: str = Field("", description="submit: sign every task with this Ed25519 private key file")
     outage_patience: float = Field(
         300.0,
@@ -60,7 +63,9 @@ class Settings(BaseModel):
     artifact_job_mb: float = Field(1024, ge=0, description="output files kept per job, MiB; 0 = no cap")
     artifact_files: int = Field(1000, ge=0, description="output files kept per task; 0 = no cap")
     trusted_keys: str = Field(
-        "", description="worker: run only tasks signed by these public key files (comma-separated)"
+        "",
+        description="worker: run only tasks signed by these public keys, files or inline ed25519:BASE64 "
+        "(comma-separated)",
     )
 
     @model_validator(mode="after")

@@ -152,7 +152,7 @@ class Mesh(RuleBasedStateMachine):
 
     def holds(self, lease: scripts.Lease) -> bool:
         status, token, backup = self.r.hmget(keys.task(lease.task_id), "status", "lease", "backup")
-        return status == "running" and lease.token in (token, backup)
+        return status == "running" and scripts.token_digest(lease.token) in (token, backup)
 
     @rule(target=leases, i=st.integers(0, 3), worker=st.sampled_from(["s1", "s2"]), straggler=st.booleans())
     def speculate(self, i: int, worker: str, straggler: bool):
@@ -164,7 +164,8 @@ class Mesh(RuleBasedStateMachine):
         if isinstance(got, str):
             return multiple()
         task = self.r.hgetall(keys.task(tid))
-        assert task["status"] == "running" and task["backup"] == got.token and task["lease"] != got.token
+        assert task["status"] == "running" and task["backup"] == scripts.token_digest(got.token)
+        assert task["lease"] != task["backup"]
         assert self.may_run(worker, tid), "a backup copy runs only where the task may run"
         if not straggler:
             assert int(self.r.hget(keys.job(keys.job_of_task(tid)), "queued")) == 0

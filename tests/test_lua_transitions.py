@@ -40,7 +40,7 @@ def test_acquire_only_from_queued_and_duplicates_are_skipped(broker: Broker, r: 
     lease = scripts.acquire(broker.scripts, r, tid, "w1", LEASE_MS)
     assert isinstance(lease, scripts.Lease)
     assert lease.attempt == 1 and lease.job_id == job and lease.payload == '{"i": 0}'
-    assert r.get(keys.lease(tid)) == lease.token
+    assert r.get(keys.lease(tid)) == scripts.token_digest(lease.token), "only the token's digest is stored"
     assert scripts.acquire(broker.scripts, r, tid, "w2", LEASE_MS) == "running"
     assert counters(r, job)["status"] == "running"
     assert_counters_match_tasks(r, job)
@@ -183,6 +183,21 @@ def test_script_flush_does_not_break_the_next_call(broker: Broker, r: redis.Redi
     assert isinstance(scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS), scripts.Lease)
     r.script_flush()
     assert reap_once(broker)["requeued"] == 0  # pipelined EVALSHA reloads too
+
+
+@pytest.mark.faults
+def test_a_broker_that_lost_gpumesh_s_functions_gets_them_back_at_the_next_call(broker: Broker, r: redis.Redis):
+    """A Redis without ACLs (restarted empty, or FUNCTION FLUSH): any client loads the library again."""
+    job, (tid, other) = submit(broker, n=2)
+    r.function_flush()
+    assert isinstance(scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS), scripts.Lease)
+    r.function_flush()
+    fresh = Broker(broker.settings)  # a pipeline is checked before it runs (its error would come at execute)
+    try:
+        assert fresh.cancel(job).tasks.cancelled == 2
+    finally:
+        fresh.close()
+    assert r.hget(keys.task(other), "status") == "cancelled"
 
 
 @pytest.mark.faults

@@ -49,7 +49,7 @@ def test_grid_search_example_through_submit_wait(env, workers: Workers):
     assert all(row["status"] == "done" and row["attempts"] == 1 for row in res)
     assert res[0]["result"]["loss"] < 0.05  # lr 0.5, 80 epochs fits y = 3x - 2
     assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s",
-                           "artifacts", "skipped_artifacts"}  # fmt: skip
+                           "artifacts", "skipped_artifacts", "verified", "signed_by"}  # fmt: skip
     assert res[0]["artifacts"] == [] and res[0]["skipped_artifacts"] == []  # the example writes no files
 
 

@@ -134,7 +134,7 @@ def test_serve_public_without_pyngrok_names_the_extra(env, tmp_path: Path):
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('pyngrok hidden by the test')\n")
     env = {**env, "PYTHONPATH": str(hidden.parent)}
-    p = gpumesh("serve", "--public", "--port", str(free_port()), "--data-dir", str(tmp_path / "b"), env=env)
+    p = gpumesh("serve", "--public", "--tls", "--port", str(free_port()), "--data-dir", str(tmp_path / "b"), env=env)
     assert p.returncode == 2 and "pip install 'gpumesh-pool[tunnel]'" in p.stderr
 
 
@@ -151,7 +151,8 @@ def test_join_with_token_runs_a_worker(env, tmp_path: Path):
     port = free_port()
     serve = Serve(env, tmp_path / "b", port)
     try:
-        job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", serve.url, env=env).stdout.strip()
+        submit_url = re.search(r"--url '(redis://submitter:[^']+)' --wait", "\n".join(serve.lines)).group(1)
+        job = gpumesh("submit", EXAMPLE, "--payloads", PAYLOADS, "--url", submit_url, env=env).stdout.strip()
         token = serve.url.split(":")[2].split("@")[0]
         p = gpumesh("join", f"127.0.0.1:{port}", "--token", token, "--burst", "--score", "3", env=env, timeout=120)
         assert p.returncode == 0, p.stderr

@@ -9,7 +9,6 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import click
 import redis
@@ -18,27 +17,27 @@ from gpumesh.cli import render
 from gpumesh.cli.helpers import connect, emit_json, err, json_option, url_option
 from gpumesh.errors import GpumeshError, NotFound, UsageError
 from gpumesh.settings import Settings, config_path
+from gpumesh.store import tlspin
 from gpumesh.store.connection import mask_url, translate
 
 
 def _admin(data_dir: Path | None, url: str | None) -> redis.Redis:
-    from gpumesh.server.broker_server import default_data_dir
+    """The admin connection: ``url``, or the one serve's files in ``data_dir`` give (TLS pinned where it serves TLS)."""
+    from gpumesh.server.broker_server import default_data_dir, local_admin_url
+    from gpumesh.store.connection import client
 
     if url is None:
         d = data_dir or default_data_dir()
         try:
-            creds = json.loads((d / "credentials.json").read_text())
-            conf = dict(line.split(" ", 1) for line in (d / "redis.conf").read_text().splitlines() if " " in line)
+            url = local_admin_url(d)
         except FileNotFoundError:
             raise UsageError(f"no broker data in {d}; pass --data-dir (as given to serve) or --url ADMIN_URL") from None
-        host = conf["bind"] if conf["bind"] not in ("0.0.0.0", "::") else "127.0.0.1"
-        url = f"redis://admin:{quote(creds['admin'], safe='')}@{host}:{conf['port']}/0"
-    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
+    admin = client(url, decode=True, socket_timeout=3, retries=0, health_check=False)
     try:
-        client.ping()
+        admin.ping()
     except redis.RedisError as exc:
         raise translate(exc, url) from None
-    return client
+    return admin
 
 
 @click.group()
@@ -81,13 +80,30 @@ def _access_opts(f: Any) -> Any:
 @click.option("--host", help="Address workers reach the broker at (default: the admin URL's).")
 @_access_opts
 def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
-    """Create (or rotate) the worker credential of NAME and print their join line."""
-    from gpumesh.server.broker_server import add_worker, broker_url, worker_user
+    """Create (or rotate) the worker credential of NAME and print their join line.
+
+    The credential's result key (derived from its password) is registered in gpumesh:resultkeys, so
+    `gpumesh results` shows which results came from NAME's workers. The line pins serve's job-signing
+    key (--trust ed25519:..., from signing.pub in the data dir) when there is one."""
+    from gpumesh.server.broker_server import add_worker, broker_url, default_data_dir, worker_user
+    from gpumesh.signing import inline, public_key, result_public
+    from gpumesh.store import keys as store_keys
 
     admin = _admin(data_dir, url)
+    user = worker_user(name)
+    result_public(user, "")  # without the cryptography package: a usage error before anything changes
     password = add_worker(admin, name)
+    admin.hset(store_keys.RESULT_KEYS, user, result_public(user, password))
     kw = admin.connection_pool.connection_kwargs
-    click.echo(f"gpumesh worker '{broker_url(password, host or kw['host'], kw['port'], user=worker_user(name))}'")
+    pub = (data_dir or default_data_dir()) / "signing.pub"
+    trust = f" --trust {inline(public_key(pub))}" if pub.is_file() else ""
+    line = broker_url(password, host or kw["host"], kw["port"], user=user)
+    fingerprint = kw.get(tlspin.PARAM)
+    if fingerprint:  # serve --tls: the person's line pins the broker's CA as serve's own lines do
+        line = line.replace("redis://", "rediss://", 1) + f"?{tlspin.PARAM}={fingerprint}"
+    click.echo(f"gpumesh worker '{line}'{trust}")
+    if not trust:
+        err.print(f"no job-signing key in {pub.parent}: the line runs unsigned jobs (see `gpumesh serve --help`)")
     err.print(f"revoke with: gpumesh access revoke {name}")
 
 
@@ -111,6 +127,23 @@ def access_list(data_dir: Path | None, url: str | None) -> None:
 
     for name in list_workers(_admin(data_dir, url)):
         click.echo(name)
+
+
+@access.command("load-functions")
+@_access_opts
+def access_load_functions(data_dir: Path | None, url: str | None) -> None:
+    """Load this gpumesh version's Redis functions and make the broker's epoch key, as the admin.
+
+    `gpumesh serve` does it at every start; run this for a broker that serve does not run (a managed
+    Redis with your own ACLs), where workers and submitters may not load functions themselves."""
+    from gpumesh.server.broker_server import prepare
+
+    admin = _admin(data_dir, url)
+    try:
+        lib = prepare(admin)
+    except redis.RedisError as exc:
+        raise translate(exc, url or "the admin URL") from None
+    err.print(f"the broker has gpumesh's functions ({lib}) and an epoch")
 
 
 @click.command()

@@ -143,15 +143,26 @@ def jobs(ctx: click.Context, limit: int, url: str | None, as_json: bool) -> None
     type=click.Path(dir_okay=False, writable=True, path_type=Path),
     help="Write to FILE instead of stdout.",
 )
+@click.option("--verify", is_flag=True,
+              help="Exit 1 when a done task's result does not verify (see below), naming the tasks.")  # fmt: skip
 @url_option
 @json_option
 @click.pass_context
-def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url: str | None, as_json: bool) -> None:
+def results(
+    ctx: click.Context, job_id: str, fmt: str, output: Path | None, verify: bool, url: str | None, as_json: bool
+) -> None:
     """Print a job's per-task results in payload order (--json is --format json).
+
+    Each worker credential signs its results with a key of its own that the admin registered (`gpumesh
+    serve`, `gpumesh access add`). The "signed by" column (JSON: "verified", "signed_by") says which
+    credential a result came from, and marks one that does not verify (written into Redis by someone
+    else, or changed since) as NOT VERIFIED; "verified" is null for a task with no result, or on a
+    broker with no registered result keys.
 
     \b
     Example:
       gpumesh results 8f3c2a1b9d0e --format csv -o results.csv
+      gpumesh results 8f3c2a1b9d0e --verify --json > results.json
     """
     if as_json:
         fmt = "json"
@@ -160,13 +171,20 @@ def results(ctx: click.Context, job_id: str, fmt: str, output: Path | None, url:
         if output:
             raise UsageError("--output needs --format json, jsonl or csv")
         render.out().print(render.results_table(rows))
-        return
-    text = render.results_text(rows, fmt)
-    if output:
-        output.write_text(text)
-        err.print(f"wrote {len(rows)} results to {output}")
     else:
-        click.echo(text, nl=False)
+        text = render.results_text(rows, fmt)
+        if output:
+            output.write_text(text)
+            err.print(f"wrote {len(rows)} results to {output}")
+        else:
+            click.echo(text, nl=False)
+    if verify:
+        bad = [r for r in rows if r.status == "done" and r.verified is not True]
+        if bad:
+            which = ", ".join(str(r.index) for r in bad[:20]) + (", ..." if len(bad) > 20 else "")
+            why = "" if any(r.verified is not None for r in bad) else " (this broker registers no result keys)"
+            err.print(f"error: {len(bad)} result(s) do not verify{why}: task(s) {which}")
+            ctx.exit(1)
 
 
 @click.command()

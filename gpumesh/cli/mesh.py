@@ -57,14 +57,37 @@ def worker_options(f: Any) -> Any:
                 "--trust",
                 "trust",
                 multiple=True,
-                type=click.Path(dir_okay=False, path_type=Path),
-                help="Run only tasks signed by this public key (repeatable; also GPUMESH_TRUSTED_KEYS).",
+                metavar="KEY",
+                help="Run only tasks signed by this public key: a .pub file or an inline ed25519:BASE64 key, as "
+                "serve's worker line pins it (repeatable; also GPUMESH_TRUSTED_KEYS). Trust never comes from Redis.",
             ),
             click.option(
                 "--sandbox-user",
                 metavar="USER",
                 help="Run tasks as this user (the worker must run as root), out of reach of the worker's "
                 "environment, command line and files.",
+            ),
+            click.option(
+                "--no-isolation",
+                "no_isolation",
+                is_flag=True,
+                help="Do not confine tasks with Landlock (on by default where the kernel has it; also "
+                "GPUMESH_ISOLATION=false): a task can then read whatever the worker's user can.",
+            ),
+            click.option(
+                "--read-path",
+                "read_path",
+                multiple=True,
+                metavar="PATH",
+                help="Under isolation, let tasks read PATH too, e.g. a dataset or model cache (repeatable; "
+                "also GPUMESH_READ_PATHS).",
+            ),
+            click.option(
+                "--write-path",
+                "write_path",
+                multiple=True,
+                metavar="PATH",
+                help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS).",
             ),
             click.option(
                 "--warm",
@@ -110,9 +133,26 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 
     for r in options.resources:  # a bad --resource is a usage error before anything connects
         parse_resource(r)
+    _isolation_flags(opts)
     code = build.run(connect(ctx, url, worker=True), options)
     if code:
         ctx.exit(code)
+
+
+def _isolation_flags(opts: dict[str, Any]) -> None:
+    """--no-isolation, --read-path, --write-path: as the settings they stand for (flags over the environment),
+    so that the worker's settings, and the per-GPU workers that --gpus starts, see them."""
+    import os
+
+    for path in (*opts["read_path"], *opts["write_path"]):
+        if not os.path.exists(path):
+            raise UsageError(f"--read-path/--write-path {path}: no such file or directory")
+    if opts["no_isolation"]:
+        os.environ["GPUMESH_ISOLATION"] = "false"
+    for flag, var in (("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS")):
+        paths = [os.path.abspath(p) for p in opts[flag]]
+        if paths:
+            os.environ[var] = os.pathsep.join([*paths, *([os.environ[var]] if os.environ.get(var) else [])])
 
 
 @click.command()
@@ -137,12 +177,18 @@ def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opt
     required=True,
     help="The worker credential: PASSWORD (user `worker`) or USER:PASSWORD (from `gpumesh access add`).",
 )
+@click.option(
+    "--ca-fingerprint",
+    metavar="sha256:HEX",
+    help="For a `serve --tls` broker: its CA's fingerprint (printed by serve). Implies rediss://.",
+)
 @worker_options
 @click.pass_context
-def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
+def join(ctx: click.Context, /, address: str, token: str, ca_fingerprint: str | None, **opts: Any) -> None:
     """Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form.
 
     Same as `gpumesh worker redis://:TOKEN@HOST:PORT/0`; a redis:// or rediss:// ADDRESS keeps its scheme.
+    With --ca-fingerprint: `gpumesh worker rediss://:TOKEN@HOST:PORT/0?ca_fingerprint=sha256:HEX`.
     """
     scheme, rest = ("redis", address)
     if "://" in address:
@@ -156,8 +202,17 @@ def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
         raise UsageError(f"join needs HOST:PORT with a number for PORT, got {address!r}") from None
     if port is None:
         hostport += f":{SERVE_PORT}"  # what `gpumesh serve` listens on unless told otherwise
+    query = ""
+    if ca_fingerprint is not None:
+        from gpumesh.store import tlspin
+
+        if scheme == "redis" and "://" in address:
+            raise UsageError("--ca-fingerprint is for TLS: give rediss://HOST:PORT or plain HOST:PORT")
+        scheme, query = "rediss", f"?{tlspin.PARAM}={tlspin.parse_fingerprint(ca_fingerprint)}"
     user, _, password = token.rpartition(":")
-    _run_worker(ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0", opts)
+    _run_worker(
+        ctx, f"{scheme}://{quote(user or 'worker', safe='')}:{quote(password, safe='')}@{hostport}/0{query}", opts
+    )
 
 
 @click.command()
@@ -171,8 +226,24 @@ def join(ctx: click.Context, /, address: str, token: str, **opts: Any) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Jobs, password and logs [~/.local/share/gpumesh/broker].",
 )
+@click.option(
+    "--tls/--no-tls",
+    default=None,
+    help="TLS only (rediss://), with a CA and server certificate made at the first --tls start and kept in the "
+    "data dir; the printed lines pin the CA by fingerprint. Default: as the data dir was last served.",
+)
 @click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh-pool[tunnel]').")
+@click.option(
+    "--insecure-public",
+    is_flag=True,
+    help="Allow --public without --tls: the password and all traffic cross the internet in clear.",
+)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Also export Prometheus metrics on 127.0.0.1:PORT.")
+@click.option(
+    "--no-sign", is_flag=True,
+    help="Print lines for unsigned jobs (no --trust, no --sign-key): then any credential that can write to "
+    "Redis, a worker's included, can run code on every worker. Not recommended.",
+)  # fmt: skip
 @log_format_option
 @click.pass_context
 def serve(
@@ -180,27 +251,48 @@ def serve(
     host: str,
     port: int,
     data_dir: Path | None,
+    tls: bool | None,
     public: bool,
+    insecure_public: bool,
     metrics_port: int | None,
     log_format: str,
+    no_sign: bool = False,
 ) -> None:
     """Start a broker for the mesh: Redis with a generated password, kept across restarts.
 
     It listens on 127.0.0.1 unless --host says otherwise, persists jobs in an append-only file,
     never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
     Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
+    With --tls the lines are rediss://...?ca_fingerprint=sha256:...: a client fetches the broker's CA,
+    checks it against the fingerprint before sending anything, and caches it.
+
+    Jobs are signed by default: at first start serve makes a job-signing key pair in the data dir
+    (signing.key, mode 0600, and signing.pub). The submit line signs with the private key (copy it to
+    submit from another machine; GPUMESH_SIGNING_KEY or signing_key in the config file sign every
+    submit without --sign-key); the worker line pins the public
+    key inline (--trust ed25519:...), so a worker never takes trust from Redis and runs only jobs signed
+    with it. serve also registers the result key of the `worker` credential (gpumesh:resultkeys), which
+    `gpumesh results` verifies results with. --no-sign prints unsigned lines.
     """
     from gpumesh import logfmt
-    from gpumesh.server.broker_server import BrokerServer, default_data_dir, is_loopback, lan_address
+    from gpumesh.server.broker_server import BrokerServer, default_data_dir, has_tls, is_loopback, lan_address
 
     logfmt.setup("INFO", log_format)
+    data_dir = data_dir or default_data_dir()
+    if tls is None:
+        tls = has_tls(data_dir)  # a restart keeps the mode, so the lines already handed out keep working
+    if public and not tls and not insecure_public:
+        raise UsageError(
+            "--public without TLS sends the password through the tunnel in clear: add --tls, "
+            "or --insecure-public to accept that"
+        )
     tunnel_url = None
     if public:
         try:
             from pyngrok import ngrok
         except ImportError:
             raise UsageError("--public needs pyngrok: pip install 'gpumesh-pool[tunnel]'") from None
-    server = BrokerServer(data_dir or default_data_dir(), host=host, port=port).start()
+    server = BrokerServer(data_dir, host=host, port=port, tls=tls).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -208,6 +300,7 @@ def serve(
         settings = Settings.load(url=server.url)
         broker = Broker(settings).ping()
         broker.epoch()
+        trust, sign_key = _serve_signing(server, broker, no_sign)
         if metrics_port:
             from gpumesh.server.metrics import serve_metrics
 
@@ -215,10 +308,13 @@ def serve(
             logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
         join_host = lan_address() if host in ("0.0.0.0", "::") else ("127.0.0.1" if host == "localhost" else host)
         lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
+        if tls:
+            lines.append(f"TLS only; CA fingerprint {server.fingerprint} (CA in {server.data_dir / 'tls' / 'ca.pem'})")
         if not is_loopback(host):
             err.print(
                 f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
-                "password can run code on every worker. Keep the password secret; prefer a VPN or TLS.[/]"
+                "password can run code on every worker. Keep the password secret"
+                + ("; traffic is TLS.[/]" if tls else "; prefer a VPN or --tls.[/]")
             )
         join = server.url_for("worker", join_host)
         submit_url = server.url_for("submitter", join_host)
@@ -230,20 +326,26 @@ def serve(
             err.print(
                 "[bold red]WARNING: the broker is now reachable from the whole internet at "
                 f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
-                "Redis traffic through the tunnel is not encrypted; use TLS (rediss://) for anything private.[/]"
+                + (
+                    "Traffic through the tunnel is TLS, checked against the pinned CA.[/]"
+                    if tls
+                    else "Redis traffic through the tunnel is NOT encrypted (--insecure-public): "
+                    "anyone on the path can read the password; use --tls.[/]"
+                )
             )
         lines += [
             "",
             "Join a worker on another machine:",
-            f"  gpumesh worker '{tunnel_url or join}'",
+            f"  gpumesh worker '{tunnel_url or join}'{trust}",
             "Submit a job:",
-            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json --url '{submit_url}' --wait",
+            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json{sign_key} --url '{submit_url}' "
+            "--wait",
             "",
             "A credential per person (revocable): gpumesh access add NAME",
             f"Admin URL: in {server.data_dir / 'credentials.json'} (mode 0600)",
         ]
         if tunnel_url:
-            lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'"]
+            lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'{trust}"]
         click.echo("\n".join(lines), nl=True)
         sys.stdout.flush()
         reaper.reap_until(broker, stop, settings.heartbeat_interval)
@@ -253,6 +355,29 @@ def serve(
         if tunnel_url:
             ngrok.kill()
         server.stop()
+
+
+def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str]:
+    """serve's signing set-up: the job-signing key pair in the data dir (made at first start) and the
+    result key of the `worker` credential, registered in gpumesh:resultkeys (with the admin credential).
+    Returns what the worker line and the submit line add (' --trust ed25519:...', ' --sign-key PATH')."""
+    import shlex
+
+    from gpumesh import signing
+    from gpumesh.store import keys
+
+    try:
+        broker.r.hset(keys.RESULT_KEYS, "worker", signing.result_public("worker", server.passwords["worker"]))
+    except UsageError:  # no cryptography package: results go unsigned
+        if not no_sign:
+            raise UsageError(
+                "serve signs jobs by default and needs the cryptography package: pip install "
+                "'gpumesh-pool[signing]' (or pass --no-sign for unsigned jobs)"
+            ) from None
+    if no_sign:
+        return "", ""
+    priv, pub = signing.ensure_keypair(server.data_dir, "signing")
+    return f" --trust {signing.inline(signing.public_key(pub))}", f" --sign-key {shlex.quote(str(priv))}"
 
 
 @click.command()

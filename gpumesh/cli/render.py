@@ -178,7 +178,9 @@ def results_text(rows: list[TaskResult], fmt: str) -> str:
 
 
 def results_table(rows: Iterable[TaskResult]) -> Table:
-    table = _table("#", "status", "result", "error", "attempts", "worker", "s")
+    rows = list(rows)
+    signed = any(r.verified is not None for r in rows)  # a broker that registers result keys
+    table = _table("#", "status", "result", "error", "attempts", "worker", "s", *(["signed by"] if signed else []))
     for r in rows:
         table.add_row(
             str(r.index),
@@ -188,8 +190,21 @@ def results_table(rows: Iterable[TaskResult]) -> Table:
             str(r.attempts),
             r.worker or "",
             f"{r.duration_s:.2f}" if r.duration_s is not None else "",
+            *([signed_mark(r)] if signed else []),
         )
     return table
+
+
+def signed_mark(r: TaskResult) -> str:
+    """Who signed a result, or a loud mark when it does not verify (results --verify exits 1 for it)."""
+    if r.verified is None:
+        return ""
+    from rich.markup import escape
+
+    if r.verified:
+        return escape(r.signed_by or "")
+    claimed = f" (claims {escape(r.signed_by)})" if r.signed_by else ""
+    return f"[bold red]NOT VERIFIED[/]{claimed}"
 
 
 def workers_table(rows: Iterable[WorkerInfo]) -> Table:

@@ -20,12 +20,17 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import quote
 
 import redis
 
 from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.server import acl
+from gpumesh.server.acl import ROLES
+from gpumesh.store import keys, scripts, tlspin
+from gpumesh.store.connection import client as redis_client
 from gpumesh.store.connection import command
 
 
@@ -38,14 +43,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# Least privilege per role (Redis ACL). Both roles reach only gpumesh's and RQ's keys, and never the
-# admin or dangerous commands (CONFIG, MODULE, DEBUG, REPLICAOF, FLUSHALL, KEYS, SHUTDOWN, ACL, ...).
-# RQ needs INFO (server version) and CLIENT SETNAME/INFO (its worker's name and address) back.
-_COMMON = "resetkeys ~gpumesh:* ~rq:* -@all +@read +@write +@keyspace +@hash +@list +@set +@sortedset +@stream +@string +@scripting +@transaction +@connection +@fast -@admin -@dangerous -acl +info +client|setname +client|info +client|getname"
-ROLES = {
-    "submitter": f"{_COMMON} resetchannels -@blocking -@pubsub",
-    "worker": f"{_COMMON} resetchannels &rq:* +@blocking +@pubsub",
-}
+# Least privilege per role (Redis ACL, gpumesh/server/acl.py): both roles reach only gpumesh's and RQ's
+# keys, never the admin or dangerous commands (CONFIG, MODULE, DEBUG, REPLICAOF, FLUSHALL, KEYS, SHUTDOWN,
+# ACL, ...) nor Lua of their own; workers write only what their flow writes (SECURITY.md, "What each credential can do").
 USERS = ("admin", "submitter", "worker")
 
 
@@ -101,6 +101,28 @@ def broker_url(password: str, host: str, port: int, user: str = "") -> str:
     return f"redis://{quote(user, safe='')}:{quote(password, safe='')}@{host}:{port}/0"
 
 
+def has_tls(data_dir: Path) -> bool:
+    """Whether a ``serve --tls`` set this data directory up for TLS (its CA is there)."""
+    return (data_dir / "tls" / "ca.pem").is_file()
+
+
+def local_admin_url(data_dir: Path) -> str:
+    """The admin URL, on this machine, of the broker a ``gpumesh serve`` ran on ``data_dir``, from its
+    files (credentials.json, redis.conf): rediss:// pinned to its CA (and naming the CA file) if it serves
+    TLS. Raises FileNotFoundError when the directory has no broker."""
+    import ssl
+
+    password = json.loads((data_dir / "credentials.json").read_text())["admin"]
+    conf = dict(line.split(" ", 1) for line in (data_dir / "redis.conf").read_text().splitlines() if " " in line)
+    host = conf["bind"] if conf["bind"] not in ("0.0.0.0", "::") else "127.0.0.1"
+    if "tls-port" not in conf:
+        return broker_url(password, host, int(conf["port"]), user="admin")
+    ca = Path(conf["tls-ca-cert-file"])
+    fingerprint = tlspin.fingerprint_of(ssl.PEM_cert_to_DER_cert(ca.read_text()))
+    url = broker_url(password, host, int(conf["tls-port"]), user="admin").replace("redis://", "rediss://", 1)
+    return f"{url}?{tlspin.PARAM}={fingerprint}&ssl_ca_certs={quote(str(ca), safe='/')}"
+
+
 def worker_user(person: str) -> str:
     return f"worker-{person}"
 
@@ -110,9 +132,18 @@ def add_worker(admin: redis.Redis, person: str) -> str:
     if not person.replace("-", "").replace("_", "").isalnum():
         raise UsageError(f"a worker name is letters, digits, - and _; got {person!r}")
     password = secrets.token_urlsafe(32)
-    command(admin, "ACL", "SETUSER", worker_user(person), "reset", "on", f">{password}", *ROLES["worker"].split())
+    command(admin, "ACL", "SETUSER", worker_user(person), "reset", "on", f">{password}", *ROLES["worker"])
     command(admin, "ACL", "SAVE")
     return password
+
+
+def prepare(admin: redis.Redis) -> str:
+    """What a broker needs before workers and submitters can use it, done with an admin credential (they
+    may do neither): this gpumesh version's Redis functions, and the epoch key (the id of the broker's
+    data). Idempotent; returns the functions library's name."""
+    lib = scripts.load_library(admin)
+    admin.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+    return lib
 
 
 def revoke_worker(admin: redis.Redis, person: str) -> bool:
@@ -149,7 +180,11 @@ def lock_data_dir(data_dir: Path, port: int) -> int:
 class BrokerServer:
     """A redis-server process owned by gpumesh."""
 
-    def __init__(self, data_dir: Path, host: str = "127.0.0.1", port: int = 6379, persist: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, host: str = "127.0.0.1", port: int = 6379, persist: bool = True, tls: bool = False
+    ) -> None:
+        """``tls``: listen with TLS only, with the data directory's CA and server certificate (made at
+        the first TLS start, see :mod:`gpumesh.server.tls`); its URLs pin that CA."""
         self.data_dir = data_dir
         self.host = host
         self.port = port
@@ -157,6 +192,8 @@ class BrokerServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.passwords: dict[str, str] = {}
         self._lock = -1
+        self.tls = tls
+        self.fingerprint = ""  # the CA's, once a TLS broker has started
 
     @property
     def password(self) -> str:
@@ -166,11 +203,42 @@ class BrokerServer:
         """A URL with ``user``'s credentials; by default for clients on this machine."""
         if host is None:
             host = self.host if self.host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1"
-        return broker_url(self.passwords[user], host, port or self.port, user=user)
+        url = broker_url(self.passwords[user], host, port or self.port, user=user)
+        if self.tls:
+            url = "rediss" + url.removeprefix("redis") + f"?{tlspin.PARAM}={self.fingerprint}"
+        return url
 
     @property
     def url(self) -> str:
-        return self.url_for("admin")
+        """The admin URL for this machine; with TLS it names the CA file too (no fetch)."""
+        url = self.url_for("admin")
+        if self.tls:
+            url += f"&ssl_ca_certs={quote(str(self.data_dir / 'tls' / 'ca.pem'), safe='/')}"
+        return url
+
+    def _tls_lines(self) -> list[str]:
+        """redis.conf's lines for TLS only (no plain port): the CA and server certificate, made if missing.
+        Clients are not asked for certificates: their passwords authenticate them."""
+        try:
+            from gpumesh.server import tls
+        except ImportError:
+            raise UsageError("serve --tls needs the cryptography package, a dependency of gpumesh-pool: reinstall it") from None
+        hosts = [self.host, lan_address()] if self.host in ("0.0.0.0", "::") else [self.host]
+        files = tls.ensure(self.data_dir, hosts)
+        self.fingerprint = files.fingerprint
+        return [
+            # No plain port: the last `port` wins, and it is 0. The first one is for readers of this file
+            # that know no TLS and take `port` (gpumesh access before it learned TLS): they reach the TLS
+            # port and are refused, instead of taking 0 for "unset" and dialling Redis's default 6379.
+            f"port {self.port}",
+            '"port" 0',
+            f"tls-port {self.port}",
+            f"tls-cert-file {files.chain}",  # the server's certificate, then the CA's: clients fetch the CA
+            f"tls-key-file {files.key}",
+            f"tls-ca-cert-file {files.ca}",
+            "tls-auth-clients no",
+            'tls-protocols "TLSv1.2 TLSv1.3"',
+        ]
 
     def _credentials(self) -> dict[str, str]:
         """One generated password per role, kept in a 0600 file so a restart keeps them."""
@@ -196,11 +264,20 @@ class BrokerServer:
         path = self.data_dir / "users.acl"
         unusable = hashlib.sha256(secrets.token_bytes(32)).hexdigest()
         lines = [f"user default on #{unusable} ~* &* +@all"]
+        # The roles' rules are rewritten at every start, so a data dir made by an older gpumesh gets
+        # this version's restrictions; per-person workers (`access add`) keep their passwords and state.
+        lines.append(acl.line("admin", f">{self.passwords['admin']}", acl.ADMIN))
+        lines += [acl.line(role, f">{self.passwords[role]}", rules) for role, rules in ROLES.items()]
+        builtin = {"default", "admin", *ROLES}
         if path.is_file():
-            lines += [line for line in path.read_text().splitlines() if line and not line.startswith("user default ")]
-        else:
-            lines.append(f"user admin on >{self.passwords['admin']} ~* &* +@all")
-            lines += [f"user {role} on >{self.passwords[role]} {rules}" for role, rules in ROLES.items()]
+            for old in path.read_text().splitlines():
+                parts = old.split()
+                if len(parts) < 2 or parts[0] != "user" or parts[1] in builtin:
+                    continue
+                if parts[1].startswith("worker-"):
+                    secret, state = acl.secret_and_state(old)
+                    old = acl.line(parts[1], " ".join(secret) or "nopass", ROLES["worker"], state)
+                lines.append(old)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -210,7 +287,7 @@ class BrokerServer:
         conf = self.data_dir / "redis.conf"
         lines = [
             f"bind {self.host}",
-            f"port {self.port}",
+            *(self._tls_lines() if self.tls else [f"port {self.port}"]),
             f"dir {self.data_dir}",
             f"aclfile {self._acl_file()}",
             "protected-mode yes",
@@ -245,14 +322,23 @@ class BrokerServer:
         )
         try:
             self._wait_for_it(timeout)
+            self._prepare()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _prepare(self) -> None:
+        """Load this version's Redis functions and make the epoch (see :func:`prepare`), as the admin."""
+        admin = redis_client(self.url, decode=True, socket_timeout=10, retries=0, health_check=False)
+        try:
+            prepare(admin)
+        finally:
+            admin.close()
+
     def _wait_for_it(self, timeout: float) -> None:
         assert self.proc is not None
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        client = redis_client(self.url, decode=False, socket_timeout=1, retries=0, health_check=False)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -260,13 +346,18 @@ class BrokerServer:
                     err = (
                         self.proc.stderr.read().decode(errors="replace").strip() if self.proc.stderr else ""
                     ) or self._log_tail()
+                    if self.tls and "TLS support" in err:  # e.g. the server extra's Valkey: built without TLS
+                        raise UsageError(
+                            f"{find_binary()} has no TLS built in ({err}); --tls needs a redis-server with TLS "
+                            "(apt-get install redis-server, brew install redis)"
+                        )
                     raise GpumeshError(f"the broker exited at start (code {self.proc.returncode}): {err}")
                 try:
                     if client.ping():
                         break
                 except redis.BusyLoadingError:
                     pass  # replaying the append-only file
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):
                     pass
                 if time.monotonic() > deadline:
                     self.stop()

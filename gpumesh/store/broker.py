@@ -17,7 +17,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from gpumesh import models, requirements, scheduling
-from gpumesh.errors import NotFound, UsageError
+from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
 from gpumesh.signing import Signer
@@ -96,11 +96,22 @@ class Broker:
         self.rq.close()
 
     def epoch(self) -> str:
-        """The id of this broker's data, created by whoever comes first; it changes only if the data is lost."""
-        with self.r.pipeline(transaction=True) as p:
-            p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
-            p.get(keys.EPOCH)
-            return str(p.execute()[1])
+        """The id of this broker's data; it changes only if the data is lost. `gpumesh serve` (or
+        ``gpumesh access load-functions``) makes it with the admin credential; on a broker without ACLs
+        the first client to ask makes it. A credential that may not (a worker on a broker `serve` runs)
+        finding none gets one clear BrokerError."""
+        found = self.r.get(keys.EPOCH)
+        if found:
+            return found
+        try:
+            self.r.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+        except redis.exceptions.NoPermissionError:
+            raise BrokerError(
+                f"the broker at {self.url_masked} has no epoch key ({keys.EPOCH}: it lost its data, or was never "
+                "prepared) and this credential may not make one: restart `gpumesh serve`, or run "
+                "`gpumesh access load-functions --url ADMIN_URL`"
+            ) from None
+        return str(self.r.get(keys.EPOCH))
 
     def eviction_warning(self) -> str | None:
         """A warning when Redis may evict keys (and so lose queued work), None when it cannot or we cannot tell."""

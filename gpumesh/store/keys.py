@@ -19,6 +19,8 @@ REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
 STATS_DURATION = PREFIX + "stats:duration"  # hash: task duration histogram (per-bucket counts, sum, count)
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
+# hash: worker ACL user -> its result public key (ed25519:<base64>), written by the admin only (signing.py)
+RESULT_KEYS = PREFIX + "resultkeys"
 
 QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names: gpumesh-w-<worker id>, each worker's own deliveries
 
@@ -40,6 +42,12 @@ def job_ended(job_id: str) -> str:
 def job_failed(job_id: str) -> str:
     """list: the first 100 tasks of the job to fail for good (what status and submit --wait explain)."""
     return f"{PREFIX}job:{job_id}:failed"
+
+
+def spent(job_id: str) -> str:
+    """set, with a TTL past the job's signature expiry: the indexes of its signed tasks that completed (and
+    the placeholder it was created with). A trusting worker never runs a task whose index is in it."""
+    return f"{PREFIX}spent:{job_id}"
 
 
 def task(task_id: str) -> str:

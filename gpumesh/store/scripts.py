@@ -1,7 +1,12 @@
-"""The task state machine: one atomic Lua script per transition, loaded once per client.
+"""The task state machine: one atomic Lua script per transition, run as a Redis Functions library.
 
-redis-py's ``Script`` runs EVALSHA and reloads the source on NOSCRIPT, so a ``SCRIPT FLUSH`` or a
-Redis restart costs one extra round trip, never an error. Replies become typed results here.
+The transition scripts (``lua/_lib.lua`` + ``lua/<name>.lua``) are built into one library,
+``gpumesh_<hash>`` (the hash is of the sources, so two gpumesh versions can share a broker), with one
+function per script; clients call them with ``FCALL``, never ``EVAL``: a broker that `gpumesh serve`
+runs refuses ``EVAL``/``EVALSHA``/``SCRIPT``/``FUNCTION`` to workers and submitters (they could freeze
+Redis with a Lua loop of their own). ``serve`` loads the library at every start; elsewhere (a plain
+Redis without ACLs) the first client that finds a function missing loads it. Functions survive a
+restart (AOF/RDB) and ``SCRIPT FLUSH``.
 
 The contract (also at the top of ``lua/_lib.lua``): each script names its KEYS and ARGV in a block of
 locals at its top, in the order the functions below send them. Every script replies in one shape::
@@ -11,19 +16,29 @@ locals at its top, in the order the functions below send them. Every script repl
 ``ok`` is 1 when the call did what it asks for and 0 when it was refused or found nothing to do;
 ``status`` is then the task's status now (or what the call did), else why not; the rest are named
 results as field/value pairs, read here by name (``_fields``), never by position. A lease is such a
-reply, ``[1, "running", "task_id", ..., "token", ..., ...]``, its field names those of ``Lease``.
+reply, ``[1, "running", "task_id", ..., "attempt", ..., ...]``, its field names those of ``Lease``.
+
+Lease tokens: the worker that takes a task makes a random token (``new_token``) and passes it in;
+Redis keeps only its digest (``token_digest``, SHA-1 hex: what the scripts compute with
+``redis.sha1hex``), in the lease key and the task's ``lease``/``backup``/``done_token`` fields. The
+holder presents the token itself to complete, fail or renew, so nothing readable in Redis lets
+another credential act as the holder.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
 
 import redis
-from redis.commands.core import Script
+import redis.client
 
+from gpumesh.errors import BrokerError
 from gpumesh.store import artifacts, keys
 
 NAMES = (
@@ -47,14 +62,114 @@ def _source(name: str) -> str:
     return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
 
 
+def new_token() -> str:
+    """A lease token: random, known only to the worker that holds the lease."""
+    return secrets.token_hex(16)
+
+
+def token_digest(token: str) -> str:
+    """What Redis stores of a lease token (the scripts compute the same with ``redis.sha1hex``)."""
+    return hashlib.sha1(token.encode()).hexdigest()
+
+
+@cache
+def library() -> tuple[str, str]:
+    """(library name, the code FUNCTION LOAD takes): one function ``<library>_<script>`` per script, each
+    with ``_lib.lua`` inlined (one shared chunk would run into Lua's limit of 60 upvalues), and
+    ``<library>_version`` (read-only), which answers the library's name."""
+    bodies = [_source(name) for name in NAMES]
+    lib = "gpumesh_" + hashlib.sha256("\0".join(bodies).encode()).hexdigest()[:12]
+    parts = [f"#!lua name={lib}"]
+    for name, body in zip(NAMES, bodies):
+        parts.append(
+            f"redis.register_function{{function_name='{lib}_{name}', callback=function(KEYS, ARGV)\n{body}\nend}}"
+        )
+    parts.append(
+        f"redis.register_function{{function_name='{lib}_version', callback=function() return '{lib}' end, "
+        "flags={'no-writes'}}"
+    )
+    return lib, "\n".join(parts) + "\n"
+
+
+def missing_functions_message(lib: str) -> str:
+    return (
+        f"the broker lacks gpumesh's Redis functions (library {lib}) and this credential may not load them: "
+        "restart `gpumesh serve` (it loads them at every start), or run "
+        "`gpumesh access load-functions --url ADMIN_URL`"
+    )
+
+
+def _function_missing(exc: redis.ResponseError) -> bool:
+    return "function not found" in str(exc).lower()
+
+
+def load_library(client: redis.Redis) -> str:
+    """Load this version's library unless the broker has it already; its name. A credential that may not
+    load functions gets one clear BrokerError (exit 3)."""
+    lib, code = library()
+    try:
+        client.function_load(code)
+    except redis.ResponseError as exc:
+        if "already exists" in str(exc):
+            return lib
+        if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
+            raise BrokerError(missing_functions_message(lib)) from None
+        raise
+    return lib
+
+
+ENSURE_EVERY = 30.0
+
+
+class Function:
+    """One transition of the library, called as ``f(keys=[...], args=[...], client=redis_or_pipeline)``
+    (the shape of redis-py's ``Script``). A direct call that finds the library missing loads it (or says
+    why it cannot) and calls again; a pipeline, whose error would come only at its execute, checks first
+    that it is there (one round trip per ``Scripts`` every ENSURE_EVERY seconds: a broker restarted empty
+    has lost it)."""
+
+    def __init__(self, owner: Scripts, name: str) -> None:
+        self.owner = owner
+        self.name = f"{owner.lib}_{name}"
+
+    def __call__(self, keys: list[Any] | tuple[Any, ...] = (), args: list[Any] | tuple[Any, ...] = (),
+                 client: Any = None) -> Any:  # fmt: skip
+        client = self.owner.client if client is None else client
+        if isinstance(client, redis.client.Pipeline):
+            self.owner.ensure()
+            return client.fcall(self.name, len(keys), *keys, *args)
+        try:
+            return client.fcall(self.name, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            if not _function_missing(exc):
+                raise
+        self.owner.ensure(force=True)
+        return client.fcall(self.name, len(keys), *keys, *args)
+
+
 class Scripts:
-    """The transition scripts registered on one client (a pipeline may run them too)."""
+    """The transition functions bound to one client (a pipeline may run them too)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self._s: dict[str, Script] = {name: client.register_script(_source(name)) for name in NAMES}
+        self.client = client
+        self.lib = library()[0]
+        self._ensured = -ENSURE_EVERY
+        self._s: dict[str, Function] = {name: Function(self, name) for name in NAMES}
 
-    def __getitem__(self, name: str) -> Script:
+    def __getitem__(self, name: str) -> Function:
         return self._s[name]
+
+    def ensure(self, force: bool = False) -> None:
+        """Make sure the broker has this version's library (once every ENSURE_EVERY s unless ``force``)."""
+        if not force and time.monotonic() - self._ensured < ENSURE_EVERY:
+            return
+        try:
+            self.client.fcall_ro(f"{self.lib}_version", 0)
+        except redis.ResponseError as exc:
+            if not _function_missing(exc):
+                raise
+            load_library(self.client)
+        self._ensured = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -62,7 +177,7 @@ class Lease:
     """What a worker learns when it acquires a task: everything needed to run it."""
 
     task_id: str
-    token: str
+    token: str  # the lease token: random, made by this worker and known only to it (Redis keeps its digest)
     attempt: int
     job_id: str
     index: int
@@ -107,24 +222,26 @@ def _fields(r: list[Any]) -> dict[str, Any]:
 
 def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | str:
     """The task this worker should run now (dispatch.lua), leased to it; else the fleet version as a string."""
+    token = new_token()
     r = s["dispatch"](
         keys=[keys.READY, keys.SCORES, keys.FLEET, keys.worker(worker_id), keys.LEASES, keys.EVENTS, keys.IDLE],
-        args=[worker_id, lease_ms, score],
+        args=[worker_id, lease_ms, score, token],
         client=client,
     )
     if int(r[0]) != 1:
         return str(_fields(r)["fleet_version"])
-    return _lease(r)
+    return _lease(r, token)
 
 
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
     """Lease one named queued task; a string says why not (its status or 'missing')."""
+    token = new_token()
     r = s["acquire"](
         keys=_task_keys(task_id, keys.worker(worker_id), keys.READY),
-        args=[task_id, worker_id, lease_ms],
+        args=[task_id, worker_id, lease_ms, token],
         client=client,
     )
-    return _lease(r)
+    return _lease(r, token)
 
 
 def speculate(
@@ -132,22 +249,24 @@ def speculate(
     mode: str = "idle",
 ) -> Lease | str:  # fmt: skip
     """Start a backup copy of a running straggler; a string says why not."""
+    token = new_token()
     r = s["speculate"](
         keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.worker(worker_id), keys.SCORES, keys.STATS],
-        args=[task_id, worker_id, lease_ms, score, speedup, mode],
+        args=[task_id, worker_id, lease_ms, score, speedup, mode, token],
         client=client,
     )
-    return _lease(r)
+    return _lease(r, token)
 
 
-def _lease(r: list[Any]) -> Lease | str:
-    """A lease reply (lease_reply in _lib.lua) read by field name; a refusal's status, why not."""
+def _lease(r: list[Any], token: str) -> Lease | str:
+    """A lease reply (lease_reply in _lib.lua) read by field name, holding ``token`` (the plain token, which
+    only this caller knows: Redis has its digest); a refusal's status, why not."""
     if int(r[0]) != 1:
         return str(r[1])
     f = _fields(r)
     return Lease(
         task_id=f["task_id"],
-        token=f["token"],
+        token=token,
         attempt=int(f["attempt"]),
         job_id=f["job_id"],
         index=int(f["index"]),
@@ -191,10 +310,12 @@ def _outcome(r: list[Any]) -> Outcome:
 
 def complete(
     s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0,
-    staged: artifacts.Staged | None = None,
+    staged: artifacts.Staged | None = None, spent: str = "", stored: tuple[tuple[str, str], ...] = (),
 ) -> Outcome:  # fmt: skip
     """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes. With
-    ``staged`` output files, the same step keeps them (and records their index) if this copy wins."""
+    ``staged`` output files, the same step keeps them (and records their index) if this copy wins.
+    ``spent``: the task's member to add to its job's spent set (a signed task); ``stored``: field/value
+    pairs kept with the result (the worker's result proof)."""
     staging, final, index, total, store = "", "", "", 0, ""
     if staged is not None:
         staging, final = staged.store.promote(staged.index)
@@ -202,9 +323,10 @@ def complete(
         store = "" if staged.index["store"] == "broker" else staged.index["store"]
     r = s["complete"](
         keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION)
-        + [staging or keys.task_files(lease.task_id), final or keys.task_files(lease.task_id)],
+        + [staging or keys.task_files(lease.task_id), final or keys.task_files(lease.task_id),
+           keys.spent(keys.job_of_task(lease.task_id))],
         args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score, index, total, store,
-              1 if staging else 0],
+              1 if staging else 0, spent, *[v for pair in stored for v in pair]],
         client=client,
     )  # fmt: skip
     return _outcome(r)

@@ -105,6 +105,7 @@ def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> N
             p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
             p.delete(*[keys.task_files(t) for t in chunk])
         p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id))
+        p.delete(keys.spent(job_id))
         p.zrem(index, job_id)
         p.execute()
 
@@ -125,6 +126,18 @@ class Submitter:
         self.settings = settings
         self.scripts = scripts
         self._live = live
+        self._epoch_made = False
+
+    def _make_epoch(self) -> None:
+        """The broker's epoch, made by the first submit (or worker) on a broker without ACLs, once the job is
+        written; once per Submitter. On a broker `gpumesh serve` runs, serve made it and a submitter may not write it."""
+        if self._epoch_made:
+            return
+        try:
+            self.r.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+        except redis.exceptions.NoPermissionError:
+            pass
+        self._epoch_made = True
 
     def submit(
         self,
@@ -170,7 +183,9 @@ class Submitter:
                 job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier
             )
             if len(payloads) > STAGE_ABOVE:
-                return self._submit_staged(job, request, idempotency_key, signer, created + expires_in)
+                staged = self._submit_staged(job, request, idempotency_key, signer, created + expires_in)
+                self._make_epoch()
+                return staged
             existing: list[Any]
             with self.r.pipeline(transaction=True) as p:
                 if idempotency_key:
@@ -185,6 +200,7 @@ class Submitter:
                 if idempotency_key:
                     p.hset(keys.job(job_id), "request", request)
                 p.execute()
+            self._make_epoch()  # after the job: a submit that fails leaves the broker as it was
         except redis.WatchError:  # the same key won a concurrent race: that job is ours
             existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
             return self._same_request(job_id, existing, request, idempotency_key or "")
@@ -197,10 +213,13 @@ class Submitter:
         p: Any, signer: Any, job_id: str, sha: str, payloads: list[dict[str, Any]], options: JobOptions, expires: float,
         start: int = 0, stop: int | None = None,
     ) -> None:  # fmt: skip
-        from gpumesh.signing import message
+        from gpumesh.signing import SPENT_MARGIN, SPENT_PLACEHOLDER, message
 
         if start == 0 and stop is None:
             p.hset(keys.job(job_id), mapping={"key_id": signer.key_id, "expires_at": f"{expires:.3f}"})
+        if start == 0:  # the job's spent set: trusting workers refuse a task whose index is in it (a replay)
+            p.sadd(keys.spent(job_id), SPENT_PLACEHOLDER)
+            p.expireat(keys.spent(job_id), int(expires + SPENT_MARGIN))
         for i in range(start, len(payloads) if stop is None else stop):
             payload = payloads[i]
             msg = message(
@@ -218,7 +237,9 @@ class Submitter:
         return SubmitResult(job_id=job_id, tasks=int(existing[1]), tiers=json.loads(existing[2]), existing=True)
 
     def _write_job(self, p: Any, job: _Job) -> None:
-        p.set(keys.script(job.sha), job.source, nx=True)
+        # Always written, never SET NX: the key is its content's hash, so this is always right, and it
+        # repairs a script someone overwrote (workers refuse a script that does not match its hash).
+        p.set(keys.script(job.sha), job.source)
         self._write_tasks(p, job, 0, len(job.payloads))
         self._make_visible(p, job)
 
@@ -237,7 +258,6 @@ class Submitter:
         """The job hash, the jobs index and the ready index: after this the job exists for everyone, and
         idle workers are woken to take its tasks."""
         options, total = job.options, len(job.payloads)
-        p.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
         p.hset(
             keys.job(job.id),
             mapping={
@@ -287,7 +307,7 @@ class Submitter:
                 return other
             # the other submit died: its claim and what it staged are gone; stage the job afresh
             return self._submit_staged(job, request, idempotency_key, signer, expires)
-        r.set(keys.script(job.sha), job.source, nx=True)
+        r.set(keys.script(job.sha), job.source)  # as in _write_job: repairs an overwritten script
         t0 = time.monotonic()
         for start in range(0, total, STAGE_CHUNK):
             with r.pipeline(transaction=False) as p:

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from gpumesh import capability
 from gpumesh.errors import BrokerError, UsageError
@@ -32,7 +31,7 @@ class WorkerOptions:
     score: float | None = None  # a fixed score instead of the benchmark's
     rebench: bool = False
     burst: bool = False  # stop when no work is left
-    trust: tuple[Path, ...] = ()  # public keys: run only tasks signed by one of them
+    trust: tuple[str, ...] = ()  # public keys (file paths or inline ed25519:<base64>): run only tasks they signed
     sandbox_user: str | None = None
     warm: bool = False
     preload: str | None = None
@@ -53,7 +52,7 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
     if opts.gpus is not None:
         return supervise(broker, opts)
     declared = dict(parse_resource(r) for r in opts.resources)
-    trusted = [*opts.trust, *[Path(p) for p in broker.settings.trusted_keys.split(",") if p.strip()]]
+    trusted = [*opts.trust, *[p.strip() for p in broker.settings.trusted_keys.split(",") if p.strip()]]
     verifier = Verifier(trusted) if trusted else None
     if verifier is not None:  # dispatch gives this worker only tasks signed by one of these keys
         declared[TRUSTS] = ",".join(sorted(verifier.keys))

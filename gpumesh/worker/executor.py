@@ -23,7 +23,7 @@ from gpumesh.models import Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.warm import Zygote
-from gpumesh.signing import Verifier
+from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker.logship import LogShipper
@@ -95,6 +95,8 @@ class Executor:
         # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
         self.artifacts = artifacts.backend(self.settings, self.broker.rq)
         self.artifact_caps = artifacts.Caps.of(self.settings)
+        # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
+        self.result_signer = ResultSigner.of_url(self.broker.url)
 
     def close(self) -> None:
         if self.spares is not None:
@@ -106,6 +108,8 @@ class Executor:
             src = self.broker.r.get(keys.script(sha))
             if src is None:
                 raise LookupError(f"script {sha[:12]} is missing from the broker")
+            if hashlib.sha256(src.encode()).hexdigest() != sha:
+                return src  # never cached: _refusal refuses it, and an honest submit repairs it
             if len(self._scripts_cache) > 64:
                 self._scripts_cache.clear()
             self._scripts_cache[sha] = src
@@ -259,10 +263,17 @@ class Executor:
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
         lease, result = running.lease, out.last_line or ""
         staged = out.collected if isinstance(out.collected, artifacts.Staged) else None
+        # A signed task that completes is spent: a trusting worker never runs it again (see _refusal).
+        identity = leased_identity(lease.task_id)
+        spent = str(identity[1]) if lease.signature and identity else ""
+        stored: tuple[tuple[str, str], ...] = ()
+        if self.result_signer is not None:
+            proof = self.result_signer.proof(lease.task_id, lease.attempt, result, self.w.worker_id)
+            stored = ((PROOF_FIELD, proof),)
         res = self._patiently(
             lambda: scripts.complete(
                 self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
-                self.w.capability.score_gflops, staged,
+                self.w.capability.score_gflops, staged, spent=spent, stored=stored,
             )
         )  # fmt: skip
         if not res.accepted:
@@ -273,26 +284,35 @@ class Executor:
 
     def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
         """Why this task must not run here: its script is not what its hash says, or (on a worker that
-        trusts keys) its signature is missing, wrong, from an untrusted key, or expired."""
+        trusts keys) its signature is missing, wrong, from an untrusted key, or expired, or the task
+        already ran to completion. The job id and index the signature must cover are the leased task's
+        own (from its id, i.e. its key), never the fields stored with it, which anyone may copy."""
         if hashlib.sha256(source.encode()).hexdigest() != lease.script_sha:
             return "the script in the broker does not match its hash (tampered)"
         verifier = self.w.verifier
         if verifier is None:
             return None
-        from gpumesh.signing import message
+        from gpumesh.signing import SPENT_PLACEHOLDER, message
 
+        identity = leased_identity(lease.task_id)
+        if identity is None or identity != (lease.job_id, lease.index):
+            return "signature: does not match the task (its job id or index is not its own: copied from another job)"
+        job_id, index = identity
         msg = message(
-            lease.job_id,
-            lease.index,
-            lease.script_sha,
-            lease.payload,
-            lease.timeout,
-            lease.max_attempts,
-            lease.expires_at,
+            job_id, index, lease.script_sha, lease.payload, lease.timeout, lease.max_attempts, lease.expires_at
         )
         why = verifier.verify(lease.key_id, lease.signature, msg)
         if why is None and lease.server_ms / 1000 > lease.expires_at:
             why = "signature: the job expired before it ran (a replay, or it waited too long)"
+        if why is None:
+            with self.broker.r.pipeline(transaction=False) as p:
+                p.sismember(keys.spent(job_id), SPENT_PLACEHOLDER)
+                p.sismember(keys.spent(job_id), str(index))
+                made, ran = p.execute()
+            if not made:
+                why = "signature: the job's record of completed tasks is missing (deleted, or the job expired)"
+            elif ran:
+                why = "signature: this task already ran to completion (a replay)"
         return why
 
     def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:

@@ -79,7 +79,13 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
             p.hincrby(keys.FLEET, "v", 1)
             p.execute()
         report["workers_dropped"] = len(dead)
-    report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
+    try:
+        report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
+    except (redis.exceptions.NoPermissionError, redis.exceptions.ExecAbortError) as exc:
+        if isinstance(exc, redis.exceptions.ExecAbortError) and "NOPERM" not in str(exc):
+            raise
+        # A worker credential on a broker `gpumesh serve` runs may not delete jobs (SECURITY.md, "What each credential can do"):
+        # serve's own reaper, as the admin, prunes them.
     return report
 
 

@@ -9,7 +9,10 @@
 --      ok      1: the call did what it asks for; 0: it was refused, or found nothing to do
 --      status  ok = 1: the task's status now (or what the call did); ok = 0: why not
 --      then    named results as field/value pairs (none is fine), read by name in scripts.py
---    A lease is such a reply: {1, 'running', 'task_id', id, 'token', token, ...} (lease_reply below).
+--    A lease is such a reply: {1, 'running', 'task_id', id, 'attempt', n, ...} (lease_reply below).
+--  * Lease tokens are made by the worker that takes the task, passed in, and never stored: Redis keeps
+--    digest(token) in the lease key and the task's lease, backup and done_token fields, and a holder
+--    proves itself by presenting the token, which the script digests (see holder below).
 --  * A helper needing more than four values takes one table of named fields instead.
 -- This file runs before the script on every call: each top-level function or table defined here costs
 -- every call of every script, so only what scripts share lives here.
@@ -21,6 +24,11 @@ end
 
 local function secs(ms)
   return string.format('%.3f', ms / 1000)
+end
+
+-- What is stored of a lease token (gpumesh/store/scripts.py's token_digest computes the same).
+local function digest(token)
+  return redis.sha1hex(token)
 end
 
 local function emit(events_key, kind, id, status)
@@ -123,12 +131,12 @@ local function unpend(a)
 end
 
 -- The lease reply: everything a worker needs to run the task, as field/value pairs (the names are the
--- attributes of scripts.py's Lease). l: those fields; signature, key_id and expires_at may be missing, and
+-- attributes of scripts.py's Lease, but for the token: the caller made it and keeps it). l: those fields;
+-- signature, key_id and expires_at may be missing, and
 -- fleet_version (dispatch) or backup and backup_mode (speculate: a backup copy) are added when present.
 local function lease_reply(l)
   local r = {1, 'running',
     'task_id', l.task_id,
-    'token', l.token,
     'attempt', l.attempt,
     'job_id', l.job_id,
     'index', l.index,
@@ -141,7 +149,7 @@ local function lease_reply(l)
     'key_id', l.key_id or '',
     'expires_at', l.expires_at or '0',
     'server_ms', l.server_ms}
-  local n = 30  -- #r, counted here (a missing value would leave a hole)
+  local n = 28  -- #r, counted here (a missing value would leave a hole)
   if l.fleet_version then
     r[n + 1], r[n + 2] = 'fleet_version', l.fleet_version
     n = n + 2
@@ -159,6 +167,7 @@ local TAKE_JOB = {'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_i
 
 -- queued -> running: the lease, the counters, the worker's current task. Returns lease_reply.
 -- a: {task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl_ms, ms,
+--     token: the lease token the worker made (only its digest is stored),
 --     task: the HMGET of TAKE_TASK of the task,
 --     job: an HMGET holding TAKE_JOB of its job from position job_from + 1 (job_from: 0 if nil), or nil
 --          to read it here,
@@ -168,7 +177,7 @@ local function take(a)
   local ms, ttl_ms, task_id, worker_id = a.ms, a.ttl_ms, a.task_id, a.worker_id
   local t = a.task
   local attempt, index, payload, signature = (tonumber(t[2]) or 0) + 1, t[3], t[4], t[5]
-  local token = worker_id .. ':' .. attempt .. ':' .. ms
+  local token = digest(a.token)
   redis.call('SET', a.lease_key, token, 'PX', ttl_ms)
   redis.call('ZADD', a.leases_key, ms + ttl_ms, task_id)
   redis.call('HSET', a.task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
@@ -186,7 +195,7 @@ local function take(a)
   end
   emit(a.events_key, 'task', task_id, 'running')
   return lease_reply({
-    task_id = task_id, token = token, attempt = attempt, job_id = job[j + 2], index = index, payload = payload,
+    task_id = task_id, attempt = attempt, job_id = job[j + 2], index = index, payload = payload,
     script_sha = job[j + 3], script_name = job[j + 4], timeout = job[j + 5], key_id = job[j + 6],
     expires_at = job[j + 7], max_attempts = job[j + 8], signature = signature, server_ms = ms,
     fleet_version = a.fleet_version,
@@ -333,9 +342,14 @@ local function observe_duration(hist_key, seconds)
 end
 
 -- Speculation: a running task may have one backup copy on a stronger idle worker (speculate.lua).
--- The lease fence of complete and fail: which copy `token` holds, 'primary' or 'backup'; or nil and
--- the refusal reply {0, why}, why = 'missing', the task's status, or 'stale' (another lease holds it now).
+-- The lease fence of complete and fail: which copy `token` (the plain token the caller presents) holds,
+-- 'primary' or 'backup'; or nil and the refusal reply {0, why}, why = 'missing', the task's status, or
+-- 'stale' (another lease holds it now, or no token).
 local function holder(task_key, token)
+  if token == '' then
+    return nil, {0, 'stale'}
+  end
+  token = digest(token)
   local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup')
   local status, lease, backup = t[1], t[2], t[3]
   if not status then

@@ -3,7 +3,7 @@
 --
 -- acquire(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset},
---   args = {task id, worker id, lease TTL (ms)}
+--   args = {task id, worker id, lease TTL (ms), lease token (made by the worker; only its digest is stored)}
 -- )
 -- Reply (see _lib.lua): the lease (lease_reply), or {0, why}: why = 'missing' or the task's status.
 
@@ -18,6 +18,7 @@ local ready_key = KEYS[7]
 local task_id = ARGV[1]
 local worker_id = ARGV[2]
 local ttl_ms = tonumber(ARGV[3])
+local token = ARGV[4]
 
 local task = redis.call('HMGET', task_key, unpack(TAKE_TASK))
 local status = task[1]
@@ -31,4 +32,5 @@ unpend({task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = 
 return take({
   task_key = task_key, lease_key = lease_key, leases_key = leases_key, job_key = job_key, events_key = events_key,
   worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms, ms = now_ms(), task = task,
+  token = token,
 })

@@ -3,11 +3,13 @@
 --
 -- complete(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, stats hash,
---           duration histogram hash, staged files hash, task files hash},
---   args = {task id, lease token, result (JSON), duration (s),
+--           duration histogram hash, staged files hash, task files hash, the job's spent set},
+--   args = {task id, lease token (the plain token: its digest is what the task holds), result (JSON), duration (s),
 --           the completing worker's score (0: unknown), for the job's seconds-per-unit estimate,
 --           artifact index (JSON, '' for none), its bytes, its object store URL ('' = the broker),
---           1 when the staged files hash is to become the task's files (broker-stored artifacts)}
+--           1 when the staged files hash is to become the task's files (broker-stored artifacts),
+--           this task's member in the spent set ('' = none: not a signed task), then field/value pairs
+--           stored with the result (the worker's result proof, signing.py)}
 -- )
 -- The winner's output files are kept in the same step as its result: a losing copy's stay staged and
 -- expire (store/artifacts.py).
@@ -34,11 +36,12 @@ local artifacts = ARGV[6] or ''
 local artifact_bytes = tonumber(ARGV[7] or 0) or 0
 local artifact_store = ARGV[8] or ''
 local promote = ARGV[9] == '1'
+local spent_key, spent = KEYS[11], ARGV[10] or ''
 
 local copy, refused = holder(task_key, token)
 if not copy then
   -- The same completion again (its first reply was lost and the call retried): it did win.
-  if refused[2] == 'done' and redis.call('HGET', task_key, 'done_token') == token then
+  if refused[2] == 'done' and token ~= '' and redis.call('HGET', task_key, 'done_token') == digest(token) then
     return {1, 'done'}
   end
   return refused
@@ -49,7 +52,13 @@ if copy == 'backup' then
 end
 clear_backup(task_key)
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
-  'finished_at', secs(ms), 'duration', duration, 'done_token', token)
+  'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))
+for i = 11, #ARGV - 1, 2 do
+  redis.call('HSET', task_key, ARGV[i], ARGV[i + 1])
+end
+if spent ~= '' and spent_key and redis.call('SISMEMBER', spent_key, '*') == 1 then
+  redis.call('SADD', spent_key, spent)  -- a trusting worker never runs this task again (signing.py)
+end
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, 'running', 'done')

@@ -13,7 +13,8 @@
 --
 -- dispatch(
 --   keys = {ready zset, scores zset, fleet hash, worker hash, leases zset, events stream, idle set},
---   args = {worker id, lease TTL (ms), this worker's score}
+--   args = {worker id, lease TTL (ms), this worker's score,
+--           the lease token to hold what it takes (made by the worker; only its digest is stored)}
 -- )
 -- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
 -- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run.
@@ -29,6 +30,7 @@ local idle_key = KEYS[7]
 local worker_id = ARGV[1]
 local ttl_ms = tonumber(ARGV[2])
 local score = tonumber(ARGV[3])
+local token = ARGV[4]
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
 local raw = redis.call('HGET', worker_key, 'resources')
@@ -115,7 +117,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
       task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
       events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
       ms = now_ms(), task = task, job = best_fields, job_from = CHOOSE_BY, worker_known = raw ~= nil,
-      fleet_version = version,
+      fleet_version = version, token = token,
     })
   end
   -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again

@@ -3,7 +3,7 @@
 -- fail(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset, stats hash,
 --           idle set},
---   args = {task id, lease token, error text, duration (s), mode}
+--   args = {task id, lease token (the plain token), error text, duration (s), mode}
 -- )
 -- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
 -- good whatever attempts remain (a task that must never run, such as a bad signature).

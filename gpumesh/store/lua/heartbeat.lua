@@ -3,7 +3,7 @@
 --
 -- heartbeat(
 --   keys = {worker hash, workers zset, lease key, leases zset, task hash (unused when idle), epoch string},
---   args = {worker id, worker TTL (ms), lease token or '', lease TTL (ms), task id or '',
+--   args = {worker id, worker TTL (ms), lease token (the plain token) or '', lease TTL (ms), task id or '',
 --           the epoch the worker joined}
 -- )
 -- Reply (see _lib.lua): {1, lease state, 'registered', 0|1, 'server_ms', server time (ms)}, the lease
@@ -37,6 +37,7 @@ local lease = 'none'
 if token ~= '' then
   local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup')
   local status, primary, backup = t[1], t[2], t[3]
+  token = digest(token)
   if status == 'cancelled' then
     lease = 'cancelled'
   elseif status == 'running' and primary == token then

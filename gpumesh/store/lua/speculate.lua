@@ -10,7 +10,8 @@
 -- speculate(
 --   keys = {task hash, job hash, worker hash, scores zset, stats hash},
 --   args = {task id, worker id, lease TTL (ms), this worker's score,
---           minimum speed-up over the primary's worker, mode 'idle' or 'straggler'}
+--           minimum speed-up over the primary's worker, mode 'idle' or 'straggler',
+--           the backup's lease token (made by the worker; only its digest is stored)}
 -- )
 -- Reply (see _lib.lua): the backup's lease (lease_reply) with 'backup', 1 and 'backup_mode', mode
 -- appended; or {0, why}.
@@ -27,6 +28,7 @@ local ttl_ms = tonumber(ARGV[3])
 local score = tonumber(ARGV[4])
 local speedup = tonumber(ARGV[5])
 local mode = ARGV[6]
+local token = ARGV[7]
 
 local t = redis.call('HMGET', task_key, 'status', 'worker', 'backup', 'backup_until', 'attempts', 'index',
   'payload', 'sig', 'class')
@@ -65,15 +67,14 @@ local primary = tonumber(redis.call('ZSCORE', scores_key, primary_worker) or 0)
 if primary > 0 and score < primary * speedup then
   return {0, 'not faster'}
 end
-local token = worker_id .. ':backup:' .. attempts .. ':' .. ms
-redis.call('HSET', task_key, 'backup', token, 'backup_worker', worker_id, 'backup_until', ms + ttl_ms,
+redis.call('HSET', task_key, 'backup', digest(token), 'backup_worker', worker_id, 'backup_until', ms + ttl_ms,
   'backup_mode', mode, 'backup_started_at', secs(ms))
 redis.call('HINCRBY', stats_key, 'speculated', 1)
 if redis.call('EXISTS', worker_key) == 1 then
   redis.call('HSET', worker_key, 'current_task', task_id)
 end
 return lease_reply({
-  task_id = task_id, token = token, attempt = tonumber(attempts), job_id = job_id, index = index,
+  task_id = task_id, attempt = tonumber(attempts), job_id = job_id, index = index,
   payload = payload, script_sha = script_sha, script_name = script_name, timeout = timeout,
   max_attempts = max_attempts, signature = signature, key_id = key_id, expires_at = expires_at,
   server_ms = ms, backup = true, backup_mode = mode,

@@ -1,0 +1,101 @@
+"""The Redis ACL rules of the broker's roles (what `gpumesh serve` and `gpumesh access add` give each user).
+
+Redis checks every command a script or function runs against its caller's ACL, so a worker must be
+allowed, key by key, whatever gpumesh's functions do on its behalf. What the rules take away:
+
+* from workers and submitters: Lua of their own (``EVAL``, ``EVALSHA``, ``SCRIPT``, ``FUNCTION``: one
+  loop would freeze Redis until ``SHUTDOWN NOSAVE``); they call only the library that `serve` loads
+  (``FCALL``). And ``PUBLISH`` (RQ's stop and kill commands to a worker), the broker's epoch (a changed
+  epoch stops every worker), the result-signing keys (``gpumesh:resultkeys``);
+* from workers also: writing job indexes, scripts and submit bookkeeping (read-only to them), and the
+  commands that destroy or replace a key whatever its type (``DEL``, ``RENAME``, ``SET``, ``EXPIRE``,
+  ``*STORE``...) except on the few families their flow deletes or replaces (leases, wake lists, the idle
+  set, their registration, staged output files, RQ's keys); a job's spent set takes ``SADD`` only.
+
+SECURITY.md ("What each credential can do") lists, command by command, what each role may do; tests/test_worker_credential.py
+runs that table against a real broker.
+"""
+
+from __future__ import annotations
+
+# What every non-admin role is denied whatever else it is given (categories, then commands).
+_NEVER = ["-@admin", "-@dangerous", "-@scripting", "-@pubsub", "-acl"]
+
+# RQ needs INFO (server version) and CLIENT SETNAME/INFO (its worker's name and address).
+_CLIENT = ["+info", "+client|setname", "+client|info", "+client|getname"]
+
+# Commands that delete, replace or put a TTL on a key whatever its type holds: a worker runs them only
+# on the families of _WORKER_REPLACES.
+_DESTROYERS = [
+    "del", "unlink", "rename", "renamenx", "copy", "move", "set", "setex", "psetex", "mset", "msetnx", "getset",
+    "getdel", "getex", "expire", "pexpire", "expireat", "pexpireat", "persist", "sunionstore", "sinterstore",
+    "sdiffstore", "zunionstore", "zinterstore", "zdiffstore", "zrangestore", "georadius", "georadiusbymember",
+    "geosearchstore", "bitop", "pfmerge",
+]  # fmt: skip
+
+# Key families a worker writes (its functions' writes included): tasks (hash, log stream, output files),
+# leases, its job's counters, pending sets and streams of ends, worker registrations and the fleet,
+# placement and wake-up state, events and statistics, the reaper's lock.
+_WORKER_WRITES = [
+    "gpumesh:task:*", "gpumesh:lease:*", "gpumesh:leases", "gpumesh:job:*", "gpumesh:worker:*", "gpumesh:workers",
+    "gpumesh:scores", "gpumesh:fleet", "gpumesh:ready", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events",
+    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:reaper",
+]  # fmt: skip
+
+# Families a worker may delete, replace or expire (the _DESTROYERS but the renames): one selector, since
+# a multi-key DEL (a worker leaving deletes its registration, wake list and RQ queue at once) must find
+# all its keys in one.
+_WORKER_REPLACES = [
+    "gpumesh:lease:*", "gpumesh:reaper", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:worker:*",
+    "gpumesh:task:*:files:*", "rq:*",
+]  # fmt: skip
+
+# Submitters write everything of gpumesh's but the epoch and the result-signing keys.
+_SUBMITTER_WRITES = [
+    "gpumesh:job:*", "gpumesh:jobs", "gpumesh:staging", "gpumesh:task:*", "gpumesh:script:*", "gpumesh:ready",
+    "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events", "gpumesh:spent:*", "gpumesh:lease:*", "gpumesh:leases",
+    "gpumesh:stats", "gpumesh:stats:*",
+]  # fmt: skip
+
+# FCALL asks for read and write access to every key it names, but does nothing with them itself: each
+# command the function runs is checked against the caller's rules on its own. So gpumesh's functions may
+# name any of gpumesh's keys (the heartbeat names the epoch, which workers only read; complete names the
+# job's spent set, which takes only SADD from workers) without widening what the caller may do to them.
+_FCALL = "(~gpumesh:* ~rq:* +fcall +fcall_ro)"
+
+_DATA = ["+@read", "+@write", "+@keyspace", "+@hash", "+@list", "+@set", "+@sortedset", "+@stream", "+@string"]
+
+SUBMITTER = [
+    "resetkeys", "resetchannels", "%R~gpumesh:*", *[f"~{k}" for k in _SUBMITTER_WRITES], "~rq:*",
+    "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", *_NEVER, "-@blocking", *_CLIENT, _FCALL,
+]  # fmt: skip
+
+WORKER = [
+    "resetkeys", "resetchannels", "&rq:pubsub:*", "%R~gpumesh:*", *[f"~{k}" for k in _WORKER_WRITES], "~rq:*",
+    "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", "+@blocking", *_NEVER,
+    *[f"-{c}" for c in _DESTROYERS], "+subscribe", "+unsubscribe", "+psubscribe", "+punsubscribe", *_CLIENT,
+    # selectors: each allows its commands on its keys only
+    _FCALL,
+    "(" + " ".join([*[f"~{k}" for k in _WORKER_REPLACES], *[f"+{c}" for c in _DESTROYERS if "rename" not in c]]) + ")",
+    "(~gpumesh:task:*:files* +rename +persist)",  # a winning copy's staged files become the task's (complete)
+    "(~gpumesh:spent:* +sadd)",  # a completed signed task's index joins its job's spent set (complete)
+    "(~rq:* +rename +renamenx)",  # RQ's own bookkeeping
+]  # fmt: skip
+
+ADMIN = ["~*", "&*", "+@all"]
+
+ROLES: dict[str, list[str]] = {"submitter": SUBMITTER, "worker": WORKER}
+
+
+def line(user: str, secret: str, rules: list[str], state: str = "on") -> str:
+    """A users.acl line; ``secret`` as Redis takes it: ``>password`` or ``#sha256`` (ACL SAVE's form)."""
+    return " ".join(["user", user, state, secret, *rules])
+
+
+def secret_and_state(acl_line: str) -> tuple[list[str], str]:
+    """The password tokens (``#hash`` or ``>password``) and on/off of a users.acl line (its root part:
+    selectors, in parentheses, never hold passwords)."""
+    root = acl_line.split("(", 1)[0].split()[2:]
+    secrets = [t for t in root if t.startswith(("#", ">")) or t == "nopass"]
+    state = "off" if "off" in root else "on"
+    return secrets, state
