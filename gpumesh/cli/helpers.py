@@ -27,6 +27,12 @@ T = TypeVar("T")
 class Group(click.Group):
     """Turns every gpumesh error into one line and its exit code; a traceback only with --debug."""
 
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        from gpumesh.cli.argv import hide_password
+
+        hide_password()  # a worker re-executes itself with its broker password off its command line
+        return super().main(*args, **kwargs)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)

@@ -125,7 +125,8 @@ def supervise(broker: Broker, opts: WorkerOptions) -> int:
     from gpumesh.worker.supervisor import Supervisor, parse_gpus
 
     gpus = parse_gpus(opts.gpus or "")
-    args = [broker.url, "--log-level", opts.log_level, "--log-format", opts.log_format]
+    # The URL goes in each child's environment (GPUMESH_URL), never on its command line (cli/argv.py).
+    args = ["--log-level", opts.log_level, "--log-format", opts.log_format]
     args += ["--score", str(opts.score)] if opts.score else []
     args += ["--rebench"] if opts.rebench else []
     args += ["--burst"] if opts.burst else []
@@ -134,5 +135,5 @@ def supervise(broker: Broker, opts: WorkerOptions) -> int:
     args += ["--warm"] if opts.warm else []
     args += ["--preload", opts.preload] if opts.preload else []
     args += [a for r in opts.resources for a in ("--resource", r)]
-    sup = Supervisor(gpus, args, opts.name or socket.gethostname(), restart=not opts.burst)
+    sup = Supervisor(gpus, args, opts.name or socket.gethostname(), restart=not opts.burst, url=broker.url)
     return sup.run()

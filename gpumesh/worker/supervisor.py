@@ -71,13 +71,17 @@ class Supervisor:
     HEALTHY_AFTER = 60.0  # a child that ran this long gets its backoff reset
     MAX_BACKOFF = 30.0
 
-    def __init__(self, gpus: list[str | None], worker_args: list[str], name: str, restart: bool = True) -> None:
+    def __init__(
+        self, gpus: list[str | None], worker_args: list[str], name: str, restart: bool = True, url: str | None = None
+    ) -> None:
+        """``url``: the broker, handed to each child in its environment (a command line is readable by all)."""
         self.restart = restart
+        extra = {"GPUMESH_URL": url} if url else {}
         self.children = [
             Child(
                 gpu,
                 [*worker_args, "--name", name if gpu is None else f"{name}-gpu{gpu}"],
-                {**os.environ, "CUDA_VISIBLE_DEVICES": "" if gpu is None else gpu},
+                {**os.environ, **extra, "CUDA_VISIBLE_DEVICES": "" if gpu is None else gpu},
             )
             for gpu in gpus
         ]
