@@ -417,3 +417,144 @@ def test_an_interpreter_the_sandbox_user_could_replace_is_refused_at_start(env):
         shutil.rmtree(theirs, ignore_errors=True)
     assert p.returncode == 2, p.stderr
     assert f"the sandbox user can change {theirs}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+# -- 4. Unix sockets, and a task that leaves its cgroup -----------------------------------------------------
+
+# The task connects to a Unix socket that the test process (standing in for systemd --user, D-Bus, docker)
+# listens on, and says what happened.
+CONNECT = """
+import json, socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect({address!r})
+    s.sendall(b"from the task")
+    print(json.dumps({{"connect": "connected"}}))
+except OSError as exc:
+    print(json.dumps({{"connect": type(exc).__name__}}))
+"""
+
+
+@pytest.fixture
+def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    """A Unix socket listening in this process: abstract, or at a path outside every task's view."""
+    import socket
+
+    if request.param == "abstract":
+        address: Any = f"\0gpumesh-test-{os.getpid()}-{time.monotonic_ns()}"
+    else:
+        address = str(tmp_path / "host.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(address)
+    s.listen(8)
+    s.settimeout(0)
+    yield address, s
+    s.close()
+
+
+def _accepted(s: Any) -> bytes:
+    try:
+        conn, _ = s.accept()
+    except BlockingIOError:
+        return b""
+    with conn:
+        conn.settimeout(2)
+        return bytes(conn.recv(64))
+
+
+@needs_landlock
+@pytest.mark.skipif(landlock.abi() < 6, reason="abstract Unix sockets are scoped from Landlock ABI 6")
+@pytest.mark.parametrize("listener", ["abstract"], indirect=True)
+def test_a_confined_task_cannot_connect_to_an_abstract_socket_of_the_host(mode, listener):
+    address, s = listener
+    source = CONNECT.format(address=address)
+    out, lines = attempt(source, mode, isolation=landlock.Isolation())
+    assert out.returncode == 0, lines
+    assert _escaped(lines).get("connect") == "PermissionError", lines
+    assert _accepted(s) == b"", "the host's listener heard from a confined task"
+    # Without isolation the same task gets through: what shows the refusal above is Landlock's.
+    out, lines = attempt(source, mode)
+    assert _escaped(lines).get("connect") == "connected", lines
+    assert _accepted(s) == b"from the task"
+
+
+@needs_landlock
+@pytest.mark.skipif(landlock.abi() < landlock.UNIX_SOCKETS_ABI, reason="pathname sockets are confined from ABI 9")
+@pytest.mark.parametrize("listener", ["pathname"], indirect=True)
+def test_a_confined_task_cannot_connect_to_a_pathname_socket_outside_its_view(mode, listener):
+    address, s = listener
+    out, lines = attempt(CONNECT.format(address=address), mode, isolation=landlock.Isolation())
+    assert _escaped(lines).get("connect") == "PermissionError", lines
+    assert _accepted(s) == b""
+
+
+def test_a_root_worker_without_sandbox_user_warns_once_that_tasks_reach_root_s_sockets(workers):
+    if os.geteuid() != 0:
+        pytest.skip("a worker that is not root runs tasks as its own user")
+    workers.start()
+    log = workers.log(0)
+    assert log.count("runs as root without --sandbox-user: tasks run as uid 0") == 1, log
+    assert "/run/systemd/private" in log and "start it with --sandbox-user USER" in log, log
+    if landlock.abi() < landlock.UNIX_SOCKETS_ABI:  # said with the isolation line, once
+        assert log.count("does not confine pathname Unix sockets") == 1, log
+
+
+@needs_root
+def test_a_root_worker_with_a_sandbox_user_does_not_warn_about_root_s_sockets(workers):
+    workers.start("--sandbox-user", "nobody", GPUMESH_SANDBOX_PYTHON=SYSTEM_PYTHON)
+    log = workers.log(0)
+    assert "tasks isolated with Landlock" in log or "NOT isolated" in log, log
+    assert "without --sandbox-user" not in log, log
+
+
+# With no Landlock, as the worker's user (root here), the task leaves its cgroup for the worker's, starts a daemon
+# there (fork, setsid, fork) and SIGKILLs its supervisor: the cgroup, emptied, no longer says what it started.
+LEAVE_CGROUP = """
+import json, os
+with open(os.path.join(BASE, "cgroup.procs"), "w") as f:
+    f.write("0")
+print(json.dumps({"left": "gpumesh-attempt-" not in open("/proc/self/cgroup").read()}), flush=True)
+"""
+
+
+@pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")
+def test_a_task_that_leaves_its_cgroup_and_kills_its_supervisor_leaves_nothing_running(mode):
+    base = tree.cgroup_base()
+    assert base is not None
+    started = time.monotonic()
+    out, lines = attempt(f"BASE = {base!r}" + LEAVE_CGROUP + ESCAPE, mode)
+    seen = _escaped(lines)
+    assert seen.get("left") is True and seen.get("killed") is True, (lines, out.describe_exit())
+    assert time.monotonic() - started < 20, "the attempt ended when its supervisor died, not at its timeout"
+    for what in ("task", "daemon"):
+        assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
+
+
+def test_a_supervisor_that_cannot_join_its_attempt_s_cgroup_runs_nothing(mode, monkeypatch, tmp_path: Path):
+    """The worker made the attempt a cgroup: a task that would run outside it does not run at all."""
+    monkeypatch.setattr(tree, "new_cgroup", lambda: str(tmp_path / "not-a-cgroup"))
+    marker = tmp_path / "ran"
+    out, lines = attempt(f"open({str(marker)!r}, 'w').write('ran')", mode)
+    assert out.returncode == 70, (lines, out.describe_exit())
+    assert not marker.exists(), "the task ran outside its cgroup"
+    assert any("could not join the attempt's cgroup" in line for _, line in lines), lines
+
+
+@needs_landlock
+def test_a_confined_task_reads_opt_but_opens_no_terminal(mode):
+    """/opt is readable (CUDA at /opt/cuda, conda); terminals are not: a task that could open /dev/pts/N could
+    read what is typed in the shell its worker was started from."""
+    source = """
+import json, os
+try:
+    os.openpty()
+    pty = "opened"
+except OSError as exc:
+    pty = type(exc).__name__
+print(json.dumps({"pty": pty, "opt": isinstance(os.listdir("/opt"), list)}))
+"""
+    if not os.path.isdir("/opt"):
+        pytest.skip("no /opt on this machine")
+    out, lines = attempt(source, mode, isolation=landlock.Isolation())
+    assert out.returncode == 0, lines
+    assert _escaped(lines) == {"pty": "PermissionError", "opt": True}, lines

@@ -306,6 +306,25 @@ def landlock_abi() -> tuple[int, int]:
     return (abi, 0) if abi >= 0 else (-1, ctypes.get_errno())
 
 
+UNIX_SOCKETS_FIX = (
+    "Run root workers with --sandbox-user USER (a user in neither the docker group nor an agent's); "
+    "Landlock ABI 9 (Linux 7.1+) confines pathname Unix sockets."
+)
+
+
+def unix_socket_exposure(abi: int) -> str:
+    """What Unix sockets a worker's tasks can still reach on this machine ("" when none of note)."""
+    said = []
+    if os.geteuid() == 0:
+        said.append(
+            "a root worker without --sandbox-user runs tasks as uid 0, which reach root's Unix sockets "
+            "(systemd's, docker.sock) despite Landlock"
+        )
+    if abi < 9:
+        said.append(f"ABI {abi} leaves pathname Unix sockets reachable to tasks (docker.sock, ssh-agent)")
+    return "; ".join(said)
+
+
 def landlock_line() -> Line:
     if sys.platform != "linux":
         why = f"not Linux ({sys.platform})"
@@ -315,9 +334,11 @@ def landlock_line() -> Line:
         abi, err = landlock_abi()
         if abi > 0:
             scoped = "" if abi >= 6 else "; before ABI 6 a task may still signal processes of the worker's user"
-            return ok(
-                "landlock", f"ABI {abi}: workers confine tasks to the system, Python and their own directory{scoped}"
-            )
+            said = f"ABI {abi}: workers confine tasks to the system, Python and their own directory{scoped}"
+            sockets = unix_socket_exposure(abi)
+            if sockets:
+                return warn("landlock", f"{said}; but {sockets}", UNIX_SOCKETS_FIX)
+            return ok("landlock", said)
         why = {
             errno.ENOSYS: "this kernel has no Landlock (Linux 5.13+ has it)",
             errno.EOPNOTSUPP: "Landlock is built into this kernel but disabled at boot",

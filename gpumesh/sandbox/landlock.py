@@ -5,7 +5,9 @@ a few files of /etc, /proc and /sys, the paths its owner adds (``--read-path``);
 own directory (its TMPDIR and GPUMESH_OUTPUT_DIR), /dev/shm and the paths its owner adds (``--write-path``);
 use the ordinary character devices and the NVIDIA ones (CUDA opens /dev/nvidia*, reads the driver's
 libraries under /usr and /proc/driver/nvidia). From ABI 6 on, the task can signal no process outside its
-domain: not its supervisor, not the worker. The launcher applies the set in the forked script child and adds
+domain (not its supervisor, not the worker) and connect to no abstract Unix socket made outside it; from ABI 9 on,
+to no pathname Unix socket outside its write paths. Before ABI 9 it may connect to every pathname Unix socket its
+user may open (:func:`unix_socket_warnings`). The launcher applies the set in the forked script child and adds
 the interpreter it runs in (gpumesh.sandbox.launcher.apply_landlock); the network stays open.
 
 Not readable, so: the worker's home (``~/.ssh``, the config file with the broker URL), other users' files,
@@ -21,10 +23,11 @@ import json
 import os
 from dataclasses import dataclass
 
-from gpumesh.sandbox.launcher import landlock_abi
+from gpumesh.sandbox.launcher import UNIX_SOCKETS_ABI, landlock_abi
 
 # The system's programs and libraries (the NVIDIA driver's user-space libraries live under /usr or /lib).
-SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/proc", "/sys")
+# /opt: CUDA (/opt/cuda), conda and vendors' toolkits.
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/opt", "/proc", "/sys")
 # Of /etc only what programs read to run: the loader's cache, time zone, certificates, names and resolvers.
 # Not all of /etc: gpumesh's config may live there (GPUMESH_CONFIG), and so may other secrets.
 ETC_READ = (
@@ -34,6 +37,8 @@ ETC_READ = (
     "/etc/services", "/etc/protocols", "/etc/alternatives", "/etc/mime.types", "/etc/os-release",
     "/etc/machine-id", "/etc/python3", "/etc/matplotlibrc", "/etc/OpenCL", "/etc/vulkan", "/etc/nvidia",
 )  # fmt: skip
+# Not /dev/ptmx and /dev/pts: with them a task could open any terminal of /dev/pts its user may, the shell
+# its worker was started from included, and read what is typed there. A pseudo-terminal is refused.
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
 NVIDIA_DEVICES = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/dri/*")
 SYSTEM_WRITE = ("/dev/shm",)  # POSIX shared memory and semaphores: multiprocessing, torch's DataLoader
@@ -63,6 +68,27 @@ def unavailable() -> str | None:
     if abi() <= 0:
         return "this kernel has no usable Landlock (Linux 5.13+ with landlock in lsm=)"
     return None
+
+
+def unix_socket_warnings(confined: bool, root_tasks: bool, kernel_abi: int | None = None) -> list[str]:
+    """What a worker says once at start about the Unix sockets its tasks can still reach. ``confined``: tasks
+    run under Landlock; ``root_tasks``: they run as uid 0 (a root worker without --sandbox-user)."""
+    kernel_abi = abi() if kernel_abi is None else kernel_abi
+    said = []
+    if root_tasks:
+        said.append(
+            "this worker runs as root without --sandbox-user: tasks run as uid 0"
+            + (" (without capabilities) and can still" if confined else " with every capability and can")
+            + " connect to root's Unix sockets (systemd's /run/systemd/private, /var/run/docker.sock),"
+            + " which run commands as root outside the sandbox; start it with --sandbox-user USER"
+        )
+    if confined and kernel_abi < UNIX_SOCKETS_ABI:
+        said.append(
+            f"Landlock ABI {kernel_abi} does not confine pathname Unix sockets (ABI {UNIX_SOCKETS_ABI}, Linux 7.1+,"
+            " does): tasks can connect to any its user may open (docker.sock, ssh-agent, systemd --user)"
+            + ("" if kernel_abi >= 6 else ", and to abstract ones (D-Bus, X11)")
+        )
+    return said
 
 
 def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None) -> str:

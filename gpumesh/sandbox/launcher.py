@@ -75,15 +75,30 @@ def _signal_tree(sig: int) -> None:
 LANDLOCK_SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446), "arm64": (444, 445, 446)}
 LANDLOCK_CREATE_RULESET_VERSION = 1
 LANDLOCK_RULE_PATH_BENEATH = 1
-LANDLOCK_SCOPE_SIGNAL = 1 << 1  # ABI 6: no signal to a process outside the domain (its supervisor, the worker)
+# ABI 6 scopes: no connect to an abstract Unix socket made outside the domain (systemd --user's, D-Bus's, X11's
+# @/tmp/.X11-unix), and no signal to a process outside it (its supervisor, the worker).
+LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+LANDLOCK_SCOPE_SIGNAL = 1 << 1
+LANDLOCK_SCOPES = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
-FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # all a file may be given
+# ABI 9 (Linux 7.1): connect/sendmsg to a pathname Unix socket made outside the domain needs this right on its path
+# (include/uapi/linux/landlock.h, "landlock: Control pathname UNIX domain socket resolution by path", 2026-04).
+FS_RESOLVE_UNIX = 1 << 16
+UNIX_SOCKETS_ABI = 9  # the first ABI that confines pathname Unix sockets
+FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV | FS_RESOLVE_UNIX
 FS_READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
 FS_DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV  # /dev/null, /dev/nvidia0: opened read-write
-# Every right this kernel's ABI knows: ABI 1 has bits 0-12, ABI 2 adds REFER (13), 3 TRUNCATE (14), 5 IOCTL_DEV (15).
+# Every right this kernel's ABI knows: ABI 1 has bits 0-12, ABI 2 adds REFER (13), 3 TRUNCATE (14), 5 IOCTL_DEV (15),
+# 9 RESOLVE_UNIX (16). A newer ABI than this file knows gets the rights of the newest it knows.
 FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
-FS_ALL_LATEST = (1 << 16) - 1
+FS_ALL_BEFORE_UNIX = (1 << 16) - 1  # ABI 5 to 8
+FS_ALL_LATEST = (1 << 17) - 1
+
+
+def fs_rights(abi: int) -> int:
+    """Every filesystem right the kernel's Landlock ABI ``abi`` handles."""
+    return FS_ALL_BY_ABI.get(abi, FS_ALL_BEFORE_UNIX if abi < UNIX_SOCKETS_ABI else FS_ALL_LATEST)
 
 
 def landlock_abi() -> int:
@@ -143,14 +158,15 @@ def drop_capabilities() -> None:
 
 def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
     """Confine this process and all it starts: read (and run) only ``rules["read"]`` and this interpreter's
-    files, write only ``rules["write"]``, use only the devices of ``rules["devices"]``, and (ABI 6+) signal
-    no process outside. Raises OSError when the kernel refuses: the caller must then not run the task."""
+    files, write only ``rules["write"]``, use only the devices of ``rules["devices"]``; from ABI 6 signal no
+    process outside and connect to no abstract Unix socket made outside; from ABI 9 to no pathname Unix socket
+    outside ``rules["write"]`` made outside (before that, pathname sockets stay reachable). Raises OSError when the kernel refuses: the caller must then not run the task."""
     abi = int(rules["abi"])
     create, add_rule, restrict = LANDLOCK_SYSCALLS[os.uname().machine]
-    handled = FS_ALL_BY_ABI.get(abi, FS_ALL_LATEST)
+    handled = fs_rights(abi)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    attr = _Ruleset(handled, 0, LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0)
+    attr = _Ruleset(handled, 0, LANDLOCK_SCOPES if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct as this ABI knows it
     ruleset = int(libc.syscall(ctypes.c_long(create), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
     if ruleset < 0:
@@ -281,8 +297,11 @@ def supervise(
         try:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write("0")  # this process; all it starts is born in the attempt's cgroup
-        except OSError:
-            pass  # not ours to join after all: the worker, as subreaper, still kills what is left
+        except OSError as exc:  # the worker said the attempt runs in it: never run it outside
+            print(f"gpumesh: could not join the attempt's cgroup ({exc}); the task did not run", file=sys.stderr)
+            if report is not None:
+                _reply(report[0], {"pid": os.getpid(), "status": 70 << 8})
+            return 70
     _set_rlimits(int(cpu), int(fsize), int(nofile))
     if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
         os.setgroups([])

@@ -246,10 +246,11 @@ def run(
         since = tree.start_time(proc.pid)
         _watch(proc, out, limits, on_line, should_stop, started)
         # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
-        # says exactly what it started; without one, what came back to this subreaper since it began.
+        # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
+        # to this subreaper since the attempt began: both are killed.
         if cgroup is not None:
             tree.end_cgroup(cgroup)
-            cgroup, since = None, None
+            cgroup = None
         tree.kill_escaped(proc.pid, since)
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
@@ -257,7 +258,6 @@ def run(
     finally:
         if cgroup is not None:
             tree.end_cgroup(cgroup)
-            since = None
         if proc is not None:
             tree.kill_escaped(proc.pid, since)
         if not out.duration:

@@ -8,7 +8,8 @@ for its supervisors (gpumesh.sandbox.launcher._Forks.kill_orphans).
 Where this process may manage cgroups (root, or a delegated cgroup v2 subtree), each attempt also gets a
 cgroup of its own, which its supervisor joins before it forks the task: whatever the attempt starts is in it,
 wherever it is reparented, and the worker kills every member when the attempt ends (:func:`end_cgroup`).
-A task can leave it only by writing to a cgroup.procs file: not as the sandbox user, not under Landlock.
+A task can leave it only by writing to a cgroup.procs file: not as the sandbox user, not under Landlock. One that
+does (--no-isolation, as the worker's user) is still this subreaper's, found by its start time (:func:`kill_escaped`).
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def started(pid: int) -> None:
 
 
 def kill_escaped(launcher: int, since: int | None) -> int:
-    """After an attempt whose launcher was ``launcher`` (started at ``since``, clock ticks; None when the
-    attempt's cgroup was emptied instead, which is exact: then only reap what ended): KILL and reap every
+    """After an attempt whose launcher was ``launcher`` (started at ``since``, clock ticks; None when its start
+    time could not be read: then only reap what ended), its cgroup (if any) emptied already: KILL and reap every
     child of this process that the attempt left behind, until none is left. An orphan is a child in a session
     other than the worker's, started no earlier than the attempt, that is no running attempt's launcher (the
     worker's own helpers, spares and the benchmark, share its session; the zygote started before). Returns how
@@ -188,13 +189,42 @@ def cgroup_base() -> str | None:
             probe = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-probe")
             try:
                 os.mkdir(probe)
-                os.rmdir(probe)
             except OSError:
+                return None
+            joinable = _can_join(probe)
+            _remove_empty(probe)
+            if not joinable:  # a supervisor that cannot join its attempt's cgroup runs nothing (exit 70)
                 return None
             _cgroup_base = base
             _sweep_cgroups(base)
             return base
         return None
+
+
+def _can_join(path: str) -> bool:
+    """Whether a process this one starts may move itself into the cgroup ``path`` (as a supervisor does): a
+    directory may be made where moving into it is refused (a v2 subtree whose common ancestor is not ours)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["/bin/sh", "-c", 'echo 0 > "$1/cgroup.procs"', "sh", path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _remove_empty(path: str) -> None:
+    for _try in range(200):  # a process that has exited leaves the group a moment later
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.005)
 
 
 def _sweep_cgroups(base: str) -> None:
