@@ -77,7 +77,10 @@ WORKER = [
     # selectors: each allows its commands on its keys only
     _FCALL,
     "(" + " ".join([*[f"~{k}" for k in _WORKER_REPLACES], *[f"+{c}" for c in _DESTROYERS if "rename" not in c]]) + ")",
-    "(~gpumesh:task:*:files* +rename +persist)",  # a winning copy's staged files become the task's (complete)
+    # a winning copy's staged files become the task's (complete): RENAME reads and deletes its source, so
+    # the kept files (write only here) can be a destination, never a source (renamed away, then deleted)
+    "(%RW~gpumesh:task:*:files:* %W~gpumesh:task:*:files +rename)",
+    "(~gpumesh:task:*:files +persist)",  # and lose the staged files' TTL
     "(~gpumesh:spent:* +sadd)",  # a completed signed task's index joins its job's spent set (complete)
     "(~rq:* +rename +renamenx)",  # RQ's own bookkeeping
 ]  # fmt: skip

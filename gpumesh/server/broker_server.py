@@ -140,8 +140,18 @@ def add_worker(admin: redis.Redis, person: str) -> str:
 def prepare(admin: redis.Redis) -> str:
     """What a broker needs before workers and submitters can use it, done with an admin credential (they
     may do neither): this gpumesh version's Redis functions, and the epoch key (the id of the broker's
-    data). Idempotent; returns the functions library's name."""
+    data). Idempotent; returns the functions library's name.
+
+    Every other gpumesh library (an older version's) is deleted: a fix to a function must not be
+    bypassed by calling the old one, which any worker or submitter may FCALL. Workers of an older
+    gpumesh then stop, saying the broker lacks their functions."""
     lib = scripts.load_library(admin)
+    for entry in admin.function_list(library="gpumesh_*"):
+        info = dict(zip(entry[::2], entry[1::2])) if isinstance(entry, list) else dict(entry)
+        name = info.get("library_name", info.get(b"library_name", ""))
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name.startswith("gpumesh_") and name != lib:
+            admin.function_delete(name)
     admin.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
     return lib
 
@@ -222,7 +232,9 @@ class BrokerServer:
         try:
             from gpumesh.server import tls
         except ImportError:
-            raise UsageError("serve --tls needs the cryptography package, a dependency of gpumesh-pool: reinstall it") from None
+            raise UsageError(
+                "serve --tls needs the cryptography package, a dependency of gpumesh-pool: reinstall it"
+            ) from None
         hosts = [self.host, lan_address()] if self.host in ("0.0.0.0", "::") else [self.host]
         files = tls.ensure(self.data_dir, hosts)
         self.fingerprint = files.fingerprint

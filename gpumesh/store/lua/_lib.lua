@@ -42,23 +42,32 @@ local function ended(job_key, task_id, status)
   redis.call('XADD', job_key .. ':ended', '*', 'task', task_id, 'status', status)
 end
 
+-- Add to a job's counter. Any credential that writes jobs can write a counter that is not a number
+-- (HINCRBY would raise, and the script with it): such a counter restarts from this change.
+local function incr(key, field, by, float)
+  local r = redis.pcall(float and 'HINCRBYFLOAT' or 'HINCRBY', key, field, by)
+  if type(r) == 'table' and r.err then
+    redis.pcall('HSET', key, field, math.max(by, 0))
+  end
+end
+
 -- Move one task between job counters, in the same script as the task's own change.
 local function move(job_key, from, to)
-  redis.call('HINCRBY', job_key, from, -1)
-  redis.call('HINCRBY', job_key, to, 1)
+  incr(job_key, from, -1)
+  incr(job_key, to, 1)
 end
 
 -- The last task to end sets the job's terminal status: cancelled > failed > done.
 local function maybe_finish(job_key, events_key, job_id, ms)
   local c = redis.call('HMGET', job_key, 'queued', 'running', 'failed', 'cancelled', 'status')
   local queued, running, failed, cancelled, was = c[1], c[2], c[3], c[4], c[5]
-  if tonumber(queued) > 0 or tonumber(running) > 0 then
+  if (tonumber(queued) or 0) > 0 or (tonumber(running) or 0) > 0 then
     return
   end
   local status = 'done'
-  if tonumber(cancelled) > 0 then
+  if (tonumber(cancelled) or 0) > 0 then
     status = 'cancelled'
-  elseif tonumber(failed) > 0 then
+  elseif (tonumber(failed) or 0) > 0 then
     status = 'failed'
   end
   if was ~= status then
@@ -108,7 +117,7 @@ local function make_pending(a)
   redis.call('ZADD', pending_key(a.job_id, klass), cost, pad(index))
   local priority = tonumber(redis.call('HGET', a.job_key, 'priority') or 0) or 0
   redis.call('ZADD', a.ready_key, priority, a.job_id .. '/' .. klass)
-  redis.call('HINCRBYFLOAT', a.job_key, 'pending_cost', cost)
+  incr(a.job_key, 'pending_cost', cost, true)
   wake_idle(a.idle_key)
 end
 
@@ -123,7 +132,7 @@ local function unpend(a)
   end
   local pk = pending_key(a.job_id, klass)
   if redis.call('ZREM', pk, pad(index)) == 1 then
-    redis.call('HINCRBYFLOAT', a.job_key, 'pending_cost', -cost)
+    incr(a.job_key, 'pending_cost', -cost, true)
   end
   if redis.call('EXISTS', pk) == 0 then
     redis.call('ZREM', a.ready_key, a.job_id .. '/' .. klass)
@@ -309,9 +318,9 @@ end
 -- dispatcher must not walk a thousand workers per task). Returns n, score sum, score max, version.
 local function fleet(scores_key, fleet_key)
   local f = redis.call('HMGET', fleet_key, 'n', 'sum', 'max', 'dirty', 'v')
-  local count, total, strongest, dirty, version = f[1], f[2], f[3], f[4], f[5] or '0'
-  if count and dirty ~= '1' then
-    return tonumber(count), tonumber(total), tonumber(strongest), version
+  local count, total, strongest, dirty, version = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), f[4], f[5] or '0'
+  if count and total and strongest and dirty ~= '1' then  -- else recount (never yet counted, or not numbers)
+    return count, total, strongest, version
   end
   local all = redis.call('ZRANGE', scores_key, 0, -1, 'WITHSCORES')
   local n, sum, max = 0, 0, 0

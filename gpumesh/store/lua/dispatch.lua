@@ -18,6 +18,13 @@
 -- )
 -- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
 -- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run.
+--
+-- Nothing written into a job or task may make this script raise (every worker would fail its dispatch,
+-- and the mesh would stall): any credential that writes jobs and tasks can write garbage there. A ready
+-- entry whose job is unreadable (not a hash, requirement classes that are not JSON, a pending set that
+-- is not a zset) leaves the ready index; a pending member that is not a task index leaves its pending
+-- set; a queued task whose fields (or its job's) the worker could not run by is failed with the reason,
+-- never leased. Other jobs go on being dispatched.
 
 local ready_key = KEYS[1]
 local scores_key = KEYS[2]
@@ -33,17 +40,118 @@ local score = tonumber(ARGV[3])
 local token = ARGV[4]
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
-local raw = redis.call('HGET', worker_key, 'resources')
+local raw = redis.pcall('HGET', worker_key, 'resources')
+if type(raw) ~= 'string' then
+  raw = nil  -- none, or not a hash
+end
 local resources  -- decoded only when some queued work has requirements, or the worker trusts keys
 local trusting = raw and string.find(raw, '"trusts"', 1, true) ~= nil
+-- The worker's resources, decoded, or nil when they are not a JSON object. A trusting worker whose
+-- resources do not decode trusts no key (it runs nothing rather than unsigned work).
+local function decode_resources()
+  local ok, res = pcall(cjson.decode, raw)
+  if ok and type(res) == 'table' then
+    return res
+  end
+  if trusting then
+    return {trusts = ','}
+  end
+  return {}
+end
 if trusting then
-  resources = cjson.decode(raw)
+  resources = decode_resources()
 end
 local KEY_ID = 4 + 6  -- where the job's key_id sits in JOB_FIELDS (CHOOSE_BY fields, then TAKE_JOB's)
 -- what we choose by (the first CHOOSE_BY fields), then what take() needs, in one read per candidate job
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
 local CHOOSE_BY = 4
 local NO_REQUIREMENTS = '[[]]'
+-- Job fields the lease carries as numbers (their position in JOB_FIELDS), as the worker reads them.
+local NUMERIC = {{'timeout', CHOOSE_BY + 5, 'number'}, {'expires_at', CHOOSE_BY + 7, 'number'},
+  {'max_attempts', CHOOSE_BY + 8, 'integer'}}
+-- The job fields a lease carries as text: a missing one would cut the reply short.
+local REQUIRED = {{'id', CHOOSE_BY + 2}, {'script_sha', CHOOSE_BY + 3}, {'script_name', CHOOSE_BY + 4}}
+
+-- Text that Python's int() (kind 'integer') or float() ('number') reads as Lua does, or nil.
+local function numeric(text, kind)
+  if type(text) ~= 'string' then
+    return nil
+  end
+  if kind == 'integer' then
+    if string.find(text, '^%s*[-+]?%d+%s*$') and #text <= 15 then
+      return tonumber(text)
+    end
+    return nil
+  end
+  return decimal(text)
+end
+
+-- Why a queued task (and its job) cannot be leased to a worker, or nil: the fields the lease carries.
+local function malformed(task, job, index)
+  for _, f in ipairs(REQUIRED) do
+    if type(job[f[2]]) ~= 'string' then
+      return "its job's field '" .. f[1] .. "' is missing"
+    end
+  end
+  for _, f in ipairs(NUMERIC) do
+    local v = job[f[2]]
+    if v ~= false and v ~= nil and numeric(v, f[3]) == nil then  -- expires_at may be absent
+      return "its job's field '" .. f[1] .. "' is not a number"
+    end
+  end
+  if type(job[CHOOSE_BY + 5]) ~= 'string' then
+    return "its job's field 'timeout' is missing"
+  end
+  if type(job[CHOOSE_BY + 8]) ~= 'string' then
+    return "its job's field 'max_attempts' is missing"
+  end
+  if numeric(task[3], 'integer') ~= index then
+    return "its field 'index' is not its index"
+  end
+  if task[2] and numeric(task[2], 'integer') == nil then
+    return "its field 'attempts' is not a number"
+  end
+  if type(task[4]) ~= 'string' then
+    return "its field 'payload' is missing"
+  end
+  return nil
+end
+
+-- queued -> failed without running: a task that cannot be leased (see malformed). Each write may meet
+-- a key of the wrong type (an attacker's): none of them may raise.
+local function refuse(t, why)
+  local ms = now_ms()
+  redis.pcall('HSET', t.task_key, 'status', 'failed', 'lease', '', 'error', 'malformed task: ' .. why,
+    'finished_at', secs(ms))
+  pcall(move, t.job_key, 'queued', 'failed')
+  pcall(emit, events_key, 'task', t.task_id, 'failed')
+  pcall(ended, t.job_key, t.task_id, 'failed')
+  if redis.pcall('RPUSH', t.job_key .. ':failed', t.task_id) == 101 then
+    redis.pcall('LTRIM', t.job_key .. ':failed', 0, 99)
+  end
+  pcall(maybe_finish, t.job_key, events_key, t.job_id, ms)
+end
+
+-- The requirement classes (JSON) say this worker may run class klass; nil when they do not decode.
+local function meets_class(classes, klass)
+  local ok, all = pcall(cjson.decode, classes)
+  if not ok or type(all) ~= 'table' then
+    return nil
+  end
+  local reqs = all[tonumber(klass) + 1] or {}
+  if type(reqs) ~= 'table' then
+    return nil
+  end
+  if #reqs == 0 then
+    return true
+  end
+  resources = resources or (raw and decode_resources()) or {}
+  local fine, meets = pcall(meets_all, reqs, resources)
+  if not fine then
+    return nil
+  end
+  return meets
+end
 
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a task no longer queued)
   local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
@@ -54,19 +162,18 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
       break
     end
     local job_id, klass = string.match(member, '^(.*)/(%d+)$')
-    local job = job_id and redis.call('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
-    local classes = job and job[1]  -- JSON: per requirement class, its requirements
-    if not classes or redis.call('EXISTS', pending_key(job_id, klass)) == 0 then
-      redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted
+    if klass and #klass > 6 then
+      job_id = nil  -- no job has a million requirement classes
+    end
+    local job = job_id and redis.pcall('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
+    local classes = type(job) == 'table' and not job.err and job[1]  -- JSON: per requirement class, its requirements
+    local ok = true
+    if type(classes) == 'string' and classes ~= NO_REQUIREMENTS then
+      ok = meets_class(classes, klass)
+    end
+    if type(classes) ~= 'string' or ok == nil or redis.call('TYPE', pending_key(job_id, klass)).ok ~= 'zset' then
+      redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted (or not a job at all)
     else
-      local ok = true
-      if classes ~= NO_REQUIREMENTS then
-        local reqs = cjson.decode(classes)[tonumber(klass) + 1] or {}
-        if #reqs > 0 then
-          resources = resources or (raw and cjson.decode(raw)) or {}
-          ok = meets_all(reqs, resources)
-        end
-      end
       if ok and trusting then
         ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
       end
@@ -104,13 +211,25 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
   if not pick or not pick[1] then
     pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
   end
-  local index, cost = tonumber(pick[1]), tonumber(pick[2])
+  local index, cost = numeric(pick[1], 'integer'), tonumber(pick[2])
+  if not index or index < 0 then  -- not a task's index: out of the pending set, and look again
+    redis.call('ZREM', pk, pick[1])
+    index = -1
+  end
   local task_id = best_job .. '-' .. index
   local task_key = PREFIX .. 'task:' .. task_id
-  local task = redis.call('HMGET', task_key, unpack(TAKE_TASK))
+  local task = index >= 0 and redis.pcall('HMGET', task_key, unpack(TAKE_TASK)) or {}
+  if task.err then
+    task = {}  -- not a hash: not a task
+  end
   local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
     cost = cost, klass = best_class}
-  if task[1] == 'queued' then  -- its status
+  local why = task[1] == 'queued' and malformed(task, best_fields, index)
+  if why then
+    unpend(taken)
+    redis.call('ZREM', pk, pick[1])
+    refuse({task_key = task_key, job_key = job_key, task_id = task_id, job_id = best_job}, why)
+  elseif task[1] == 'queued' then  -- its status
     unpend(taken)
     redis.call('SREM', idle_key, worker_id)
     return take({
@@ -120,8 +239,13 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
       fleet_version = version, token = token,
     })
   end
-  -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
-  unpend(taken)
+  if not why then
+    -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
+    if index >= 0 then
+      unpend(taken)
+    end
+    redis.call('ZREM', pk, pick[1])  -- the member as it is (unpend removes it padded)
+  end
 end
 redis.call('SADD', idle_key, worker_id)
 return {0, 'idle', 'fleet_version', version}
