@@ -340,7 +340,7 @@ class TaskResult(BaseModel):
             artifacts=_entries(Artifact, index.get("files")),
             skipped_artifacts=_entries(SkippedArtifact, index.get("skipped")),
         )
-        row._stored = {k: h[k] for k in ("status", "result", PROOF_FIELD) if k in h}
+        row._stored = {k: h[k] for k in ("status", "result", PROOF_FIELD, "artifacts", "artifacts_lost") if k in h}
         return row
 
 

@@ -5,7 +5,9 @@ A task's signature covers its job id and index, the script's SHA-256, the SHA-25
 JSON, its limits (timeout, attempts) and an expiry. The worker takes the job id and the index from
 the task it actually leased (its key), never from fields stored next to it, and checks the job's
 *spent set* (``gpumesh:spent:<job>``, made at submit with a placeholder member): a task whose index
-is in it already completed and is never run again. So a task written into Redis with a worker
+is in it has ended for good (completed, failed for good or was cancelled: the transition functions add
+it) and is not run again unless its submitter retries it (``retry`` takes the index out first; a worker
+credential may only add to the set, so its call of retry fails before it changes anything). So a task written into Redis with a worker
 credential, a tampered payload or script, a task copied into another job (even one whose hash keeps
 the old ``id``), a finished task put back in the queue, and an expired job all fail without running.
 
@@ -13,7 +15,8 @@ the old ``id``), a finished task put back in the queue, and an expired job all f
 (:func:`result_key`): whoever holds the credential can sign as it, no one else can. The admin registers
 the public key under the ACL user's name in ``gpumesh:resultkeys`` (``gpumesh serve`` for ``worker``,
 ``gpumesh access add NAME`` for ``worker-NAME``); a worker signs (task id, attempt, SHA-256 of the result,
-worker id, user) and stores the proof with the result in the same step. ``gpumesh results`` says
+worker id, user, and the SHA-256 of the task's artifact index, which lists each output file with its
+SHA-256: `pull` checks the bytes against it) and stores the proof with the result in the same step. ``gpumesh results`` says
 whether each result verifies and who signed it.
 """
 
@@ -32,7 +35,7 @@ from urllib.parse import unquote, urlsplit
 from gpumesh.errors import UsageError
 
 CONTEXT = "gpumesh-task-v2"
-RESULT_CONTEXT = "gpumesh-result-v1"
+RESULT_CONTEXT = "gpumesh-result-v2"
 INLINE = "ed25519:"  # an inline public key: ed25519:<base64 of the 32 raw bytes>
 SPENT_PLACEHOLDER = "*"  # the member a spent set is created with: a set without it was deleted or expired
 SPENT_MARGIN = 86400.0  # s a job's spent set outlives the expiry of its signatures
@@ -43,7 +46,9 @@ def _crypto() -> Any:
     try:
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
-        raise UsageError("signed jobs need the cryptography package, a dependency of gpumesh-pool: reinstall it") from None
+        raise UsageError(
+            "signed jobs need the cryptography package, a dependency of gpumesh-pool: reinstall it"
+        ) from None
     return ed25519
 
 
@@ -206,9 +211,16 @@ def credential_of(url: str) -> tuple[str, str] | None:
     return unquote(parts.username or "") or "default", unquote(parts.password)
 
 
-def result_message(task_id: str, attempt: int, result: str, worker_id: str, user: str) -> bytes:
+def files_digest(index: str) -> str:
+    """What a result proof holds of a task's output files: the SHA-256 of its artifact index as stored
+    (the task hash's ``artifacts`` field, which lists each file's SHA-256), '' for a task without any."""
+    return hashlib.sha256(index.encode()).hexdigest() if index else ""
+
+
+def result_message(task_id: str, attempt: int, result: str, worker_id: str, user: str, files: str) -> bytes:
+    """The bytes a result proof signs; ``files``: :func:`files_digest` of the task's artifact index."""
     return json.dumps(
-        [RESULT_CONTEXT, task_id, int(attempt), hashlib.sha256(result.encode()).hexdigest(), worker_id, user],
+        [RESULT_CONTEXT, task_id, int(attempt), hashlib.sha256(result.encode()).hexdigest(), files, worker_id, user],
         separators=(",", ":"),
     ).encode()
 
@@ -231,10 +243,13 @@ class ResultSigner:
         except UsageError:
             return None
 
-    def proof(self, task_id: str, attempt: int, result: str, worker_id: str) -> str:
-        """The proof stored with the result (task hash field ``result_proof``)."""
-        sig = self.key.sign(result_message(task_id, attempt, result, worker_id, self.user))
-        proof = {"user": self.user, "worker": worker_id, "attempt": int(attempt), "sig": base64.b64encode(sig).decode()}
+    def proof(self, task_id: str, attempt: int, result: str, worker_id: str, artifacts: str = "") -> str:
+        """The proof stored with the result (task hash field ``result_proof``); ``artifacts``: the artifact
+        index (JSON) stored with it, '' for none."""
+        files = files_digest(artifacts)
+        sig = self.key.sign(result_message(task_id, attempt, result, worker_id, self.user, files))
+        proof = {"user": self.user, "worker": worker_id, "attempt": int(attempt), "files": files,
+                 "sig": base64.b64encode(sig).decode()}  # fmt: skip
         return json.dumps(proof, separators=(",", ":"))
 
 
@@ -249,13 +264,16 @@ def _registered_key(spec: str) -> Any:
 def verify_result(task_id: str, h: dict[str, str], registry: dict[str, str]) -> tuple[bool | None, str | None]:
     """(verified, signed by) of a stored task: verified is None when the task has no result (not done) or
     the broker registers no result keys at all, True when its proof verifies with the registered key of
-    the user it names, else False (no proof, an unregistered user, a result or proof changed since)."""
+    the user it names, else False (no proof, an unregistered user, a result, its artifact index or the
+    proof changed since). A task whose output files complete had to drop (their staging expired first:
+    ``artifacts_lost``) has no index; its proof is then checked with the digest it names."""
     if h.get("status") != "done":
         return None, None
     try:
         proof = json.loads(h.get(PROOF_FIELD) or "null")
         user, worker, attempt, sig = proof["user"], proof["worker"], int(proof["attempt"]), proof["sig"]
-        if not all(isinstance(v, str) for v in (user, worker, sig)):
+        files = proof["files"]
+        if not all(isinstance(v, str) for v in (user, worker, sig, files)):
             raise TypeError("not text")
     except (ValueError, TypeError, KeyError):
         return (None if not registry else False), None
@@ -264,6 +282,9 @@ def verify_result(task_id: str, h: dict[str, str], registry: dict[str, str]) -> 
     registered = registry.get(user)
     if not registered:
         return False, user
+    stored = h.get("artifacts") or ""
+    if files_digest(stored) != files and not (not stored and h.get("artifacts_lost") == "1"):
+        return False, user  # output files other than those the worker signed for
     try:
         from cryptography.exceptions import InvalidSignature
     except ImportError:  # cannot tell here
@@ -271,7 +292,8 @@ def verify_result(task_id: str, h: dict[str, str], registry: dict[str, str]) -> 
 
     try:
         _registered_key(registered).verify(
-            base64.b64decode(sig, validate=True), result_message(task_id, attempt, h.get("result") or "", worker, user)
+            base64.b64decode(sig, validate=True),
+            result_message(task_id, attempt, h.get("result") or "", worker, user, files),
         )
     except (InvalidSignature, ValueError, binascii.Error, UsageError):
         return False, user

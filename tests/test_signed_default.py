@@ -37,6 +37,7 @@ SCRIPT = (
     "print(json.dumps({'echo': p}))\n"
 )
 EVIL = "import sys\nprint('EVIL ran', file=sys.stderr, flush=True)\nprint('{\"evil\": true}')\n"
+ENDED = "signature: this task already ended (it completed, failed for good or was cancelled): a replay"
 
 
 @dataclass
@@ -58,11 +59,11 @@ class Mesh:
     def client(self, url: str) -> redis.Redis:
         return redis.Redis.from_url(url, decode_responses=True)
 
-    def submit(self, payloads: list[dict[str, Any]], script: str = SCRIPT, name: str = "job.py") -> str:
+    def submit(self, payloads: list[dict[str, Any]], script: str = SCRIPT, name: str = "job.py", *args: str) -> str:
         path = self.tmp / name
         path.write_text(script)
         p = gpumesh("submit", str(path), "--payloads", "-", "--sign-key", self.sign_key, "--url", self.submitter_url,
-                    env=self.env, input=json.dumps(payloads))  # fmt: skip
+                    *args, env=self.env, input=json.dumps(payloads))  # fmt: skip
         assert p.returncode == 0, p.stderr
         return p.stdout.strip()
 
@@ -274,7 +275,7 @@ def test_a_finished_signed_task_put_back_in_the_queue_never_runs_again(mesh: Mes
     t = mesh.settle(tid)
     assert t["status"] in ("failed", "queued", "done"), (t, mesh.refused)
     if t["status"] != "done":  # "done": the re-queue did not go through (or it never ended up queued)
-        assert t["status"] == "queued" or t["error"] == "signature: this task already ran to completion (a replay)", t
+        assert t["status"] == "queued" or t["error"] == ENDED, t
     assert mesh.ran(tid) == 1, mesh.refused  # it never ran a second time
 
 
@@ -361,3 +362,130 @@ def test_a_task_s_identity_is_read_from_its_id_in_canonical_form_only():
     assert leased_identity("a-b-3") == ("a-b", 3)
     for bad in ("8f3c2a1b9d0e-00", "8f3c2a1b9d0e-+1", "8f3c2a1b9d0e-", "-3", "8f3c2a1b9d0e-1e0", "8f3c2a1b9d0e"):
         assert leased_identity(bad) is None, bad
+
+
+def _requeue_by_hand(mesh: Mesh, attacker: redis.Redis, job: str, was: str) -> None:
+    """Put an ended task back in place with plain writes, as retry.lua would (queued, pending, ready)."""
+    tid = k.task_id(job, 0)
+    mesh.attempt("re-queue", lambda: attacker.hset(k.task(tid), mapping={"status": "queued", "attempts": 0}))
+    mesh.attempt("re-open", lambda: attacker.hset(k.job(job), mapping={"status": "running", "queued": 1, was: 0}))
+    mesh.attempt("pend", lambda: attacker.zadd(k.pending(job, 0), {k.pending_member(0): 1}))
+    mesh.attempt("ready", lambda: attacker.zadd(k.READY, {k.ready_member(job, 0): 0}))
+
+
+def test_a_cancelled_or_failed_signed_task_runs_again_only_when_its_submitter_retries_it(mesh: Mesh, workers):
+    """A task the submitter cancelled, or one that failed for good, has ended: the worker credential's call
+    of the retry function is refused (and changes nothing), a re-queue by hand is refused by the trusting
+    worker, and only `gpumesh retry` with the submitter's credential runs it again."""
+    from gpumesh.store.scripts import library
+
+    fixed = mesh.tmp / "fixed"
+    flaky = SCRIPT.replace("print(json.dumps({", f"import os\nif not os.path.exists({str(fixed)!r}):\n"
+                           "    sys.exit('not yet')\nprint(json.dumps({")  # fmt: skip
+    cancelled = mesh.submit([{"i": "cancelled"}])
+    p = gpumesh("cancel", cancelled, "--url", mesh.submitter_url, env=mesh.env)
+    assert p.returncode == 0, p.stderr
+    failed = mesh.submit([{"i": "failed"}], flaky, "flaky.py", "--max-attempts", "1")
+    mesh.start_worker(workers)
+    wait_until(lambda: mesh.task(k.task_id(failed, 0))["status"] == "failed", timeout=60, what="the failure")
+    assert mesh.ran(k.task_id(failed, 0)) == 1 and mesh.ran(k.task_id(cancelled, 0)) == 0
+    worker = mesh.client(mesh.worker_url)
+    lib = library()[0]
+    for job, was in ((cancelled, "cancelled"), (failed, "failed")):
+        tid = k.task_id(job, 0)
+        assert mesh.admin.sismember(k.spent(job), "0"), job  # it ended: its index is spent
+        for named in (6, 5):  # with the job's spent set named, and without it (as an old caller would)
+            spent = [k.spent(job)] if named == 6 else []
+            with pytest.raises(redis.exceptions.ResponseError, match="can.t access"):  # the SREM, its first write
+                worker.fcall(f"{lib}_retry", named, k.task(tid), k.job(job), k.EVENTS, k.READY, k.IDLE, *spent,
+                             tid, "1", "0")  # fmt: skip
+        t = mesh.task(tid)
+        assert t["status"] == was and mesh.admin.sismember(k.spent(job), "0"), t  # the refused call changed nothing
+        assert not mesh.attempt("forget that it ended", lambda job=job: worker.srem(k.spent(job), "0"))
+        p = gpumesh("retry", job, "--cancelled", "--url", mesh.worker_url, env=mesh.env)
+        assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+        _requeue_by_hand(mesh, worker, job, was)
+    for job in (cancelled, failed):
+        wait_until(lambda job=job: mesh.task(k.task_id(job, 0))["status"] == "failed", timeout=30,
+                   what="the trusting worker to refuse the re-queued task")  # fmt: skip
+        assert mesh.task(k.task_id(job, 0))["error"] == ENDED
+    assert mesh.ran(k.task_id(failed, 0)) == 1 and mesh.ran(k.task_id(cancelled, 0)) == 0  # neither ran again
+    # the submitter's retry takes the index out again: the task runs, and completes
+    fixed.touch()
+    p = gpumesh("retry", failed, "--url", mesh.submitter_url, env=mesh.env)
+    assert p.returncode == 0, p.stderr
+    wait_until(lambda: mesh.task(k.task_id(failed, 0))["status"] == "done", timeout=60, what="the retried task")
+    assert mesh.ran(k.task_id(failed, 0)) == 2
+    assert json.loads(mesh.task(k.task_id(failed, 0))["result"]) == {"echo": {"i": "failed"}}
+    assert mesh.results(failed, "--verify").returncode == 0
+    p = gpumesh("retry", cancelled, "--cancelled", "--url", mesh.submitter_url, env=mesh.env)
+    assert p.returncode == 0, p.stderr  # the refused copy failed for good: a plain retry re-queues it
+    wait_until(lambda: mesh.task(k.task_id(cancelled, 0))["status"] == "done", timeout=60, what="the retried task")
+    assert mesh.ran(k.task_id(cancelled, 0)) == 1
+
+
+FILES = (
+    "import json, os, sys\np = json.load(sys.stdin)\n"
+    "open(os.path.join(os.environ['GPUMESH_OUTPUT_DIR'], 'out.txt'), 'w').write('honest ' + str(p['i']))\n"
+    "print(json.dumps({'wrote': p['i']}))\n"
+)
+
+
+def test_a_result_whose_output_files_were_changed_does_not_verify(mesh: Mesh, workers):
+    """The result proof covers the artifact index (each file's SHA-256, which `pull` checks the bytes
+    against): a worker credential that rewrites a task's index, or drops it, leaves that result NOT VERIFIED."""
+    job = mesh.submit([{"i": i} for i in range(3)], FILES, "files.py")
+    mesh.start_worker(workers)
+    wait_until(lambda: all(mesh.task(k.task_id(job, i)).get("status") == "done" for i in range(3)), timeout=60,
+               what="the job")  # fmt: skip
+    p = mesh.results(job, "--json", "--verify")
+    assert p.returncode == 0, p.stderr
+    assert [r["verified"] for r in json.loads(p.stdout)] == [True, True, True]
+    worker = mesh.client(mesh.worker_url)
+    index = json.loads(mesh.task(k.task_id(job, 1))["artifacts"])
+    assert [f["path"] for f in index["files"]] == ["out.txt"]
+    index["files"][0]["sha256"] = hashlib.sha256(b"forged").hexdigest()  # other bytes, the proof kept
+    index["files"][0]["bytes"] = len(b"forged")
+    worker.hset(k.task(k.task_id(job, 1)), "artifacts", json.dumps(index, separators=(",", ":")))
+    worker.hdel(k.task(k.task_id(job, 2)), "artifacts")  # its files disowned
+    p = mesh.results(job, "--json", "--verify")
+    assert p.returncode == 1 and "task(s) 1, 2" in p.stderr, p.stderr
+    assert [r["verified"] for r in json.loads(p.stdout)] == [True, False, False]
+    assert mesh.results(job).stdout.count("NOT VERIFIED") == 2
+
+
+def test_every_way_a_task_ends_for_good_marks_it_spent_and_retry_unmarks_it(broker, r: redis.Redis):
+    """Final failure by its worker (fail) or by the reaper (a lapsed lease), and cancel, add a signed
+    task's index to its job's spent set; retry (with --cancelled) takes them out. An unsigned job has no
+    spent set, and none is made (it would have no expiry)."""
+    from gpumesh.models import JobOptions
+    from gpumesh.signing import SPENT_PLACEHOLDER
+    from gpumesh.store import scripts
+    from gpumesh.worker.reaper import reap_once
+
+    def job_of_three() -> tuple[str, list[str]]:
+        res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(3)], JobOptions(max_attempts=1))
+        return res.job_id, broker.task_ids(res.job_id)
+
+    def end_all(tids: list[str]) -> None:
+        lease = scripts.acquire(broker.scripts, r, tids[0], "w", 30)
+        assert isinstance(lease, scripts.Lease)
+        time.sleep(0.08)
+        assert reap_once(broker, audit_grace_ms=0)["failed"] == 1
+        lease = scripts.acquire(broker.scripts, r, tids[1], "w", 30_000)
+        assert isinstance(lease, scripts.Lease)
+        assert scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1).status == "failed"
+        assert int(scripts.cancel(broker.scripts, r, tids[2])[0]) == 1
+
+    signed, tids = job_of_three()
+    r.sadd(k.spent(signed), SPENT_PLACEHOLDER)  # what a signed submit makes (with its TTL)
+    r.expire(k.spent(signed), 3600)
+    end_all(tids)
+    assert r.smembers(k.spent(signed)) == {SPENT_PLACEHOLDER, "0", "1", "2"}
+    assert [r.hget(k.task(t), "status") for t in tids] == ["failed", "failed", "cancelled"]
+    assert broker.retry(signed, cancelled=True)[0] == 3
+    assert r.smembers(k.spent(signed)) == {SPENT_PLACEHOLDER} and r.ttl(k.spent(signed)) > 0
+    unsigned, tids = job_of_three()
+    end_all(tids)
+    assert not r.exists(k.spent(unsigned))
+    assert broker.retry(unsigned, cancelled=True)[0] == 3

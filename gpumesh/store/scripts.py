@@ -1,7 +1,7 @@
 """The task state machine: one atomic Lua script per transition, run as a Redis Functions library.
 
 The transition scripts (``lua/_lib.lua`` + ``lua/<name>.lua``) are built into one library,
-``gpumesh_<hash>`` (the hash is of the sources, so two gpumesh versions can share a broker), with one
+``gpumesh_<hash>`` (the hash is of the sources; ``serve`` deletes every other version's), with one
 function per script; clients call them with ``FCALL``, never ``EVAL``: a broker that `gpumesh serve`
 runs refuses ``EVAL``/``EVALSHA``/``SCRIPT``/``FUNCTION`` to workers and submitters (they could freeze
 Redis with a Lua loop of their own). ``serve`` loads the library at every start; elsewhere (a plain
@@ -39,6 +39,7 @@ import redis
 import redis.client
 
 from gpumesh.errors import BrokerError
+from gpumesh.signing import leased_identity
 from gpumesh.store import artifacts, keys
 
 NAMES = (
@@ -215,6 +216,18 @@ def _task_keys(task_id: str, *extra: str) -> list[str]:
     ]
 
 
+def spent_member(task_id: str) -> str:
+    """A task's member in its job's spent set: its index as read from its id (signing.leased_identity),
+    '' for an id submit does not make. The set records a signed task that ended for good (done, failed
+    for good, cancelled): trusting workers refuse to run it (executor._refusal) until `retry` takes it out."""
+    identity = leased_identity(task_id)
+    return str(identity[1]) if identity else ""
+
+
+def _spent_key(task_id: str) -> str:
+    return keys.spent(keys.job_of_task(task_id))
+
+
 def _fields(r: list[Any]) -> dict[str, Any]:
     """The named results of a reply: the field/value pairs after ``ok`` and ``status``."""
     return dict(zip(r[2::2], r[3::2]))
@@ -264,6 +277,26 @@ def _lease(r: list[Any], token: str) -> Lease | str:
     if int(r[0]) != 1:
         return str(r[1])
     f = _fields(r)
+    try:
+        return _read_lease(f, token)
+    except (KeyError, TypeError, ValueError) as exc:  # the functions check these fields: a bug, or an old library
+        raise MalformedLease(str(f.get("task_id", "")), token, f"{type(exc).__name__}: {exc}") from None
+
+
+class MalformedLease(ValueError):
+    """A lease reply whose fields do not read as a Lease (the functions refuse to lease such a task; an
+    older library might not). It holds the lease: the worker fails the task with it (``lease``)."""
+
+    def __init__(self, task_id: str, token: str, why: str) -> None:
+        super().__init__(f"task {task_id or '?'} has malformed fields ({why})")
+        self.task_id, self.token = task_id, token
+
+    def lease(self) -> Lease:
+        """Enough of a Lease to fail the task with (fail needs only its id and token)."""
+        return Lease(self.task_id, self.token, 0, keys.job_of_task(self.task_id), 0, "", "", "", 0.0)
+
+
+def _read_lease(f: dict[str, Any], token: str) -> Lease:
     return Lease(
         task_id=f["task_id"],
         token=token,
@@ -338,8 +371,10 @@ def fail(
 ) -> Outcome:  # fmt: skip
     mode = "reject" if reject else ("release" if release else "fail")
     r = s["fail"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE),
-        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode],
+        keys=_task_keys(
+            lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE, _spent_key(lease.task_id)
+        ),
+        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode, spent_member(lease.task_id)],
         client=client,
     )
     return _outcome(r)
@@ -368,7 +403,11 @@ def heartbeat(
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:
     """Requeue (or fail) a task whose lease lapsed; the raw reply, for ``reap_outcome`` (pipelines)."""
-    return s["reap"](keys=_task_keys(task_id, keys.READY, keys.STATS, keys.IDLE), args=[task_id], client=client)
+    return s["reap"](
+        keys=_task_keys(task_id, keys.READY, keys.STATS, keys.IDLE, _spent_key(task_id)),
+        args=[task_id, spent_member(task_id)],
+        client=client,
+    )
 
 
 def reap_outcome(r: list[Any]) -> Outcome:
@@ -377,14 +416,19 @@ def reap_outcome(r: list[Any]) -> Outcome:
 
 
 def cancel(s: Scripts, client: Any, task_id: str) -> Any:
-    """The raw reply: [1, 'cancelled', 'previous', status] or [0, status or 'missing']."""
-    return s["cancel"](keys=_task_keys(task_id, keys.READY), args=[task_id], client=client)
+    """The raw reply: [1, 'cancelled', 'previous', status] or [0, status or 'missing']. A signed job's
+    cancelled task joins its spent set (as one that failed for good does, in fail and reap)."""
+    return s["cancel"](
+        keys=_task_keys(task_id, keys.READY, _spent_key(task_id)), args=[task_id, spent_member(task_id)], client=client
+    )
 
 
 def retry(s: Scripts, client: Any, task_id: str, cancelled: bool = False) -> Any:
-    """The raw reply: [1, 'queued'] or [0, status or 'missing']. ``cancelled``: a cancelled task too."""
+    """The raw reply: [1, 'queued'] or [0, status or 'missing']. ``cancelled``: a cancelled task too.
+    Takes the task out of its job's spent set first: a worker credential, which may not, is refused."""
     return s["retry"](
-        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.READY, keys.IDLE],
-        args=[task_id, "1" if cancelled else "0"],
+        keys=[keys.task(task_id), keys.job(keys.job_of_task(task_id)), keys.EVENTS, keys.READY, keys.IDLE,
+              _spent_key(task_id)],
+        args=[task_id, "1" if cancelled else "0", spent_member(task_id)],
         client=client,
-    )
+    )  # fmt: skip

@@ -268,7 +268,9 @@ class Executor:
         spent = str(identity[1]) if lease.signature and identity else ""
         stored: tuple[tuple[str, str], ...] = ()
         if self.result_signer is not None:
-            proof = self.result_signer.proof(lease.task_id, lease.attempt, result, self.w.worker_id)
+            # The proof covers the artifact index complete stores (each file's SHA-256): the files too.
+            index = artifacts.dumps(staged.index) if staged is not None else ""
+            proof = self.result_signer.proof(lease.task_id, lease.attempt, result, self.w.worker_id, index)
             stored = ((PROOF_FIELD, proof),)
         res = self._patiently(
             lambda: scripts.complete(
@@ -285,8 +287,10 @@ class Executor:
     def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
         """Why this task must not run here: its script is not what its hash says, or (on a worker that
         trusts keys) its signature is missing, wrong, from an untrusted key, or expired, or the task
-        already ran to completion. The job id and index the signature must cover are the leased task's
-        own (from its id, i.e. its key), never the fields stored with it, which anyone may copy."""
+        already ended for good (its job's spent set has it: completed, failed for good or cancelled; only
+        the submitter's `retry` takes it out). The job id and index the signature must cover are the
+        leased task's own (from its id, i.e. its key), never the fields stored with it, which anyone may
+        copy."""
         if hashlib.sha256(source.encode()).hexdigest() != lease.script_sha:
             return "the script in the broker does not match its hash (tampered)"
         verifier = self.w.verifier
@@ -312,7 +316,7 @@ class Executor:
             if not made:
                 why = "signature: the job's record of completed tasks is missing (deleted, or the job expired)"
             elif ran:
-                why = "signature: this task already ran to completion (a replay)"
+                why = "signature: this task already ended (it completed, failed for good or was cancelled): a replay"
         return why
 
     def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:

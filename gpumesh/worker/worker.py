@@ -58,6 +58,9 @@ STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only i
 # The broker refuses this worker's credentials: its ACL user was deleted or disabled (`gpumesh access revoke`),
 # or stripped of the commands a worker needs. Nothing it does can succeed any more.
 REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
+# What a dispatch raises on garbage in Redis (a function's error, an unreadable reply or RQ job): never
+# the worker's end. (REFUSED, a ResponseError too, is caught before it.)
+BAD_DATA: tuple[type[Exception], ...] = (redis.ResponseError, ValueError, KeyError, TypeError, IndexError)
 
 
 def refusal(job: Job) -> str | None:
@@ -174,6 +177,8 @@ class MeshWorker(SimpleWorker):
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         self.isolation, self.isolation_said = isolation_of(self.settings)
+        root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
+        self.sockets_said = landlock.unix_socket_warnings(self.isolation is not None, root_tasks)
         if sandbox_user is not None:  # root runs this interpreter before it drops to the sandbox user
             _refuse_writable_interpreter(self.settings.sandbox_python or sys.executable, *sandbox_user)
         super().__init__(
@@ -203,6 +208,7 @@ class MeshWorker(SimpleWorker):
 
     def _dequeue(self, timeout: int | None, max_idle_time: int | None) -> Any:
         idle_since = time.monotonic()
+        errors = 0  # dispatches in a row that failed on what some credential wrote into Redis
         while not (self._stop_requested or self.fatal):
             try:
                 if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
@@ -221,6 +227,17 @@ class MeshWorker(SimpleWorker):
                 log.warning("broker unreachable while asking for work (%s); waiting for it", exc)
                 self._wait_for_broker()
                 continue
+            except BAD_DATA as exc:
+                # Whatever a credential wrote into a job, a task or our queue: that one dispatch failed, not
+                # the worker (RQ's loop would quit on it, and every worker with it). The functions drop
+                # what they cannot read, so the next dispatch finds other work; back off meanwhile.
+                errors += 1
+                self._bad_dispatch(exc)
+                if timeout is None and errors >= 5:
+                    return None  # burst: stop asking, as when there is nothing to run
+                self._sleep_after_error(errors)
+                continue
+            errors = 0
             if timeout is None:
                 return None
             if max_idle_time is not None and time.monotonic() - idle_since >= max_idle_time:
@@ -228,6 +245,21 @@ class MeshWorker(SimpleWorker):
             self._sleep_until_woken(timeout)
         self._hand_back_all("the worker is stopping")
         return None
+
+    def _bad_dispatch(self, exc: Exception) -> None:
+        log.warning("asking for work failed (%s: %s); carrying on", type(exc).__name__, str(exc)[:300])
+        if isinstance(exc, scripts.MalformedLease) and exc.task_id:
+            try:  # it holds a lease on that task: fail it for good, with the reason, rather than let it lapse
+                scripts.fail(self.broker.scripts, self.broker.r, exc.lease(), self.worker_id, str(exc), 0.0,
+                             reject=True)  # fmt: skip
+            except (redis.RedisError, ValueError, KeyError, TypeError, IndexError) as again:
+                log.warning("could not fail %s (%s); its lease will lapse", exc.task_id, again)
+
+    def _sleep_after_error(self, errors: int) -> None:
+        delay = min(5.0, 0.2 * 2 ** min(errors, 5))
+        deadline = time.monotonic() + delay
+        while not (self._stop_requested or self.fatal) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _next_lease(self) -> scripts.Lease | None:
         """The next thing to run: a straggler's backup when the fleet changed, else a dispatched task,
@@ -385,8 +417,12 @@ class MeshWorker(SimpleWorker):
             super().heartbeat(timeout, pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
-        with self._unless_refused():
-            super().check_for_suspension(burst)
+        # RQ's `rq suspend` (the key rq:suspended) is not a gpumesh feature: RQ would pause every worker
+        # (and end burst ones) for whoever writes that key, and any worker credential may write RQ's keys.
+        # gpumesh stops workers with its own controls (the epoch, revoking a credential, a signal), so
+        # the key is ignored here.
+        if self.revoked:
+            raise StopRequested
 
     def run_maintenance_tasks(self) -> None:
         with self._unless_refused():
@@ -459,6 +495,8 @@ class MeshWorker(SimpleWorker):
             log.warning(self.isolation_said)
         else:
             log.info(self.isolation_said)
+        for line in self.sockets_said:
+            log.warning(line)
         swept = sweep_dead_workers_dirs()
         if swept:
             log.info("removed %d task directories that workers which died on this machine left behind", swept)

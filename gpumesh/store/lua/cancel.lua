@@ -1,9 +1,11 @@
 -- cancel: queued|running -> cancelled. A running task's worker learns it at its next heartbeat.
 --
 -- cancel(
---   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset},
---   args = {task id}
+--   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset, the job's spent set},
+--   args = {task id, this task's member in the spent set ('' = none)}
 -- )
+-- A signed job's cancelled task joins its spent set: it has ended for good, and no trusting worker runs it
+-- again unless the submitter retries it (retry.lua takes it out again).
 -- Reply (see _lib.lua): {1, 'cancelled', 'previous', the status it had}, or {0, status or 'missing'}
 -- when it had already ended.
 
@@ -13,8 +15,10 @@ local leases_key = KEYS[3]
 local job_key = KEYS[4]
 local events_key = KEYS[5]
 local ready_key = KEYS[6]
+local spent_key = KEYS[7]  -- declared; the name used is made from the task id (below)
 
 local task_id = ARGV[1]
+local spent = ARGV[2] or ''
 
 local status = redis.call('HGET', task_key, 'status')
 if status ~= 'queued' and status ~= 'running' then
@@ -30,6 +34,9 @@ clear_backup(task_key)
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, status, 'cancelled')
+if spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
+  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- only a signed job has one (made at submit, with its TTL)
+end
 emit(events_key, 'task', task_id, 'cancelled')
 ended(job_key, task_id, 'cancelled')
 maybe_finish(job_key, events_key, job_id, ms)

@@ -73,6 +73,7 @@ clear_current(worker_key, task_id)
 if promote and redis.call('EXISTS', staged_key) == 0 then
   artifacts = ''  -- its staging expired before it completed: no index that names missing chunks
   redis.call('HINCRBY', stats_key, 'artifacts_lost', 1)
+  redis.call('HSET', task_key, 'artifacts_lost', '1')  -- its result proof names an index it lacks (signing.py)
 end
 if artifacts ~= '' then
   redis.call('HSET', task_key, 'artifacts', artifacts)

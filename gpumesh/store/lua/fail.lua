@@ -2,11 +2,14 @@
 --
 -- fail(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset, stats hash,
---           idle set},
---   args = {task id, lease token (the plain token), error text, duration (s), mode}
+--           idle set, the job's spent set},
+--   args = {task id, lease token (the plain token), error text, duration (s), mode,
+--           this task's member in the spent set ('' = none)}
 -- )
 -- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
 -- good whatever attempts remain (a task that must never run, such as a bad signature).
+-- A signed job's task that fails for good joins its spent set: no trusting worker runs it again unless
+-- the submitter retries it (retry.lua takes it out again).
 -- Reply (see _lib.lua): {1, 'queued' | 'failed', 'attempts', attempts spent}, {0, why} as complete.lua,
 -- or {1, 'running', 'attempts', 0} when the task runs on: a backup copy ended (it is dropped), or the
 -- primary ended while a live backup runs (the backup becomes the primary).
@@ -20,12 +23,14 @@ local worker_key = KEYS[6]
 local ready_key = KEYS[7]
 local stats_key = KEYS[8]
 local idle_key = KEYS[9]
+local spent_key = KEYS[10]  -- declared; the name used is made from the task id (below)
 
 local task_id = ARGV[1]
 local token = ARGV[2]
 local err = ARGV[3]
 local duration = ARGV[4]
 local mode = ARGV[5]
+local spent = ARGV[6] or ''
 
 local copy, refused = holder(task_key, token)
 if not copy then
@@ -47,8 +52,12 @@ end
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 clear_backup(task_key)
-return end_attempt({
+local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
   stats_key = stats_key, task_id = task_id, error = err, duration = duration, ms = ms,
   refund = mode == 'release', final = mode == 'reject',
 })
+if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
+  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)
+end
+return r

@@ -2,9 +2,11 @@
 -- unless a live backup copy runs it: that copy becomes the primary.
 --
 -- reap(
---   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset, stats hash, idle set},
---   args = {task id}
+--   keys = {task hash, lease key, leases zset, job hash, events stream, ready zset, stats hash, idle set,
+--           the job's spent set},
+--   args = {task id, this task's member in the spent set ('' = none)}
 -- )
+-- A signed job's task failed for good here joins its spent set, as in fail.lua.
 -- Reply (see _lib.lua): end_attempt's {1, 'queued' | 'failed', 'attempts', attempts spent}; or
 -- {0, 'renewed'} (the lease is still alive, or a live backup took over) or {0, 'gone'} (not running).
 
@@ -16,8 +18,10 @@ local events_key = KEYS[5]
 local ready_key = KEYS[6]
 local stats_key = KEYS[7]
 local idle_key = KEYS[8]
+local spent_key = KEYS[9]  -- declared; the name used is made from the task id (below)
 
 local task_id = ARGV[1]
+local spent = ARGV[2] or ''
 
 local t = redis.call('HMGET', task_key, 'status', 'worker')
 local status, worker = t[1], t[2]
@@ -40,7 +44,11 @@ redis.call('ZREM', leases_key, task_id)
 clear_backup(task_key)
 local err = 'lease expired: worker ' .. (worker or '?') .. ' stopped heartbeating'
 redis.call('HINCRBY', stats_key, 'lease_expired', 1)
-return end_attempt({
+local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
   stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms,
 })
+if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
+  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)
+end
+return r
