@@ -170,6 +170,8 @@ class MeshWorker(SimpleWorker):
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._hb_failing = False
+        self._beat_ok_at = time.monotonic()  # when a heartbeat last succeeded (renewed our registration and lease)
+        self._stalled_said = False
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
@@ -211,6 +213,9 @@ class MeshWorker(SimpleWorker):
         errors = 0  # dispatches in a row that failed on what some credential wrote into Redis
         while not (self._stop_requested or self.fatal):
             try:
+                if not self.dispatched and self._heartbeat_stalled():
+                    self._sleep_after_error(1)  # no new work until a heartbeat gets through again
+                    continue
                 if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
                     result = super().dequeue_job_and_maintain_ttl(None)
                     if result is not None:
@@ -245,6 +250,22 @@ class MeshWorker(SimpleWorker):
             self._sleep_until_woken(timeout)
         self._hand_back_all("the worker is stopping")
         return None
+
+    def _heartbeat_stalled(self) -> bool:
+        """Whether no heartbeat has succeeded for a lease TTL: a worker whose heartbeat is stuck cannot renew
+        a lease, so each task it took would be leased again elsewhere (and this attempt killed) at the TTL,
+        every attempt spent here while healthy workers idle. It takes no new task until a beat gets through;
+        said once each way."""
+        stalled = time.monotonic() - self._beat_ok_at > self.settings.lease_ttl
+        if stalled and not self._stalled_said:
+            log.warning(
+                "no heartbeat has succeeded for %.0fs (the lease TTL): taking no new task until one does",
+                time.monotonic() - self._beat_ok_at,
+            )
+        elif not stalled and self._stalled_said:
+            log.info("heartbeats succeed again: taking work")
+        self._stalled_said = stalled
+        return stalled
 
     def _bad_dispatch(self, exc: Exception) -> None:
         log.warning("asking for work failed (%s: %s); carrying on", type(exc).__name__, str(exc)[:300])
@@ -587,6 +608,7 @@ class MeshWorker(SimpleWorker):
         if not beat.epoch_ok:
             self._broker_lost()
             return
+        self._beat_ok_at = sent_at
         if running is not None:
             if beat.lease == "ok":
                 running.last_renewal = sent_at

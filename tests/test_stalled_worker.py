@@ -1,0 +1,49 @@
+"""A worker whose heartbeat stalls takes no new task (each would be leased again elsewhere at the lease TTL
+and killed here), says so once, and takes work again once a heartbeat gets through."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from .conftest import MeshWorkers, Workers, gpumesh
+from .test_dispatch import sleep_script, submit, wait_done
+
+pytestmark = pytest.mark.faults
+
+
+def ran_on(env: dict[str, str], job: str) -> list[str]:
+    rows = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert all(row["status"] == "done" and row["attempts"] == 1 for row in rows), rows
+    return [row["result"]["worker"] for row in rows]
+
+
+def test_a_worker_whose_heartbeat_stalls_takes_no_new_task_and_recovers(
+    env: dict[str, str], r: redis.Redis, workers: Workers, mesh_worker: MeshWorkers, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+):  # fmt: skip
+    caplog.set_level(logging.INFO, logger="gpumesh.worker")
+    script = sleep_script(tmp_path)
+    workers.start("--name", "healthy", score=1)
+    sick = mesh_worker.start(name="sick", score=50)  # the strongest: placement would give it the work
+    stall = threading.Event()
+    beat = sick._beat
+    sick._beat = lambda: stall.wait()  # its heartbeat thread hangs in its next beat
+    time.sleep(2 * 2 + 1)  # past the lease TTL (2 s in the tests)
+    job = submit(env, script, [{"sleep": 0.2, "cost": 4}] * 4)
+    assert wait_done(env, job)["status"] == "done"
+    assert sick.worker_id not in ran_on(env, job), "the stalled worker took a task"
+    stalled = [rec for rec in caplog.records if "no heartbeat has succeeded" in rec.getMessage()]
+    assert len(stalled) == 1, [rec.getMessage() for rec in caplog.records]
+    sick._beat = beat
+    stall.set()  # the hung beat returns; the next one is real
+    again = submit(env, script, [{"sleep": 0.2, "cost": 4}] * 4)
+    assert wait_done(env, again)["status"] == "done"
+    assert sick.worker_id in ran_on(env, again), "the recovered worker took no task"
+    assert any("heartbeats succeed again" in rec.getMessage() for rec in caplog.records)
