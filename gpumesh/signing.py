@@ -266,7 +266,7 @@ def verify_result(task_id: str, h: dict[str, str], registry: dict[str, str]) -> 
     the broker registers no result keys at all, True when its proof verifies with the registered key of
     the user it names, else False (no proof, an unregistered user, a result, its artifact index or the
     proof changed since). A task whose output files complete had to drop (their staging expired first:
-    ``artifacts_lost``) has no index; its proof is then checked with the digest it names."""
+    ``artifacts_lost``) has no index, so it does not verify: its result lacks the files its worker signed for."""
     if h.get("status") != "done":
         return None, None
     try:
@@ -283,8 +283,10 @@ def verify_result(task_id: str, h: dict[str, str], registry: dict[str, str]) -> 
     if not registered:
         return False, user
     stored = h.get("artifacts") or ""
-    if files_digest(stored) != files and not (not stored and h.get("artifacts_lost") == "1"):
-        return False, user  # output files other than those the worker signed for
+    if files_digest(stored) != files:
+        # Output files other than those the worker signed for, or none where it signed for some: also when
+        # complete had to drop them (artifacts_lost, a field any worker credential can write): not what it made.
+        return False, user
     try:
         from cryptography.exceptions import InvalidSignature
     except ImportError:  # cannot tell here

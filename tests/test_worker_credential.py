@@ -401,6 +401,37 @@ def test_malformed_jobs_and_tasks_written_by_a_worker_credential_stop_no_worker(
             stop_worker(w)
 
 
+def test_counters_and_deliveries_a_worker_credential_corrupts_stop_no_worker(
+    mesh: Mesh, env: dict[str, str], tmp_path: Path
+):
+    """The second review's attacks: statistics and job counters that are not numbers (every complete, fail
+    and reap raised half-way), an RQ job on a worker's queue that RQ cannot read (RQ's loop quit), and SET
+    turning the idle set or a registration into a string."""
+    admin, attacker = mesh.client("admin"), mesh.client("worker")
+    (tmp_path / "echo.py").write_text(ECHO_SCRIPT)
+    (tmp_path / "three.json").write_text(json.dumps([{"i": i} for i in range(3)]))
+    for key in (keys.STATS, keys.STATS_DURATION):
+        attacker.hset(key, mapping={f: "x" for f in ("done", "failed", "retried", "lease_expired", "count", "sum")})
+    assert refused(attacker, "SET", keys.IDLE, "x") and refused(attacker, "SET", keys.worker("w1"), "x")
+    worker = start_worker(env, mesh.urls["worker"], tmp_path / "w.log", "2")
+    try:
+        wait_until(lambda: admin.zcard(keys.WORKERS) == 1, timeout=30, what="the worker to join")
+        (worker_id,) = admin.zrange(keys.WORKERS, 0, -1)
+        queue = keys.queue_name(worker_id)
+        attacker.hset("rq:job:planted", mapping={"data": "d", "timeout": "zz", "status": "queued"})
+        attacker.rpush(f"rq:queue:{queue}", "planted")
+        job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+        wait_until(lambda: admin.hget(keys.job(job), "status") == "done", timeout=60, what="the job")
+        assert mesh.status(job)["tasks"]["done"] == 3
+        assert admin.hget(keys.job(job), "done") == "3", "the job's own counters still count"
+        attacker.hset(keys.job(job), "done", "x")  # and a finished job's counter, for the next retry
+        again = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+        wait_until(lambda: admin.hget(keys.job(again), "status") == "done", timeout=60, what="a later job")
+        assert worker.poll() is None, (tmp_path / "w.log").read_text()
+    finally:
+        stop_worker(worker)
+
+
 def test_rq_suspension_written_by_a_worker_credential_pauses_no_worker(mesh: Mesh, env: dict[str, str]):
     attacker = mesh.client("worker")
     job = mesh.submit()

@@ -42,13 +42,17 @@ _WORKER_WRITES = [
     "gpumesh:stats", "gpumesh:stats:*", "gpumesh:reaper",
 ]  # fmt: skip
 
-# Families a worker may delete, replace or expire (the _DESTROYERS but the renames): one selector, since
-# a multi-key DEL (a worker leaving deletes its registration, wake list and RQ queue at once) must find
-# all its keys in one.
+# Families a worker may delete or expire: one selector, since a multi-key DEL (a worker leaving deletes
+# its registration, wake list and RQ queue at once) must find all its keys in one.
 _WORKER_REPLACES = [
     "gpumesh:lease:*", "gpumesh:reaper", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:worker:*",
     "gpumesh:task:*:files:*", "rq:*",
 ]  # fmt: skip
+_DELETERS = ["del", "unlink", "getdel", "expire", "pexpire", "expireat", "pexpireat", "persist"]
+# Of those, the families a worker may also replace whatever they hold (SET and the *STORE commands): the
+# strings it owns. Not the idle set or a registration: SET on them would turn a set or hash into a string
+# and break every function that reads them.
+_WORKER_SETS = ["gpumesh:lease:*", "gpumesh:reaper", "rq:*"]
 
 # Submitters write everything of gpumesh's but the epoch and the result-signing keys.
 _SUBMITTER_WRITES = [
@@ -76,7 +80,8 @@ WORKER = [
     *[f"-{c}" for c in _DESTROYERS], "+subscribe", "+unsubscribe", "+psubscribe", "+punsubscribe", *_CLIENT,
     # selectors: each allows its commands on its keys only
     _FCALL,
-    "(" + " ".join([*[f"~{k}" for k in _WORKER_REPLACES], *[f"+{c}" for c in _DESTROYERS if "rename" not in c]]) + ")",
+    "(" + " ".join([*[f"~{k}" for k in _WORKER_REPLACES], *[f"+{c}" for c in _DELETERS]]) + ")",
+    "(" + " ".join([*[f"~{k}" for k in _WORKER_SETS], *[f"+{c}" for c in _DESTROYERS if "rename" not in c]]) + ")",
     # a winning copy's staged files become the task's (complete): RENAME reads and deletes its source, so
     # the kept files (write only here) can be a destination, never a source (renamed away, then deleted)
     "(%RW~gpumesh:task:*:files:* %W~gpumesh:task:*:files +rename)",

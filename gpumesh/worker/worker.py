@@ -217,7 +217,7 @@ class MeshWorker(SimpleWorker):
                     self._sleep_after_error(1)  # no new work until a heartbeat gets through again
                     continue
                 if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
-                    result = super().dequeue_job_and_maintain_ttl(None)
+                    result = self._pop_delivery()
                     if result is not None:
                         return result
                     self._hand_back_all("its delivery vanished from the worker's queue")
@@ -250,6 +250,19 @@ class MeshWorker(SimpleWorker):
             self._sleep_until_woken(timeout)
         self._hand_back_all("the worker is stopping")
         return None
+
+    def _pop_delivery(self) -> Any:
+        """RQ's pop of our queue. An RQ job that cannot be read (a timeout field RQ's parser asserts on, say:
+        anything a credential can write there) makes RQ raise what its loop would quit on: it is dropped
+        here, said, and the worker carries on (its lease, if any, is handed back when its delivery vanishes)."""
+        try:
+            return super().dequeue_job_and_maintain_ttl(None)
+        except (StopRequested, redis.RedisError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever RQ raises on a delivery it cannot read
+            log.warning("dropped an unreadable delivery from this worker's queue (%s: %s)", type(exc).__name__,
+                        str(exc)[:200])  # fmt: skip
+            return None
 
     def _heartbeat_stalled(self) -> bool:
         """Whether no heartbeat has succeeded for a lease TTL: a worker whose heartbeat is stuck cannot renew
@@ -522,7 +535,10 @@ class MeshWorker(SimpleWorker):
         if swept:
             log.info("removed %d task directories that workers which died on this machine left behind", swept)
         self._register()
-        self._beat()
+        try:
+            self._beat()
+        except BAD_DATA as exc:  # something in Redis it cannot read: the heartbeat thread keeps trying
+            log.warning("first heartbeat failed (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
         self._hb_thread.start()
         log.info(

@@ -223,7 +223,11 @@ local function end_attempt(a)
   local max_attempts = tonumber(redis.call('HGET', job_key, 'max_attempts') or 1)
   local job_id = job_of(a.task_id)
   if a.refund then
-    attempts = redis.call('HINCRBY', task_key, 'attempts', -1)
+    attempts = redis.pcall('HINCRBY', task_key, 'attempts', -1)
+    if type(attempts) ~= 'number' then  -- not a number (written by some credential): start the count again
+      attempts = 0
+      redis.pcall('HSET', task_key, 'attempts', 0)
+    end
   end
   if a.error ~= '' then
     redis.call('HSET', task_key, 'error', a.error)
@@ -234,14 +238,14 @@ local function end_attempt(a)
     make_pending({task_key = task_key, job_key = job_key, ready_key = a.ready_key, idle_key = a.idle_key,
       job_id = job_id})
     if not a.refund then
-      redis.call('HINCRBY', a.stats_key, 'retried', 1)
+      incr(a.stats_key, 'retried', 1)
     end
     emit(a.events_key, 'task', a.task_id, 'queued')
     return {1, 'queued', 'attempts', attempts}
   end
   redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(a.ms), 'duration', a.duration)
   move(job_key, 'running', 'failed')
-  redis.call('HINCRBY', a.stats_key, 'failed', 1)
+  incr(a.stats_key, 'failed', 1)
   emit(a.events_key, 'task', a.task_id, 'failed')
   ended(job_key, a.task_id, 'failed')
   -- The first tasks to fail, for status and submit --wait to say why (keys.job_failed)
@@ -345,9 +349,9 @@ local function observe_duration(hist_key, seconds)
       break
     end
   end
-  redis.call('HINCRBY', hist_key, label, 1)
-  redis.call('HINCRBYFLOAT', hist_key, 'sum', seconds)
-  redis.call('HINCRBY', hist_key, 'count', 1)
+  incr(hist_key, label, 1)
+  incr(hist_key, 'sum', seconds, true)
+  incr(hist_key, 'count', 1)
 end
 
 -- Speculation: a running task may have one backup copy on a stronger idle worker (speculate.lua).

@@ -48,7 +48,7 @@ if not copy then
 end
 local ms = now_ms()
 if copy == 'backup' then
-  redis.call('HINCRBY', stats_key, 'speculative_wins', 1)
+  incr(stats_key, 'speculative_wins', 1)
 end
 clear_backup(task_key)
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
@@ -64,20 +64,20 @@ redis.call('ZREM', leases_key, task_id)
 move(job_key, 'running', 'done')
 if score > 0 then  -- seconds per (cost / score): how the dispatcher's callers estimate a straggler's end
   local cost = tonumber(redis.call('HGET', task_key, 'cost') or 1) or 1
-  redis.call('HINCRBYFLOAT', job_key, 'unit_sum', tonumber(duration) * score / cost)
-  redis.call('HINCRBY', job_key, 'unit_n', 1)
+  incr(job_key, 'unit_sum', tonumber(duration) * score / cost, true)
+  incr(job_key, 'unit_n', 1)
 end
-redis.call('HINCRBY', stats_key, 'done', 1)
+incr(stats_key, 'done', 1)
 observe_duration(histogram_key, tonumber(duration))
 clear_current(worker_key, task_id)
 if promote and redis.call('EXISTS', staged_key) == 0 then
   artifacts = ''  -- its staging expired before it completed: no index that names missing chunks
-  redis.call('HINCRBY', stats_key, 'artifacts_lost', 1)
+  incr(stats_key, 'artifacts_lost', 1)
   redis.call('HSET', task_key, 'artifacts_lost', '1')  -- its result proof names an index it lacks (signing.py)
 end
 if artifacts ~= '' then
   redis.call('HSET', task_key, 'artifacts', artifacts)
-  redis.call('HINCRBY', job_key, 'artifact_bytes', artifact_bytes)
+  incr(job_key, 'artifact_bytes', artifact_bytes)
   if artifact_store ~= '' then
     redis.call('HSET', job_key, 'artifact_store', artifact_store)
   end

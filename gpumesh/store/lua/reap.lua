@@ -43,7 +43,7 @@ redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 clear_backup(task_key)
 local err = 'lease expired: worker ' .. (worker or '?') .. ' stopped heartbeating'
-redis.call('HINCRBY', stats_key, 'lease_expired', 1)
+incr(stats_key, 'lease_expired', 1)
 local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
   stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms,

@@ -69,7 +69,7 @@ if primary > 0 and score < primary * speedup then
 end
 redis.call('HSET', task_key, 'backup', digest(token), 'backup_worker', worker_id, 'backup_until', ms + ttl_ms,
   'backup_mode', mode, 'backup_started_at', secs(ms))
-redis.call('HINCRBY', stats_key, 'speculated', 1)
+incr(stats_key, 'speculated', 1)
 if redis.call('EXISTS', worker_key) == 1 then
   redis.call('HSET', worker_key, 'current_task', task_id)
 end
