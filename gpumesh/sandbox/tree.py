@@ -55,19 +55,10 @@ def start_time(pid: int) -> int | None:
 
 
 def children() -> list[int]:
-    """This process's children (every thread's), from /proc."""
-    out: list[int] = []
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                out += [int(pid) for pid in f.read().split()]
-        except OSError:
-            pass
-    return out
+    """This process's children (every thread's), from /proc: the launcher's reading, which its zygote uses too."""
+    from gpumesh.sandbox.launcher import _children
+
+    return _children()
 
 
 class launching:  # noqa: N801 - used as a context manager, like a lock
@@ -216,14 +207,18 @@ def _can_join(path: str) -> bool:
     return done.returncode == 0
 
 
-def _remove_empty(path: str) -> None:
-    for _try in range(200):  # a process that has exited leaves the group a moment later
+def _remove_empty(path: str, reap: bool = False) -> None:
+    """Remove a cgroup once it is empty: a process that has exited leaves the group a moment later
+    (``reap``: reap our orphans meanwhile, a killed member among them)."""
+    for _try in range(200):
         try:
             os.rmdir(path)
             return
         except FileNotFoundError:
             return
         except OSError:
+            if reap:
+                reap_orphans()
             time.sleep(0.005)
 
 
@@ -297,12 +292,4 @@ def end_cgroup(path: str | None, timeout: float = 10.0) -> None:
                     pass
         reap_orphans()
         time.sleep(0.005)
-    for _try in range(200):  # a killed member leaves the group once it has exited: a moment
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            reap_orphans()
-            time.sleep(0.005)
+    _remove_empty(path, reap=True)
