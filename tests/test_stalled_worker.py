@@ -47,3 +47,31 @@ def test_a_worker_whose_heartbeat_stalls_takes_no_new_task_and_recovers(
     assert wait_done(env, again)["status"] == "done"
     assert sick.worker_id in ran_on(env, again), "the recovered worker took no task"
     assert any("heartbeats succeed again" in rec.getMessage() for rec in caplog.records)
+
+
+# Fails on a worker named sick-…; anywhere else it sleeps as long as the payload says and answers.
+SICK = """import json, os, sys, time
+p = json.load(sys.stdin)
+if os.environ["GPUMESH_WORKER_ID"].startswith("sick"):
+    sys.exit("this machine is sick")
+time.sleep(p.get("sleep", 0))
+print(json.dumps({"worker": os.environ["GPUMESH_WORKER_ID"]}))
+"""
+
+
+def test_after_a_failed_attempt_another_live_worker_gets_the_task(
+    env: dict[str, str], workers: Workers, tmp_path: Path
+):
+    """A sick worker that fails whatever it runs does not spend every attempt of a task while a healthy one
+    is busy for a moment: the retry waits (up to a lease TTL) for another worker."""
+    script = tmp_path / "sick.py"
+    script.write_text(SICK)
+    workers.start("--name", "healthy", "--resource", "role=healthy", score=1)
+    workers.start("--name", "sick", score=50)
+    busy = submit(env, script, [{"sleep": 1.2}], "--require", "role=healthy")  # occupies the healthy worker
+    time.sleep(0.3)
+    job = submit(env, script, [{}], "--max-attempts", "3")  # only the sick worker is free for it
+    assert wait_done(env, job)["status"] == "done", gpumesh("results", job, env=env).stdout
+    (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
+    assert row["result"]["worker"].startswith("healthy") and row["attempts"] >= 2, row
+    assert wait_done(env, busy)["status"] == "done"

@@ -367,14 +367,16 @@ def complete(
 
 def fail(
     s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False,
-    reject: bool = False,
+    reject: bool = False, avoid_ms: int = 0,
 ) -> Outcome:  # fmt: skip
+    """End an attempt: requeued (attempts left) or failed; ``release`` hands it back unspent, ``reject`` fails
+    it for good. ``avoid_ms``: after a failed attempt, other live workers get the task first for that long."""
     mode = "reject" if reject else ("release" if release else "fail")
     r = s["fail"](
         keys=_task_keys(
             lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE, _spent_key(lease.task_id)
         ),
-        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode, spent_member(lease.task_id)],
+        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode, spent_member(lease.task_id), avoid_ms],
         client=client,
     )
     return _outcome(r)

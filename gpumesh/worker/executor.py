@@ -321,7 +321,12 @@ class Executor:
 
     def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:
         """The fail script (fail, release or reject); a task back in queued is pending again at once."""
-        return scripts.fail(self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, **mode)
+        # A failed attempt (not one handed back or refused): other live workers get the task first for a
+        # lease TTL, so a sick worker does not spend every attempt of it.
+        avoid_ms = 0 if any(mode.values()) else int(self.settings.lease_ttl * 1000)
+        return scripts.fail(
+            self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, avoid_ms=avoid_ms, **mode
+        )
 
     def _fail(self, running: Running, error: str, duration: float, reject: bool = False) -> str:
         lease = running.lease

@@ -10,6 +10,9 @@
 --     while a lighter task is there); when even the lightest is beyond its horizon it takes the lightest
 --     (no worker idles while work it may run waits; a backup copy can rescue a straggler);
 --  3. lease it (as acquire.lua). Finding nothing, the worker joins the idle set, woken when work arrives.
+-- A task whose last attempt failed on this worker (fail.lua's 'avoid', until 'avoid_until') is left to
+-- the other live workers meanwhile: the next task of its job instead, or another job, or nothing (this
+-- worker asks again within a heartbeat interval, and takes it once the time is up).
 --
 -- dispatch(
 --   keys = {ready zset, scores zset, fleet hash, worker hash, leases zset, events stream, idle set},
@@ -153,7 +156,33 @@ local function meets_class(classes, klass)
   return meets
 end
 
-for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a task no longer queued)
+-- Whether the task at pending member ``member`` of job ``job_id`` waits for another worker than this one.
+local function avoided(job_id, member)
+  local index = numeric(member, 'integer')
+  if not index then
+    return false
+  end
+  local f = redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, 'avoid', 'avoid_until')
+  return type(f) == 'table' and not f.err and f[1] == worker_id and (tonumber(f[2]) or 0) > now_ms()
+end
+
+-- ``pick`` unless this worker should leave it to others; then the lightest of the next few it need not
+-- leave, or nil (none: this job is not for this worker now).
+local function unavoided(job_id, pk, pick)
+  if n <= 1 or not avoided(job_id, pick[1]) then
+    return pick
+  end
+  local some = redis.call('ZRANGE', pk, 0, 7, 'WITHSCORES')
+  for i = 1, #some, 2 do
+    if not avoided(job_id, some[i]) then
+      return {some[i], some[i + 1]}
+    end
+  end
+  return nil
+end
+
+local skip = {}  -- ready members left to other workers in this dispatch (see avoided)
+for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or a task is left to others
   local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
   local best, best_prio, best_running, best_created, best_job, best_class, best_fields
   for i = 1, #entries, 2 do
@@ -161,27 +190,29 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
     if best and prio < best_prio then
       break
     end
-    local job_id, klass = string.match(member, '^(.*)/(%d+)$')
-    if klass and #klass > 6 then
-      job_id = nil  -- no job has a million requirement classes
-    end
-    local job = job_id and redis.pcall('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
-    local classes = type(job) == 'table' and not job.err and job[1]  -- JSON: per requirement class, its requirements
-    local ok = true
-    if type(classes) == 'string' and classes ~= NO_REQUIREMENTS then
-      ok = meets_class(classes, klass)
-    end
-    if type(classes) ~= 'string' or ok == nil or redis.call('TYPE', pending_key(job_id, klass)).ok ~= 'zset' then
-      redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted (or not a job at all)
-    else
-      if ok and trusting then
-        ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
+    if not skip[member] then  -- left to other workers in this dispatch (see avoided)
+      local job_id, klass = string.match(member, '^(.*)/(%d+)$')
+      if klass and #klass > 6 then
+        job_id = nil  -- no job has a million requirement classes
       end
-      if ok then
-        local running, created = tonumber(job[2]) or 0, tonumber(job[3]) or 0
-        if not best or running < best_running or (running == best_running and created < best_created) then
-          best, best_prio, best_running, best_created = member, prio, running, created
-          best_job, best_class, best_fields = job_id, klass, job
+      local job = job_id and redis.pcall('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
+      local classes = type(job) == 'table' and not job.err and job[1]  -- JSON: per requirement class, its requirements
+      local ok = true
+      if type(classes) == 'string' and classes ~= NO_REQUIREMENTS then
+        ok = meets_class(classes, klass)
+      end
+      if type(classes) ~= 'string' or ok == nil or redis.call('TYPE', pending_key(job_id, klass)).ok ~= 'zset' then
+        redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted (or not a job at all)
+      else
+        if ok and trusting then
+          ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
+        end
+        if ok then
+          local running, created = tonumber(job[2]) or 0, tonumber(job[3]) or 0
+          if not best or running < best_running or (running == best_running and created < best_created) then
+            best, best_prio, best_running, best_created = member, prio, running, created
+            best_job, best_class, best_fields = job_id, klass, job
+          end
         end
       end
     end
@@ -211,40 +242,47 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale (a 
   if not pick or not pick[1] then
     pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
   end
-  local index, cost = numeric(pick[1], 'integer'), tonumber(pick[2])
-  if not index or index < 0 then  -- not a task's index: out of the pending set, and look again
-    redis.call('ZREM', pk, pick[1])
-    index = -1
+  if pick[1] then
+    pick = unavoided(best_job, pk, pick)
   end
-  local task_id = best_job .. '-' .. index
-  local task_key = PREFIX .. 'task:' .. task_id
-  local task = index >= 0 and redis.pcall('HMGET', task_key, unpack(TAKE_TASK)) or {}
-  if task.err then
-    task = {}  -- not a hash: not a task
-  end
-  local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
-    cost = cost, klass = best_class}
-  local why = task[1] == 'queued' and malformed(task, best_fields, index)
-  if why then
-    unpend(taken)
-    redis.call('ZREM', pk, pick[1])
-    refuse({task_key = task_key, job_key = job_key, task_id = task_id, job_id = best_job}, why)
-  elseif task[1] == 'queued' then  -- its status
-    unpend(taken)
-    redis.call('SREM', idle_key, worker_id)
-    return take({
-      task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
-      events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
-      ms = now_ms(), task = task, job = best_fields, job_from = CHOOSE_BY, worker_known = raw ~= nil,
-      fleet_version = version, token = token,
-    })
-  end
-  if not why then
-    -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
-    if index >= 0 then
-      unpend(taken)
+  if not pick then
+    skip[best] = true  -- its tasks wait for another worker: look at the other jobs
+  else
+    local index, cost = numeric(pick[1], 'integer'), tonumber(pick[2])
+    if not index or index < 0 then  -- not a task's index: out of the pending set, and look again
+      redis.call('ZREM', pk, pick[1])
+      index = -1
     end
-    redis.call('ZREM', pk, pick[1])  -- the member as it is (unpend removes it padded)
+    local task_id = best_job .. '-' .. index
+    local task_key = PREFIX .. 'task:' .. task_id
+    local task = index >= 0 and redis.pcall('HMGET', task_key, unpack(TAKE_TASK)) or {}
+    if task.err then
+      task = {}  -- not a hash: not a task
+    end
+    local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
+      cost = cost, klass = best_class}
+    local why = task[1] == 'queued' and malformed(task, best_fields, index)
+    if why then
+      unpend(taken)
+      redis.call('ZREM', pk, pick[1])
+      refuse({task_key = task_key, job_key = job_key, task_id = task_id, job_id = best_job}, why)
+    elseif task[1] == 'queued' then  -- its status
+      unpend(taken)
+      redis.call('SREM', idle_key, worker_id)
+      return take({
+        task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
+        events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
+        ms = now_ms(), task = task, job = best_fields, job_from = CHOOSE_BY, worker_known = raw ~= nil,
+        fleet_version = version, token = token,
+      })
+    end
+    if not why then
+      -- not queued any more: a stale entry, drop it (and its cost from the horizon) and look again
+      if index >= 0 then
+        unpend(taken)
+      end
+      redis.call('ZREM', pk, pick[1])  -- the member as it is (unpend removes it padded)
+    end
   end
 end
 redis.call('SADD', idle_key, worker_id)

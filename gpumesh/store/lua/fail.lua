@@ -4,8 +4,11 @@
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset, stats hash,
 --           idle set, the job's spent set},
 --   args = {task id, lease token (the plain token), error text, duration (s), mode,
---           this task's member in the spent set ('' = none)}
+--           this task's member in the spent set ('' = none),
+--           how long (ms) the failed worker leaves the requeued task to others ('' or 0: not at all)}
 -- )
+-- A task requeued after a failed attempt names the worker it failed on ('avoid', until 'avoid_until'):
+-- dispatch gives it to another live worker meanwhile, so one sick worker does not spend every attempt.
 -- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
 -- good whatever attempts remain (a task that must never run, such as a bad signature).
 -- A signed job's task that fails for good joins its spent set: no trusting worker runs it again unless
@@ -31,6 +34,7 @@ local err = ARGV[3]
 local duration = ARGV[4]
 local mode = ARGV[5]
 local spent = ARGV[6] or ''
+local avoid_ms = tonumber(ARGV[7] or '') or 0
 
 local copy, refused = holder(task_key, token)
 if not copy then
@@ -49,6 +53,7 @@ if mode ~= 'reject' and promote_backup({task_key = task_key, lease_key = lease_k
   end
   return {1, 'running', 'attempts', 0}
 end
+local failed_on = redis.call('HGET', task_key, 'worker')
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 clear_backup(task_key)
@@ -57,6 +62,9 @@ local r = end_attempt({
   stats_key = stats_key, task_id = task_id, error = err, duration = duration, ms = ms,
   refund = mode == 'release', final = mode == 'reject',
 })
+if r[2] == 'queued' and mode == 'fail' and avoid_ms > 0 and type(failed_on) == 'string' then
+  redis.call('HSET', task_key, 'avoid', failed_on, 'avoid_until', ms + avoid_ms)
+end
 if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
   redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)
 end
