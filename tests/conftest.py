@@ -4,6 +4,7 @@ an in-process worker for tests that only need jobs to run, and the rule that eve
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,34 @@ def broker(r: redis.Redis, env: dict[str, str]) -> Iterator[Broker]:
     b = Broker(Settings.load())
     yield b
     b.close()
+
+
+class Serve:
+    """`gpumesh serve` in the background, with the worker and submit lines it printed (``url``: the worker's)."""
+
+    def __init__(self, env: dict[str, str], data_dir: Path, port: int, *args: str) -> None:
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        assert self.proc.stdout
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if "--wait" in line:
+                break
+        text = "\n".join(self.lines)
+        worker = re.search(r"gpumesh worker '(rediss?://[^']+)'", text)
+        submit = re.search(r"--url '(rediss?://[^']+)' --wait", text)
+        assert worker and submit, (text, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        self.worker_url, self.submit_url = worker.group(1), submit.group(1)
+        self.url = self.worker_url
+
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, stderr = self.proc.communicate(timeout=30)
+        return self.proc.returncode, stderr
 
 
 class Workers:

@@ -14,33 +14,10 @@ import psutil
 import pytest
 import redis
 
-from .conftest import ROOT, free_port, gpumesh, wait_until
+from .conftest import ROOT, Serve, free_port, gpumesh, wait_until
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
-
-
-class Serve:
-    def __init__(self, env: dict[str, str], data_dir: Path, port: int, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
-        assert self.proc.stdout
-        self.lines: list[str] = []
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if "--wait" in line:
-                break
-        text = "\n".join(self.lines)
-        match = re.search(r"gpumesh worker '(redis://[^']+)'", text)
-        assert match, (text, self.proc.stderr.read() if self.proc.poll() is not None else "")
-        self.url = match.group(1)
-
-    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        _, stderr = self.proc.communicate(timeout=30)
-        return self.proc.returncode, stderr
 
 
 @pytest.mark.security

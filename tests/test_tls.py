@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import signal
 import socket
 import ssl
 import stat
@@ -18,39 +17,12 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from .conftest import ROOT, free_port, gpumesh
+from .conftest import ROOT, Serve, free_port, gpumesh
 
 pytestmark = pytest.mark.security
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
-
-
-class Serve:
-    """`gpumesh serve` in the background, with the worker and submit lines it printed."""
-
-    def __init__(self, env: dict[str, str], data_dir: Path, port: int, *args: str) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
-        assert self.proc.stdout
-        self.lines: list[str] = []
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if "--wait" in line:
-                break
-        text = "\n".join(self.lines)
-        worker = re.search(r"gpumesh worker '(rediss?://[^']+)'", text)
-        submit = re.search(r"--url '(rediss?://[^']+)' --wait", text)
-        assert worker and submit, (text, self.proc.stderr.read() if self.proc.poll() is not None else "")
-        self.worker_url, self.submit_url = worker.group(1), submit.group(1)
-
-    def stop(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGINT)
-        _, stderr = self.proc.communicate(timeout=30)
-        return self.proc.returncode, stderr
 
 
 def via(url: str, port: int) -> str:

@@ -125,12 +125,7 @@ def test_a_worker_credential_cannot_stop_the_mesh_or_freeze_redis(mesh: Mesh, en
         wait_until(lambda: admin.hget(keys.job(job), "status") == "done", timeout=60, what="the job to finish")
         assert worker.poll() is None, (tmp_path / "worker.log").read_text()
     finally:
-        worker.send_signal(signal.SIGINT)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_worker(worker)
 
 
 FILES_SCRIPT = """import json, os, sys

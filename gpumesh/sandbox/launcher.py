@@ -622,16 +622,24 @@ class _Forks:
             orphans = [pid for pid in _children() if pid not in known]
             if not orphans:
                 return
-            for pid in orphans:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            for pid in orphans:
-                try:
-                    os.waitpid(pid, 0)
-                except (ChildProcessError, InterruptedError):
-                    pass
+            kill_and_reap(orphans)
+
+
+def kill_and_reap(pids: list[int]) -> int:
+    """KILL each of ``pids`` (children of this process) and reap them; how many were signalled."""
+    killed = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except (ChildProcessError, InterruptedError):
+            pass
+    return killed
 
 
 def _children() -> list[int]:

@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from gpumesh.sandbox.launcher import _children, kill_and_reap
+
 PR_SET_CHILD_SUBREAPER = 36
 
 _lock = threading.RLock()
@@ -56,8 +58,6 @@ def start_time(pid: int) -> int | None:
 
 def children() -> list[int]:
     """This process's children (every thread's), from /proc: the launcher's reading, which its zygote uses too."""
-    from gpumesh.sandbox.launcher import _children
-
     return _children()
 
 
@@ -133,17 +133,7 @@ def kill_escaped(launcher: int, since: int | None) -> int:
                     orphans.append(pid)
         if not orphans:
             break
-        for pid in orphans:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
-        for pid in orphans:
-            try:
-                os.waitpid(pid, 0)
-            except (ChildProcessError, InterruptedError):
-                pass
+        killed += kill_and_reap(orphans)
     return killed
 
 
