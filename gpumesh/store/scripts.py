@@ -194,6 +194,9 @@ class Lease:
     backup: bool = False  # a speculative copy of a task another worker runs (speculate.lua)
     fleet_version: str = ""  # dispatch: the registered fleet's version when this task was placed
     backup_mode: str = ""  # a backup copy: 'idle' (end of its job) or 'straggler' (a stronger worker joined)
+    # a signed task: its job's spent set as the lease found it: 'open', 'ended' (the task ended for good: a
+    # replay) or 'missing' (the set is gone); '' for an unsigned task
+    spent: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,7 @@ def _read_lease(f: dict[str, Any], token: str) -> Lease:
         backup=bool(int(f.get("backup", 0))),
         fleet_version=str(f.get("fleet_version", "")),
         backup_mode=f.get("backup_mode", ""),
+        spent=str(f.get("spent", "")),
     )
 
 

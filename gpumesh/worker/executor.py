@@ -296,7 +296,7 @@ class Executor:
         verifier = self.w.verifier
         if verifier is None:
             return None
-        from gpumesh.signing import SPENT_PLACEHOLDER, message
+        from gpumesh.signing import message
 
         identity = leased_identity(lease.task_id)
         if identity is None or identity != (lease.job_id, lease.index):
@@ -308,15 +308,11 @@ class Executor:
         why = verifier.verify(lease.key_id, lease.signature, msg)
         if why is None and lease.server_ms / 1000 > lease.expires_at:
             why = "signature: the job expired before it ran (a replay, or it waited too long)"
-        if why is None:
-            with self.broker.r.pipeline(transaction=False) as p:
-                p.sismember(keys.spent(job_id), SPENT_PLACEHOLDER)
-                p.sismember(keys.spent(job_id), str(index))
-                made, ran = p.execute()
-            if not made:
-                why = "signature: the job's record of completed tasks is missing (deleted, or the job expired)"
-            elif ran:
+        if why is None and lease.spent != "open":  # read with the lease, in the same call (lease_reply)
+            if lease.spent == "ended":
                 why = "signature: this task already ended (it completed, failed for good or was cancelled): a replay"
+            else:
+                why = "signature: the job's record of completed tasks is missing (deleted, or the job expired)"
         return why
 
     def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:

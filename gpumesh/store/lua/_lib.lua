@@ -159,6 +159,18 @@ local function lease_reply(l)
     'expires_at', l.expires_at or '0',
     'server_ms', l.server_ms}
   local n = 28  -- #r, counted here (a missing value would leave a hole)
+  if l.signature and l.signature ~= '' then
+    -- Whether its job's spent set (signing.py) is there and holds it, read with the lease: a trusting worker
+    -- refuses a task that ended for good (executor._refusal) without another round trip.
+    local index = string.match(l.task_id, '%-(%d+)$') or ''
+    local got = redis.pcall('SMISMEMBER', PREFIX .. 'spent:' .. (job_of(l.task_id) or ''), '*', index)
+    local state = 'missing'
+    if type(got) == 'table' and not got.err and got[1] == 1 then
+      state = got[2] == 1 and 'ended' or 'open'
+    end
+    r[n + 1], r[n + 2] = 'spent', state
+    n = n + 2
+  end
   if l.fleet_version then
     r[n + 1], r[n + 2] = 'fleet_version', l.fleet_version
     n = n + 2
