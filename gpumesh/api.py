@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from gpumesh import progress as _progress
 from gpumesh.errors import BrokerUnreachable, TaskFailed, UsageError
 from gpumesh.models import (
+    DEFAULT_RETRY_ON,
     TERMINAL,
     JobOptions,
     JobStatus,
@@ -73,6 +74,7 @@ def job_options(
     priority: int = 0,
     requires: Iterable[str] = (),
     speculate: bool | None = None,
+    retry_on: str | Iterable[str] | None = None,
     flag: Callable[[str], str] = lambda field: field,
 ) -> JobOptions:
     """Checked :class:`JobOptions`; a UsageError names the bad option as ``flag(field)`` says (the CLI
@@ -87,10 +89,16 @@ def job_options(
             priority=priority,
             requires=tuple(requires),
             speculate=True if speculate is None else speculate,
+            retry_on=DEFAULT_RETRY_ON if retry_on is None else _kinds(retry_on),
         )
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UsageError(f"{flag(str(first['loc'][0]))}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _kinds(retry_on: str | Iterable[str]) -> tuple[str, ...]:
+    """``retry_on`` as JobOptions checks it: a comma-separated string or an iterable of kinds."""
+    return tuple(retry_on.split(",")) if isinstance(retry_on, str) else tuple(retry_on)
 
 
 def script_source(script: Script) -> tuple[str, str]:
@@ -185,6 +193,7 @@ class Mesh:
         priority: int = 0,
         requires: Iterable[str] = (),
         speculate: bool | None = None,
+        retry_on: str | Iterable[str] | None = None,
         idempotency_key: str | None = None,
         sign_key: str | Path | None = None,
         expires: float = SIGNED_FOR,
@@ -195,7 +204,9 @@ class Mesh:
         the top level of a module or a notebook cell (it is called with each payload and its JSON return
         value is the result; see :mod:`gpumesh.functions`). ``timeout`` is seconds per attempt (default
         3600); ``requires`` lists requirements every task has (``"vram_gb>=40"``, ``"device=cuda"``);
-        ``idempotency_key`` makes a retried submit return the first one's job. ``sign_key`` (default:
+        ``retry_on`` the failure kinds retried while attempts remain (:data:`gpumesh.models.RETRY_KINDS`;
+        default timeout, memory and lost: a script that fails is not run again unless it names ``"script"``;
+        ``"all"`` or ``"none"`` too); ``idempotency_key`` makes a retried submit return the first one's job. ``sign_key`` (default:
         the ``GPUMESH_SIGNING_KEY`` setting) signs every task, valid for ``expires`` seconds.
 
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
@@ -206,7 +217,7 @@ class Mesh:
         checked = check_payloads(payloads if isinstance(payloads, list) else list(payloads))
         options = job_options(
             name=name, timeout=timeout, max_attempts=max_attempts, priority=priority, requires=requires,
-            speculate=speculate,
+            speculate=speculate, retry_on=retry_on,
         )  # fmt: skip
         return self.submit_checked(source, script_name, checked, options, idempotency_key, sign_key, expires)
 
@@ -477,7 +488,7 @@ class Job:
     def _failure(self, res: TaskResult) -> TaskFailed:
         from gpumesh.functions import remote_exception
 
-        kind = failure_kind(res.status, res.error)
+        kind = res.error_kind or failure_kind(res.status, res.error)
         remote = remote_exception(res.error)
         first = (res.error or res.status).partition("\n")[0]
         exc_type: str | None = None

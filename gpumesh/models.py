@@ -173,6 +173,36 @@ def check_script(source: str, name: str) -> str:
     return source
 
 
+# Failure kinds as a worker records them (the task's error_kind; gpumesh/store/lua/_lib.lua end_attempt):
+# what ``submit --retry-on`` chooses from. 'refused' (the task must not run) is never retried.
+RETRY_KINDS = {
+    "script": "the script failed: non-zero exit, a traceback, killed by a signal, or no usable JSON result",
+    "timeout": "the attempt ran past the job's timeout",
+    "memory": "over its memory cap, out of CUDA memory, MemoryError, or killed by the kernel's OOM killer",
+    "lost": "its worker or lease was lost (retried without spending an attempt, up to 3 times)",
+}
+RECORDED_KINDS = (*RETRY_KINDS, "refused")
+# A script with a bug is not run again by default; what the machine or the mesh did to it is.
+DEFAULT_RETRY_ON = ("timeout", "memory", "lost")
+
+
+def parse_retry_on(value: Any) -> tuple[str, ...]:
+    """``--retry-on``: kinds, comma-separated (or a list), ``all`` or ``none``; in RETRY_KINDS order."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("must be failure kinds, comma-separated: " + ",".join(RETRY_KINDS) + ", all or none")
+    chosen = {i.strip().lower() for i in items if i.strip()}
+    if chosen in ({"all"}, {"none"}):
+        return tuple(RETRY_KINDS) if chosen == {"all"} else ()
+    unknown = sorted(chosen - set(RETRY_KINDS))
+    if unknown:
+        hint = " ('refused' is never retried)" if "refused" in unknown else ""
+        raise ValueError(
+            f"unknown failure kind {unknown[0]!r}{hint}; choose from " + ",".join(RETRY_KINDS) + ", all or none"
+        )
+    return tuple(k for k in RETRY_KINDS if k in chosen)
+
+
 class JobOptions(BaseModel):
     """What a submitter chooses besides the script and the payloads (``Mesh.submit``'s keywords).
 
@@ -188,6 +218,12 @@ class JobOptions(BaseModel):
     speculate: bool = Field(True, description="let a much stronger worker run a backup copy of a straggler")
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="higher runs first")
     requires: tuple[str, ...] = Field((), description="requirements every task of the job has (EXPR)")
+    retry_on: tuple[str, ...] = Field(DEFAULT_RETRY_ON, description="failure kinds retried while attempts remain")
+
+    @field_validator("retry_on", mode="before")
+    @classmethod
+    def _valid_retry_on(cls, v: Any) -> tuple[str, ...]:
+        return parse_retry_on(v)
 
     @field_validator("timeout")
     @classmethod
@@ -240,10 +276,15 @@ class JobStatus(BaseModel):
     created_at: datetime | None
     finished_at: datetime | None
     waiting_for: list[Waiting] = Field(default_factory=list)
+    # Failed tasks by the kind their last attempt recorded (RECORDED_KINDS), and what the job retries.
+    failed_by_kind: dict[str, int] = Field(default_factory=dict)
+    retry_on: list[str] = Field(default_factory=list)
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:
         counts = TaskCounts(**{k: int(h.get(k, 0)) for k in TaskCounts.model_fields})
+        by_kind = {k: _count(h.get("failed:" + k)) for k in RECORDED_KINDS}
+        on = h.get("retry_on")
         return cls(
             job_id=job_id,
             name=h.get("name", ""),
@@ -252,11 +293,21 @@ class JobStatus(BaseModel):
             tasks=counts,
             created_at=ts(h.get("created_at")),
             finished_at=ts(h.get("finished_at")),
+            failed_by_kind={k: n for k, n in by_kind.items() if n > 0},
+            retry_on=[k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
         )
 
     @property
     def finished(self) -> bool:
         return self.status in TERMINAL
+
+
+def _count(text: str | None) -> int:
+    """A counter as stored; one that is not a number (written by some credential) reads as 0."""
+    try:
+        return max(int(text or 0), 0)
+    except ValueError:
+        return 0
 
 
 class SubmitResult(BaseModel):
@@ -303,6 +354,8 @@ class TaskResult(BaseModel):
     status: TaskState
     result: Any = None
     error: str | None = None
+    # How a failed (or cancelled) task failed, one of FAILURE_KINDS; None for a task that did not fail.
+    error_kind: str | None = None
     attempts: int
     worker: str | None = None
     duration_s: float | None = None
@@ -328,12 +381,16 @@ class TaskResult(BaseModel):
         from gpumesh.signing import PROOF_FIELD
 
         index = _stored_index(h.get("artifacts"))
+        status = h["status"]
+        error = h.get("error") or None
+        ended_badly = status in ("failed", "cancelled")
         row = cls(
             index=int(h["index"]),
             task_id=task_id,
-            status=cast(JobState, h["status"]),
+            status=cast(JobState, status),
             result=_stored_result(h.get("result")),
-            error=h.get("error") or None,
+            error=error,
+            error_kind=failure_kind(status, error, h.get("error_kind")) if ended_badly else None,
             attempts=int(h.get("attempts", 0)),
             worker=h.get("worker") or None,
             duration_s=float(h["duration"]) if h.get("duration") else None,
@@ -395,14 +452,22 @@ FAILURE_KINDS = {
 }
 
 
-def failure_kind(status: str, error: str | None) -> str:
-    """One of FAILURE_KINDS for a task that ended ``failed`` or ``cancelled``."""
+def failure_kind(status: str, error: str | None, recorded: str | None = None) -> str:
+    """One of FAILURE_KINDS for a task that ended ``failed`` or ``cancelled``. ``recorded``: the kind its
+    worker recorded (RECORDED_KINDS, the task's ``error_kind``); a 'script' failure is told apart further
+    (exception, bad_result, script_error) by its error text, as is a task from before kinds were recorded."""
     text = error or ""
     first = text.partition("\n")[0]
     if status == "cancelled":
         return "cancelled"
+    if recorded in ("timeout", "memory", "lost", "refused"):
+        return recorded
     if "\n" + EXCEPTION_MARKER in text:
         return "exception"
+    if first.startswith(("result line is over", "the script printed nothing", "the last stdout line", "the result")):
+        return "bad_result"
+    if recorded == "script":
+        return "script_error"
     if first.startswith("timed out"):
         return "timeout"
     if "over its memory cap" in first or "CUDA out of memory" in text:
@@ -411,15 +476,13 @@ def failure_kind(status: str, error: str | None) -> str:
         return "lost"
     if first.startswith(("signature", "the script in the broker does not match")) or "refused" in first:
         return "refused"
-    if first.startswith(("result line is over", "the script printed nothing", "the last stdout line", "the result")):
-        return "bad_result"
     return "script_error"
 
 
-def error_summary(status: str, error: str | None) -> str:
+def error_summary(status: str, error: str | None, recorded: str | None = None) -> str:
     """One line saying how a task failed: its kind, then the exception (``ZeroDivisionError: division by
     zero``) when the error holds a Python traceback, else the error's first line."""
-    kind = failure_kind(status, error)
+    kind = failure_kind(status, error, recorded)
     text = (error or "").rstrip()
     if kind == "cancelled":
         return "cancelled"

@@ -47,7 +47,8 @@ def test_retry_requeues_failed_tasks_with_fresh_attempts(env, mesh_worker: MeshW
         "print(json.dumps(p))\n"
     )
     mesh_worker.start()
-    p = cli("submit", str(script), "--payloads", "-", "--max-attempts", "2", "--wait", input='[{"i": 0}, {"i": 1}]')
+    p = cli("submit", str(script), "--payloads", "-", "--max-attempts", "2", "--retry-on", "script", "--wait",
+            input='[{"i": 0}, {"i": 1}]')  # fmt: skip
     assert p.returncode == 1
     job = p.stdout.split()[0]
     assert r.hget(keys.task(keys.task_id(job, 1)), "attempts") == "2"

@@ -44,8 +44,8 @@ def script(tmp: Path, first: float = 120) -> Path:
     return path
 
 
-def submit_one(env: dict[str, str], path: Path) -> tuple[str, str]:
-    p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 1}]')
+def submit_one(env: dict[str, str], path: Path, *args: str) -> tuple[str, str]:
+    p = gpumesh("submit", str(path), "--payloads", "-", *args, env=env, input='[{"n": 1}]')
     assert p.returncode == 0, p.stderr
     job = p.stdout.strip()
     return job, keys.task_id(job, 0)
@@ -86,7 +86,7 @@ def test_worker_sigkilled_task_re_leased_within_ttl_plus_a_reaper_pass(env, work
 def test_sandbox_killed_alone_fails_the_attempt_at_once_and_retries(env, workers: Workers, r: redis.Redis, tmp_path):
     slow = {"GPUMESH_LEASE_TTL": "20", "GPUMESH_HEARTBEAT_INTERVAL": "1"}
     workers.start(**slow)
-    job, tid = submit_one({**env, **slow}, script(tmp_path))
+    job, tid = submit_one({**env, **slow}, script(tmp_path), "--retry-on", "script")  # a SIGKILL is the script's
     wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1")
     t0 = time.monotonic()
     os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)

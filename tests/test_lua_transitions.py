@@ -18,8 +18,9 @@ SCRIPT = "import json,sys; print(json.dumps(json.load(sys.stdin)))"
 LEASE_MS = 30_000
 
 
-def submit(broker: Broker, n: int = 1, max_attempts: int = 3) -> tuple[str, list[str]]:
-    res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(n)], JobOptions(max_attempts=max_attempts))
+def submit(broker: Broker, n: int = 1, max_attempts: int = 3, retry_on: str = "all") -> tuple[str, list[str]]:
+    options = JobOptions(max_attempts=max_attempts, retry_on=retry_on)
+    res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(n)], options)
     return res.job_id, broker.task_ids(res.job_id)
 
 
@@ -115,18 +116,20 @@ def test_release_hands_back_without_spending_an_attempt(broker: Broker, r: redis
 
 
 @pytest.mark.core
-def test_reaper_requeues_then_fails_at_max_attempts(broker: Broker, r: redis.Redis):
+def test_reaper_requeues_lost_attempts_free_three_times_then_spends_them(broker: Broker, r: redis.Redis):
     job, (tid,) = submit(broker, max_attempts=2)
-    scripts.acquire(broker.scripts, r, tid, "w", 30)
-    assert not r.exists(keys.pending(job, 0))
-    time.sleep(0.08)
-    assert reap_once(broker, audit_grace_ms=0)["requeued"] == 1
-    assert r.zcard(keys.pending(job, 0)) == 1  # pending again: the next dispatch can take it
-    assert r.hget(keys.task(tid), "error").startswith("lease expired: worker w")
-    scripts.acquire(broker.scripts, r, tid, "w", 30)
-    time.sleep(0.08)
-    assert reap_once(broker, audit_grace_ms=0)["failed"] == 1
-    assert counters(r, job)["status"] == "failed"
+    for run in range(1, 6):  # 3 lost attempts are free; the 4th and 5th spend the task's 2 attempts
+        lease = scripts.acquire(broker.scripts, r, tid, "w", 30)
+        assert isinstance(lease, scripts.Lease) and lease.attempt == run  # every run has its own number
+        assert not r.exists(keys.pending(job, 0))
+        time.sleep(0.08)
+        report = reap_once(broker, audit_grace_ms=0)
+        assert report["requeued" if run < 5 else "failed"] == 1, (run, report)
+        task = r.hgetall(keys.task(tid))
+        assert task["error"].startswith("lease expired: worker w") and task["error_kind"] == "lost"
+        if run < 5:
+            assert r.zcard(keys.pending(job, 0)) == 1  # pending again: the next dispatch can take it
+    assert counters(r, job)["status"] == "failed" and counters(r, job)["failed:lost"] == "1"
     assert_counters_match_tasks(r, job)
 
 

@@ -43,12 +43,13 @@ def test_grid_search_example_through_submit_wait(env, workers: Workers):
     assert p.returncode == 0, p.stderr
     st = json.loads(p.stdout)
     assert st["status"] == "done" and st["tasks"]["done"] == 6 and st["tasks"]["total"] == 6
-    assert set(st) == {"job_id", "name", "status", "priority", "tasks", "created_at", "finished_at", "waiting_for"}
+    assert set(st) == {"job_id", "name", "status", "priority", "tasks", "created_at", "finished_at", "waiting_for",
+                       "failed_by_kind", "retry_on"}
     res = json.loads(gpumesh("results", st["job_id"], "--format", "json", env=env).stdout)
     assert [row["index"] for row in res] == list(range(6))
     assert all(row["status"] == "done" and row["attempts"] == 1 for row in res)
     assert res[0]["result"]["loss"] < 0.05  # lr 0.5, 80 epochs fits y = 3x - 2
-    assert set(res[0]) == {"index", "task_id", "status", "result", "error", "attempts", "worker", "duration_s",
+    assert set(res[0]) == {"index", "task_id", "status", "result", "error", "error_kind", "attempts", "worker", "duration_s",
                            "artifacts", "skipped_artifacts", "verified", "signed_by"}  # fmt: skip
     assert res[0]["artifacts"] == [] and res[0]["skipped_artifacts"] == []  # the example writes no files
 
@@ -87,7 +88,9 @@ def test_worker_sigkilled_mid_task_is_re_leased_and_finishes_elsewhere(env, work
 
 
 @pytest.mark.processes
-def test_always_failing_script_runs_exactly_max_attempts_then_fails(env, workers: Workers, r: redis.Redis, tmp_path):
+def test_always_failing_script_runs_once_by_default_and_max_attempts_with_retry_on_script(
+    env, workers: Workers, r: redis.Redis, tmp_path
+):
     runs = tmp_path / "runs"
     script = write_script(tmp_path, f"""
         import os, sys
@@ -99,14 +102,24 @@ def test_always_failing_script_runs_exactly_max_attempts_then_fails(env, workers
     workers.start()
     p = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "3", "--wait", env=env, input="[{}]")
     assert p.returncode == 1, p.stderr
+    assert runs.read_text().split() == ["1"]  # a script error is not retried by default
+    assert "task 0 failed: script_error: exit code 3" in p.stderr
+    job = p.stdout.split()[0]
+    assert "not retried: the job does not retry script failures" in gpumesh("logs", job, env=env).stderr
+    runs.unlink()
+    p = gpumesh("submit", str(script), "--payloads", "-", "--max-attempts", "3", "--retry-on", "script", "--wait",
+                env=env, input="[{}]")  # fmt: skip
+    assert p.returncode == 1, p.stderr
     assert runs.read_text().split() == ["1", "2", "3"]
     job = p.stdout.split()[0]
     (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
-    assert row["status"] == "failed" and row["attempts"] == 3
+    assert row["status"] == "failed" and row["attempts"] == 3 and row["error_kind"] == "script_error"
     assert row["error"].startswith("exit code 3")
     assert "something broke on attempt 3" in row["error"]
     st = json.loads(gpumesh("status", job, "--json", env=env).stdout)
     assert st["status"] == "failed" and st["tasks"]["failed"] == 1
+    assert st["failed_by_kind"] == {"script": 1} and st["retry_on"] == ["script"]
+    assert "1 failed (script 1)" in gpumesh("status", job, env=env).stdout
 
 
 @pytest.mark.processes

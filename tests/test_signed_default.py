@@ -464,7 +464,9 @@ def test_every_way_a_task_ends_for_good_marks_it_spent_and_retry_unmarks_it(brok
     from gpumesh.worker.reaper import reap_once
 
     def job_of_three() -> tuple[str, list[str]]:
-        res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(3)], JobOptions(max_attempts=1))
+        # retry_on without 'lost': the reaper's lapsed lease ends the task for good
+        options = JobOptions(max_attempts=1, retry_on=("script", "timeout", "memory"))
+        res = broker.submit(SCRIPT, "t.py", [{"i": i} for i in range(3)], options)
         return res.job_id, broker.task_ids(res.job_id)
 
     def end_all(tids: list[str]) -> None:

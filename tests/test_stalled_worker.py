@@ -70,7 +70,7 @@ def test_after_a_failed_attempt_another_live_worker_gets_the_task(
     workers.start("--name", "sick", score=50)
     busy = submit(env, script, [{"sleep": 1.2}], "--require", "role=healthy")  # occupies the healthy worker
     time.sleep(0.3)
-    job = submit(env, script, [{}], "--max-attempts", "3")  # only the sick worker is free for it
+    job = submit(env, script, [{}], "--max-attempts", "3", "--retry-on", "script")  # only the sick worker is free
     assert wait_done(env, job)["status"] == "done", gpumesh("results", job, env=env).stdout
     (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
     assert row["result"]["worker"].startswith("healthy") and row["attempts"] >= 2, row

@@ -15,7 +15,7 @@ import redis
 from gpumesh import api
 from gpumesh.cli import render
 from gpumesh.errors import GpumeshError, UsageError
-from gpumesh.models import JobOptions, JobStatus, error_summary, parse_payloads
+from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summary, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 from gpumesh.store.connection import translate
@@ -52,7 +52,8 @@ class Group(click.Group):
 url_option = click.option(
     "--url",
     metavar="URL",
-    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, or rediss:// for TLS "
+    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, "
+    "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] for a broker that fails over "
     "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
@@ -92,7 +93,7 @@ def explain_failures(mesh: api.Mesh, st: JobStatus, limit: int = 5) -> None:
         return
     rows, total = mesh.job(st.job_id).failures(limit)
     for row in rows:
-        err.print(f"  task {row.index} failed: {error_summary(row.status, row.error)}", markup=False)
+        err.print(f"  task {row.index} failed: {error_summary(row.status, row.error, row.error_kind)}", markup=False)
         err.print(f"    its output: gpumesh logs {row.task_id}", markup=False)
     if total > len(rows):
         err.print(f"  ... and {total - len(rows)} more failed task(s)", markup=False)
@@ -128,7 +129,7 @@ def job_input(
     options = api.job_options(
         name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"],
         speculate=opts.get("speculate", True), priority=opts.get("priority", 0), requires=opts.get("require", ()),
-        flag=_flag,
+        retry_on=opts.get("retry_on"), flag=_flag,
     )  # fmt: skip
     return source, name, payloads, options
 
@@ -157,6 +158,17 @@ def job_options(f: Any) -> Any:
                 help="Run every task only on workers that meet EXPR (repeatable): KEY=VALUE, KEY!=VALUE, "
                 "KEY>=NUMBER, KEY<=NUMBER or KEY~TEXT (substring), e.g. vram_gb>=40, gpu~a100, device=cuda. "
                 'A payload may add its own: "requires": ["vram_gb>=80"].',
+            ),  # fmt: skip
+            click.option(
+                "--retry-on",
+                metavar="KINDS",
+                default=",".join(DEFAULT_RETRY_ON),
+                show_default=True,
+                help="Failure kinds retried while attempts remain, comma-separated: script (non-zero exit, "
+                "traceback, no JSON result), timeout, memory (over its cap or out of CUDA memory: retried on a "
+                "worker with more when one is live), lost (worker or lease lost: retried without spending an "
+                "attempt, up to 3 times); or all, none. A script that fails is not run again unless you add "
+                "script.",
             ),  # fmt: skip
             click.option(
                 "--speculate/--no-speculate",

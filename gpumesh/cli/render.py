@@ -78,6 +78,8 @@ def status_line(st: JobStatus, rate: Rate | None = None) -> str:
     line = (
         f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
     )
+    if t.failed and st.failed_by_kind:  # how they failed: "3 failed (script 2, memory 1)"
+        line += " (" + ", ".join(f"{k} {n}" for k, n in st.failed_by_kind.items()) + ")"
     if t.cancelled:
         line += f", {t.cancelled} cancelled"
     if rate is not None and not st.finished:
@@ -186,7 +188,7 @@ def results_table(rows: Iterable[TaskResult]) -> Table:
             str(r.index),
             r.status,
             json.dumps(r.result) if r.result is not None else "",
-            error_summary(r.status, r.error) if r.error else "",
+            error_summary(r.status, r.error, r.error_kind) if r.error else "",
             str(r.attempts),
             r.worker or "",
             f"{r.duration_s:.2f}" if r.duration_s is not None else "",

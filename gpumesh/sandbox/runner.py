@@ -61,6 +61,7 @@ class Attempt:
     log_truncated: bool = False
     collected: Any = None  # what ``collect`` made of the output dir after a clean exit
     duration: float = 0.0
+    kernel_oom: bool = False  # the kernel's out-of-memory killer ran during the attempt (set by the executor)
 
     def describe_exit(self) -> str:
         if self.killed == "timeout":

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gpumesh.errors import UsageError
+from gpumesh.models import RECORDED_KINDS
 from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
@@ -66,6 +67,14 @@ class MeshCollector:
         c = CounterMetricFamily("gpumesh_tasks", "Task attempts by outcome", labels=["outcome"])
         for outcome in ("done", "failed", "retried", "lease_expired"):
             c.add_metric([outcome], int(stats.get(outcome, 0)))
+        yield c
+
+        c = CounterMetricFamily(
+            "gpumesh_failed_attempts", "Failed attempts by failure kind (script, timeout, memory, lost, refused)",
+            labels=["kind"],
+        )  # fmt: skip
+        for kind in RECORDED_KINDS:
+            c.add_metric([kind], int(stats.get("attempts_failed:" + kind, 0)))
         yield c
 
         c = CounterMetricFamily(

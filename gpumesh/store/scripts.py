@@ -206,6 +206,9 @@ class Outcome:
     accepted: bool
     status: str  # new status when accepted, else why not ('stale', 'cancelled', 'missing', ...)
     attempts: int = 0  # when requeued or failed: attempts spent so far
+    kind: str = ""  # when requeued or failed: the failure kind recorded (models.FAILURE_KINDS)
+    not_retried: bool = False  # failed while attempts remained: the job does not retry this kind
+    bigger: tuple[str, float] | None = None  # requeued for a worker with more memory: its id and how much
 
 
 def _task_keys(task_id: str, *extra: str) -> list[str]:
@@ -340,9 +343,13 @@ def wake(s: Scripts, client: Any) -> Any:
 
 
 def _outcome(r: list[Any]) -> Outcome:
-    """A transition's reply: ``ok``, its status (or why not) and, when it says, the attempts spent."""
+    """A transition's reply: ``ok``, its status (or why not) and, when it says, the attempts spent, the
+    failure kind, whether that kind stopped the retries, and the worker with more memory it waits for."""
     f = _fields(r)
-    return Outcome(int(r[0]) == 1, r[1], int(f.get("attempts", 0)))
+    bigger = (str(f["bigger_on"]), float(f.get("bigger_has", 0))) if "bigger_on" in f else None
+    return Outcome(
+        int(r[0]) == 1, r[1], int(f.get("attempts", 0)), str(f.get("kind", "")), f.get("not_retried") == 1, bigger
+    )
 
 
 def complete(
@@ -371,18 +378,24 @@ def complete(
 
 def fail(
     s: Scripts, client: Any, lease: Lease, worker_id: str, error: str, duration: float, release: bool = False,
-    reject: bool = False, avoid_ms: int = 0,
+    reject: bool = False, avoid_ms: int = 0, kind: str = "script", need: tuple[str, float] | None = None,
+    hold_ms: int = 0,
 ) -> Outcome:  # fmt: skip
-    """End an attempt: requeued (attempts left) or failed; ``release`` hands it back unspent, ``reject`` fails
-    it for good. ``avoid_ms``: after a failed attempt, other live workers get the task first for that long."""
+    """End an attempt: requeued (attempts left and its ``kind`` retried by the job) or failed; ``release``
+    hands it back unspent, ``reject`` fails it for good. ``avoid_ms``: after a failed attempt, other live
+    workers get the task first for that long. ``need``: for a ``memory`` failure, the resource it ran out
+    of and this worker's value: a live worker with more gets the task, for up to ``hold_ms``."""
     mode = "reject" if reject else ("release" if release else "fail")
+    need_key, need_value = need if need else ("", 0.0)
     r = s["fail"](
         keys=_task_keys(
-            lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE, _spent_key(lease.task_id)
+            lease.task_id, keys.worker(worker_id), keys.READY, keys.STATS, keys.IDLE, _spent_key(lease.task_id),
+            keys.SCORES,
         ),
-        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode, spent_member(lease.task_id), avoid_ms],
+        args=[lease.task_id, lease.token, error, f"{duration:.3f}", mode, spent_member(lease.task_id), avoid_ms,
+              kind, need_key, f"{need_value:.6g}" if need else "", hold_ms],
         client=client,
-    )
+    )  # fmt: skip
     return _outcome(r)
 
 

@@ -267,6 +267,7 @@ class Submitter:
                 "script_name": job.script_name,
                 "timeout": options.timeout,
                 "max_attempts": options.max_attempts,
+                "retry_on": ",".join(options.retry_on),
                 "priority": options.priority,
                 "classes": json.dumps([[[r.key, r.op, r.value] for r in reqs] for reqs in job.class_reqs]),
                 "pending_cost": repr(float(sum(job.costs))),

@@ -33,6 +33,13 @@ log = logging.getLogger("gpumesh.worker")
 ERROR_TAIL_CHARS = 2000
 ERROR_LINE_CHARS = 300  # of a failed attempt's error line, in the summary rq-dashboard shows
 UNREPORTED = ("lease lost", "broker lost")  # stop reasons after which the attempt's outcome is not ours to report
+# What a script's stderr says when it ran out of device memory (PyTorch, cuBLAS, the CUDA runtime and
+# driver, JAX/XLA, Apple's MPS): the attempt failed for memory, not for a bug.
+DEVICE_OOM = (
+    "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY",
+    "RESOURCE_EXHAUSTED: Out of memory", "MPS backend out of memory",
+)  # fmt: skip
+MEMORY_HOLD_TTLS = 10  # a task out of memory waits this many lease TTLs for a live worker with more
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Host:
     verifier: Verifier | None  # set when this worker runs only signed tasks
     # task id -> (lease delivered to the worker's own queue, when it was leased); run() takes from it
     dispatched: dict[str, tuple[scripts.Lease, float]] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)  # as registered: what a memory failure ran out of
 
 
 _executor: Executor | None = None
@@ -157,13 +165,15 @@ class Executor:
         try:
             source = self._script(lease.script_sha)
         except LookupError as exc:
-            return self._fail(running, str(exc), 0.0)
+            return self._fail(running, str(exc), 0.0, kind="refused")
         refusal = self._refusal(lease, source)
         if refusal:
             log.error("%s refused: %s", lease.task_id, refusal)
-            return self._fail(running, refusal, 0.0, reject=True)
+            return self._fail(running, refusal, 0.0, reject=True, kind="refused")
         limits = self.w.limits(lease.timeout)
+        oom_kills = kernel_oom_kills()
         out = self._run_in_sandbox(running, source, limits)
+        out.kernel_oom = kernel_oom_kills() > oom_kills >= 0
         return self._report(running, out, limits)
 
     def _run_in_sandbox(self, running: Running, source: str, limits: sandbox.Limits) -> sandbox.Attempt:
@@ -252,12 +262,13 @@ class Executor:
             return "cancelled"
         if out.returncode != 0 or out.killed:
             tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
-            return self._fail(running, out.describe_exit() + (f"\n{tail}" if tail else ""), out.duration)
+            kind, need, said = failure_of(out, self.w.resources)
+            return self._fail(running, said + (f"\n{tail}" if tail else ""), out.duration, kind=kind, need=need)
         why = _bad_result(out, limits)
         if why:
             return self._fail(running, why, out.duration)
-        if isinstance(out.collected, artifacts.StageFailed):
-            return self._fail(running, out.collected.reason, out.duration)
+        if isinstance(out.collected, artifacts.StageFailed):  # the worker's storage failed, not the script
+            return self._fail(running, out.collected.reason, out.duration, kind="lost")
         return self._complete(running, out)
 
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
@@ -315,32 +326,45 @@ class Executor:
                 why = "signature: the job's record of completed tasks is missing (deleted, or the job expired)"
         return why
 
-    def _end(self, lease: scripts.Lease, error: str, duration: float, **mode: bool) -> scripts.Outcome:
+    def _end(
+        self, lease: scripts.Lease, error: str, duration: float, release: bool = False, reject: bool = False,
+        kind: str = "script", need: tuple[str, float] | None = None,
+    ) -> scripts.Outcome:  # fmt: skip
         """The fail script (fail, release or reject); a task back in queued is pending again at once."""
         # A failed attempt (not one handed back or refused): other live workers get the task first for a
         # lease TTL, so a sick worker does not spend every attempt of it.
-        avoid_ms = 0 if any(mode.values()) else int(self.settings.lease_ttl * 1000)
+        ttl_ms = int(self.settings.lease_ttl * 1000)
+        avoid_ms = 0 if release or reject else ttl_ms
         return scripts.fail(
-            self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, avoid_ms=avoid_ms, **mode
-        )
+            self.broker.scripts, self.broker.r, lease, self.w.worker_id, error, duration, release=release,
+            reject=reject, avoid_ms=avoid_ms, kind=kind, need=need, hold_ms=ttl_ms * MEMORY_HOLD_TTLS,
+        )  # fmt: skip
 
-    def _fail(self, running: Running, error: str, duration: float, reject: bool = False) -> str:
+    def _fail(
+        self, running: Running, error: str, duration: float, reject: bool = False, kind: str = "script",
+        need: tuple[str, float] | None = None,
+    ) -> str:  # fmt: skip
         lease = running.lease
-        res = self._patiently(lambda: self._end(lease, error, duration, reject=reject))
+        res = self._patiently(lambda: self._end(lease, error, duration, reject=reject, kind=kind, need=need))
         if not res.accepted:
             log.warning("%s: failure not recorded (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         copy = "backup copy of attempt" if lease.backup else "attempt"
         self.last_error = error
-        self.w.logs.put(lease.task_id, "gpumesh", f"{copy} {lease.attempt} failed: {error.splitlines()[0]}")
-        log.info("%s attempt %d failed (%s): %s", lease.task_id, lease.attempt, res.status, error.splitlines()[0])
+        first = error.splitlines()[0]
+        self.w.logs.put(lease.task_id, "gpumesh", f"{copy} {lease.attempt} failed: {first}")
+        log.info("%s attempt %d failed (%s, %s): %s", lease.task_id, lease.attempt, kind, res.status, first)
+        said = next_step(res, kind, need)
+        if said:
+            self.w.logs.put(lease.task_id, "gpumesh", said)
+            log.info("%s: %s", lease.task_id, said)
         return res.status
 
     def _finish_quietly(self, running: Running, error: str, release: bool, duration: float = 0.0) -> None:
         if running.stop_reason and running.stop_reason.startswith(UNREPORTED):
             return
         try:
-            self._end(running.lease, error, duration, release=release)
+            self._end(running.lease, error, duration, release=release, kind="lost")
         except redis.RedisError as exc:  # the lease will lapse and the reaper requeues it
             log.warning("%s: could not hand the task back (%s); its lease will lapse", running.lease.task_id, exc)
 
@@ -359,6 +383,68 @@ class Executor:
                 log.warning("broker unreachable while reporting (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+def kernel_oom_kills() -> int:
+    """How many processes the kernel's out-of-memory killer has killed since boot (/proc/vmstat); -1 when
+    this kernel does not say."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tuple[str, float] | None, str]:
+    """How an attempt that exited non-zero or was killed failed: its kind (models.RETRY_KINDS), for a
+    memory failure the resource it ran out of with this worker's value of it (None: unknown), and the
+    error's first line. Memory: over the RSS cap, device memory exhausted (DEVICE_OOM in its stderr), a
+    Python MemoryError, or SIGKILL while the kernel's out-of-memory killer ran."""
+    said = out.describe_exit()
+    ram = _resource(resources, "task_memory_gb")
+    if out.killed == "timeout":
+        return "timeout", None, said
+    if out.killed == "memory":
+        return "memory", ram, said
+    if out.killed:  # stopped for the worker's reason (it stops, the backup copy yielded): not the script's doing
+        return "lost", None, said
+    text = "\n".join(out.stderr_tail)
+    if any(marker in text for marker in DEVICE_OOM):
+        vram = None if "MPS backend out of memory" in text else _resource(resources, "vram_gb")
+        return "memory", vram or ram, said
+    last = next((line.strip() for line in reversed(out.stderr_tail) if line.strip()), "")
+    if last.startswith("MemoryError"):
+        return "memory", ram, said
+    if out.returncode == -9 and out.kernel_oom:
+        return "memory", ram, said + " (the kernel's out-of-memory killer ran during the attempt)"
+    return "script", None, said
+
+
+def _resource(resources: dict[str, Any], key: str) -> tuple[str, float] | None:
+    """(key, this worker's value of it) for a resource it registered as a positive number; else None."""
+    try:
+        value = float(resources.get(key) or 0)
+    except (TypeError, ValueError):
+        return None
+    return (key, value) if value > 0 else None
+
+
+def next_step(res: scripts.Outcome, kind: str, need: tuple[str, float] | None) -> str:
+    """What happens to a task after a failed attempt, when it is not the plain "queued again": a line
+    for its log (empty for a plain retry)."""
+    if res.status == "failed" and res.not_retried:
+        return (
+            f"not retried: the job does not retry {kind} failures (submit --retry-on {kind} would); attempts were left"
+        )
+    if res.status == "queued" and kind == "memory":
+        if res.bigger:
+            what = need[0] if need else "memory"
+            return f"retrying on worker {res.bigger[0]}, which has more memory ({what} {res.bigger[1]:g})"
+        return "retrying: no live worker has more memory than this one"
+    return ""
 
 
 def outcome(status: str, error: str = "") -> dict[str, Any]:

@@ -154,13 +154,17 @@ class MeshWorker(SimpleWorker):
         self.zygote = zygote  # warm.Zygote in --warm mode: tasks fork from it instead of a new interpreter
         self.display_name = name or socket.gethostname()
         self.worker_id = f"{self.display_name}-{uuid.uuid4().hex[:6]}"
-        self.resources = {**capability.resources(), **(resources or {})}  # declared ones override the probe
+        self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
+        # declared ones override the probe; task_memory_gb (the RSS cap of a task) tells a task that ran out
+        # of memory which workers have more
+        task_memory_gb = round((self.settings.task_memory_mb << 20 or self._default_task_memory) / 2**30, 2)
+        self.resources = {**capability.resources(), "task_memory_gb": task_memory_gb, **(resources or {})}
         self.logs = LogShipper(broker.redis)
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
-                          verifier, self.dispatched)
+                          verifier, self.dispatched, self.resources)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id)
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
@@ -177,7 +181,6 @@ class MeshWorker(SimpleWorker):
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
-        self._default_task_memory = int(psutil.virtual_memory().total * 0.9)  # read once, not per task
         self.isolation, self.isolation_said = isolation_of(self.settings)
         root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
         self.sockets_said = landlock.unix_socket_warnings(self.isolation is not None, root_tasks)

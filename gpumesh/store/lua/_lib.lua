@@ -229,11 +229,40 @@ end
 --     duration (s, stored when it fails), ms,
 --     refund: the attempt does not count (a worker handing its task back on shutdown),
 --     final: fail for good whatever attempts remain}
+-- Failure kinds (gpumesh/models.py FAILURE_KINDS): 'script' (non-zero exit, a traceback, no usable
+-- result), 'timeout', 'memory' (over its memory cap, out of CUDA memory), 'lost' (its worker or lease was
+-- lost, its outputs could not be stored), 'refused' (it must not run: never retried).
+-- A job's 'retry_on' (comma-separated kinds) says which kinds are retried while attempts remain; a job
+-- without one (written before it existed) retries every kind but 'refused'.
+local function retried(job_key, kind)
+  if kind == 'refused' then
+    return false
+  end
+  local on = redis.pcall('HGET', job_key, 'retry_on')
+  if type(on) ~= 'string' then
+    return true
+  end
+  return string.find(',' .. on .. ',', ',' .. kind .. ',', 1, true) ~= nil
+end
+
+-- A lost attempt (worker or lease lost) is retried without spending one of max_attempts this many times
+-- (the task's 'lost' counts them); past that, lost attempts spend attempts as any other (a task that
+-- takes its worker down each time). The task's 'attempts' still counts every run.
+local FREE_LOST = 3
+
+-- An attempt ended without a result: back to queued (attempts left, and its kind retried) or failed.
+-- a.kind: the failure kind (above); a.refund: hand it back without spending its attempt (a worker that
+-- stops); a.final: fail it for good whatever attempts remain; a.free: a lost attempt (the reaper found its
+-- lease lapsed), free up to FREE_LOST times.
+-- Reply: {1, 'queued' | 'failed', 'attempts', attempts spent, 'kind', kind}, and on 'failed'
+-- 'not_retried' 1 when attempts remained but its kind is not retried (0 otherwise).
 local function end_attempt(a)
   local task_key, job_key = a.task_key, a.job_key
+  local kind = a.kind or 'script'
   local attempts = tonumber(redis.call('HGET', task_key, 'attempts') or 0)
   local max_attempts = tonumber(redis.call('HGET', job_key, 'max_attempts') or 1)
   local job_id = job_of(a.task_id)
+  local final = a.final or (not a.refund and not retried(job_key, kind))
   if a.refund then
     attempts = redis.pcall('HINCRBY', task_key, 'attempts', -1)
     if type(attempts) ~= 'number' then  -- not a number (written by some credential): start the count again
@@ -241,10 +270,19 @@ local function end_attempt(a)
       redis.pcall('HSET', task_key, 'attempts', 0)
     end
   end
-  if a.error ~= '' then
-    redis.call('HSET', task_key, 'error', a.error)
+  -- attempts counts runs (each has its own number); the first FREE_LOST lost ones are not spent
+  local lost = a.free and not a.refund and redis.pcall('HINCRBY', task_key, 'lost', 1)
+  if type(lost) ~= 'number' then
+    lost = tonumber(redis.pcall('HGET', task_key, 'lost')) or 0
   end
-  if attempts < max_attempts and not a.final then
+  attempts = attempts - math.min(lost, FREE_LOST)
+  if a.error ~= '' then
+    redis.call('HSET', task_key, 'error', a.error, 'error_kind', kind)
+  end
+  if not a.refund then
+    incr(a.stats_key, 'attempts_failed:' .. kind, 1)
+  end
+  if attempts < max_attempts and not final then
     redis.call('HSET', task_key, 'status', 'queued', 'lease', '')
     move(job_key, 'running', 'queued')
     make_pending({task_key = task_key, job_key = job_key, ready_key = a.ready_key, idle_key = a.idle_key,
@@ -253,10 +291,11 @@ local function end_attempt(a)
       incr(a.stats_key, 'retried', 1)
     end
     emit(a.events_key, 'task', a.task_id, 'queued')
-    return {1, 'queued', 'attempts', attempts}
+    return {1, 'queued', 'attempts', attempts, 'kind', kind}
   end
   redis.call('HSET', task_key, 'status', 'failed', 'lease', '', 'finished_at', secs(a.ms), 'duration', a.duration)
   move(job_key, 'running', 'failed')
+  incr(job_key, 'failed:' .. kind, 1)  -- failed tasks by kind, for status (retry.lua takes one back)
   incr(a.stats_key, 'failed', 1)
   emit(a.events_key, 'task', a.task_id, 'failed')
   ended(job_key, a.task_id, 'failed')
@@ -265,7 +304,8 @@ local function end_attempt(a)
     redis.call('LTRIM', job_key .. ':failed', 0, 99)
   end
   maybe_finish(job_key, a.events_key, job_id, a.ms)
-  return {1, 'failed', 'attempts', attempts}
+  local stopped = attempts < max_attempts and not a.final and 1 or 0
+  return {1, 'failed', 'attempts', attempts, 'kind', kind, 'not_retried', stopped}
 end
 
 -- Whether a worker runs a job signed by key_id ('' or nil: unsigned). A worker started with --trust

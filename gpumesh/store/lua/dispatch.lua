@@ -10,8 +10,8 @@
 --     while a lighter task is there); when even the lightest is beyond its horizon it takes the lightest
 --     (no worker idles while work it may run waits; a backup copy can rescue a straggler);
 --  3. lease it (as acquire.lua). Finding nothing, the worker joins the idle set, woken when work arrives.
--- A task whose last attempt failed on this worker (fail.lua's 'avoid', until 'avoid_until') is left to
--- the other live workers meanwhile: the next task of its job instead, or another job, or nothing (this
+-- A task whose last attempt failed on this worker (fail.lua's 'avoid', until 'avoid_until'), or that ran
+-- out of memory and waits for a live worker with more ('bigger'), is left to the other live workers meanwhile: the next task of its job instead, or another job, or nothing (this
 -- worker asks again within a heartbeat interval, and takes it once the time is up).
 --
 -- dispatch(
@@ -125,8 +125,9 @@ end
 local function refuse(t, why)
   local ms = now_ms()
   redis.pcall('HSET', t.task_key, 'status', 'failed', 'lease', '', 'error', 'malformed task: ' .. why,
-    'finished_at', secs(ms))
+    'error_kind', 'refused', 'finished_at', secs(ms))
   pcall(move, t.job_key, 'queued', 'failed')
+  pcall(incr, t.job_key, 'failed:refused', 1)
   pcall(emit, events_key, 'task', t.task_id, 'failed')
   pcall(ended, t.job_key, t.task_id, 'failed')
   if redis.pcall('RPUSH', t.job_key .. ':failed', t.task_id) == 101 then
@@ -156,16 +157,30 @@ local function meets_class(classes, klass)
   return meets
 end
 
--- Whether the task at pending member ``member`` of job ``job_id`` waits for another worker than this one.
+-- Whether the task at pending member ``member`` of job ``job_id`` waits for another worker than this one:
+-- its last attempt failed here (fail.lua's 'avoid'), or it ran out of memory and waits for a worker with
+-- more of it ('bigger' above 'bigger_than') while the one fail.lua found ('bigger_on') is live; either
+-- until 'avoid_until'.
 local function avoided(job_id, member)
   local index = numeric(member, 'integer')
   if not index then
     return false
   end
-  local f = redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, 'avoid', 'avoid_until')
-  return type(f) == 'table' and not f.err and f[1] == worker_id and (tonumber(f[2]) or 0) > now_ms()
+  local f = redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, 'avoid', 'avoid_until', 'bigger',
+    'bigger_than', 'bigger_on')
+  if type(f) ~= 'table' or f.err or (tonumber(f[2]) or 0) <= now_ms() then
+    return false
+  end
+  if type(f[3]) == 'string' and f[3] ~= '' and type(f[5]) == 'string' then
+    resources = resources or (raw and decode_resources()) or {}
+    local have, above = decimal(tostring(resources[f[3]])), tonumber(f[4])
+    if have and above and have > above then
+      return false
+    end
+    return redis.call('EXISTS', PREFIX .. 'worker:' .. f[5]) == 1
+  end
+  return f[1] == worker_id
 end
-
 -- ``pick`` unless this worker should leave it to others; then the lightest of the next few it need not
 -- leave, or nil (none: this job is not for this worker now).
 local function unavoided(job_id, pk, pick)

@@ -2,11 +2,17 @@
 --
 -- fail(
 --   keys = {task hash, lease key, leases zset, job hash, events stream, worker hash, ready zset, stats hash,
---           idle set, the job's spent set},
+--           idle set, the job's spent set, scores zset (the live workers)},
 --   args = {task id, lease token (the plain token), error text, duration (s), mode,
 --           this task's member in the spent set ('' = none),
---           how long (ms) the failed worker leaves the requeued task to others ('' or 0: not at all)}
+--           how long (ms) the failed worker leaves the requeued task to others ('' or 0: not at all),
+--           the failure kind (_lib.lua: script, timeout, memory, lost, refused; '' = script),
+--           for 'memory': the resource it ran out of ('task_memory_gb' or 'vram_gb', '' = unknown) and this
+--           worker's value of it, and how long (ms) the task waits for a worker with more}
 -- )
+-- A task requeued after running out of memory waits for a live worker with more of that resource (the
+-- one with most is named in 'bigger_on'; dispatch gives the task only to workers with more while that
+-- one is live, for up to the time given); with no such worker live it is retried like any failure.
 -- A task requeued after a failed attempt names the worker it failed on ('avoid', until 'avoid_until'):
 -- dispatch gives it to another live worker meanwhile, so one sick worker does not spend every attempt.
 -- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
@@ -27,6 +33,7 @@ local ready_key = KEYS[7]
 local stats_key = KEYS[8]
 local idle_key = KEYS[9]
 local spent_key = KEYS[10]  -- declared; the name used is made from the task id (below)
+local scores_key = KEYS[11]
 
 local task_id = ARGV[1]
 local token = ARGV[2]
@@ -35,6 +42,30 @@ local duration = ARGV[4]
 local mode = ARGV[5]
 local spent = ARGV[6] or ''
 local avoid_ms = tonumber(ARGV[7] or '') or 0
+local kind = ARGV[8] or ''
+local need_key = ARGV[9] or ''
+local need_value = tonumber(ARGV[10] or '')
+local hold_ms = tonumber(ARGV[11] or '') or 0
+local KINDS = {script = true, timeout = true, memory = true, lost = true, refused = true}
+if not KINDS[kind] then
+  kind = 'script'
+end
+
+-- The live worker with the most of resource ``key``, above ``above``, and how much it has; or nil.
+local function bigger_worker(key, above)
+  local best, most = nil, above
+  for _, id in ipairs(redis.call('ZRANGE', scores_key, 0, 1999)) do
+    local raw = redis.pcall('HGET', PREFIX .. 'worker:' .. id, 'resources')
+    if type(raw) == 'string' then
+      local ok, res = pcall(cjson.decode, raw)
+      local have = ok and type(res) == 'table' and decimal(tostring(res[key]))
+      if have and have > most then
+        best, most = id, have
+      end
+    end
+  end
+  return best, most
+end
 
 local copy, refused = holder(task_key, token)
 if not copy then
@@ -60,8 +91,21 @@ clear_backup(task_key)
 local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
   stats_key = stats_key, task_id = task_id, error = err, duration = duration, ms = ms,
-  refund = mode == 'release', final = mode == 'reject',
+  refund = mode == 'release', final = mode == 'reject', kind = kind,
 })
+redis.call('HDEL', task_key, 'bigger', 'bigger_than', 'bigger_on')
+if r[2] == 'queued' and mode == 'fail' and kind == 'memory' and need_key ~= '' and need_value then
+  local bigger, most = bigger_worker(need_key, need_value)
+  if bigger then
+    redis.call('HSET', task_key, 'avoid', failed_on or '', 'avoid_until', ms + math.max(hold_ms, avoid_ms),
+      'bigger', need_key, 'bigger_than', need_value, 'bigger_on', bigger)
+    table.insert(r, 'bigger_on')
+    table.insert(r, bigger)
+    table.insert(r, 'bigger_has')
+    table.insert(r, tostring(most))
+    return r
+  end
+end
 if r[2] == 'queued' and mode == 'fail' and avoid_ms > 0 and type(failed_on) == 'string' then
   redis.call('HSET', task_key, 'avoid', failed_on, 'avoid_until', ms + avoid_ms)
 end

@@ -7,7 +7,8 @@
 --   args = {task id, this task's member in the spent set ('' = none)}
 -- )
 -- A signed job's task failed for good here joins its spent set, as in fail.lua.
--- Reply (see _lib.lua): end_attempt's {1, 'queued' | 'failed', 'attempts', attempts spent}; or
+-- A lapsed lease is a 'lost' attempt: retried without spending an attempt up to a bound (end_attempt).
+-- Reply (see _lib.lua): end_attempt's {1, 'queued' | 'failed', 'attempts', attempts spent, ...}; or
 -- {0, 'renewed'} (the lease is still alive, or a live backup took over) or {0, 'gone'} (not running).
 
 local task_key = KEYS[1]
@@ -46,7 +47,7 @@ local err = 'lease expired: worker ' .. (worker or '?') .. ' stopped heartbeatin
 incr(stats_key, 'lease_expired', 1)
 local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
-  stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms,
+  stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms, kind = 'lost', free = true,
 })
 if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
   redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)

@@ -29,8 +29,13 @@ end
 -- from KEYS, so a caller cannot skip this step by naming another key.
 redis.call('SREM', PREFIX .. 'spent:' .. (job_of(task_id) or ''), spent)
 local job_id = job_of(task_id)
+if status == 'failed' then
+  local kind = redis.call('HGET', task_key, 'error_kind')
+  incr(job_key, 'failed:' .. (type(kind) == 'string' and kind or 'script'), -1)
+end
 redis.call('HSET', task_key, 'status', 'queued', 'attempts', 0, 'lease', '')
-redis.call('HDEL', task_key, 'finished_at', 'duration')
+redis.call('HDEL', task_key, 'finished_at', 'duration', 'lost', 'avoid', 'avoid_until', 'bigger', 'bigger_than',
+  'bigger_on')
 move(job_key, status, 'queued')
 make_pending({task_key = task_key, job_key = job_key, ready_key = ready_key, idle_key = idle_key, job_id = job_id})
 local job = redis.call('HMGET', job_key, 'status', 'id')
