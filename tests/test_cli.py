@@ -152,9 +152,7 @@ def test_results_formats_and_logs(env, mesh_worker: MeshWorkers):
     lines = cli("results", job, "--format", "jsonl").stdout.splitlines()
     assert [json.loads(line)["index"] for line in lines] == list(range(6))
     csv_out = cli("results", job, "--format", "csv").stdout.splitlines()
-    header = (
-        "index,task_id,status,result,error,error_kind,attempts,worker,duration_s,artifacts,skipped_artifacts,verified,signed_by"
-    )
+    header = "index,task_id,status,result,error,error_kind,attempts,worker,duration_s,artifacts,skipped_artifacts,verified,signed_by"
     assert csv_out[0] == header and len(csv_out) == 7
     logs = cli("logs", keys.task_id(job, 0))
     assert "lr=0.5 epochs=80 on " in logs.stderr

@@ -121,7 +121,9 @@ def test_a_delivery_says_its_job_task_cost_requirements_and_outcome(env, broker,
     w = mesh_worker.start(name="dash", resources={"pool": "a", "zone": "x"})
     payloads = [{"i": 0, "cost": 2.5, "requires": ["zone=x"]}, {"i": 1, "fail": True}]
     with gpumesh.connect() as mesh:
-        job = mesh.submit(script, payloads, name="sweep", requires=["pool=a"], max_attempts=2, timeout=600, retry_on="all")
+        job = mesh.submit(
+            script, payloads, name="sweep", requires=["pool=a"], max_attempts=2, timeout=600, retry_on="all"
+        )
         assert job.wait(timeout=60).status == "failed"
     ok, bad = keys.task_id(job.id, 0), keys.task_id(job.id, 1)
 

@@ -43,8 +43,18 @@ def test_grid_search_example_through_submit_wait(env, workers: Workers):
     assert p.returncode == 0, p.stderr
     st = json.loads(p.stdout)
     assert st["status"] == "done" and st["tasks"]["done"] == 6 and st["tasks"]["total"] == 6
-    assert set(st) == {"job_id", "name", "status", "priority", "tasks", "created_at", "finished_at", "waiting_for",
-                       "failed_by_kind", "retry_on"}
+    assert set(st) == {
+        "job_id",
+        "name",
+        "status",
+        "priority",
+        "tasks",
+        "created_at",
+        "finished_at",
+        "waiting_for",
+        "failed_by_kind",
+        "retry_on",
+    }
     res = json.loads(gpumesh("results", st["job_id"], "--format", "json", env=env).stdout)
     assert [row["index"] for row in res] == list(range(6))
     assert all(row["status"] == "done" and row["attempts"] == 1 for row in res)
