@@ -179,7 +179,8 @@ RETRY_KINDS = {
     "script": "the script failed: non-zero exit, a traceback, killed by a signal, or no usable JSON result",
     "timeout": "the attempt ran past the job's timeout",
     "memory": "over its memory cap, out of CUDA memory, MemoryError, or killed by the kernel's OOM killer",
-    "lost": "its worker or lease was lost (retried without spending an attempt, up to 3 times)",
+    "lost": "its worker or lease was lost, or its output files could not be stored (a lapsed lease does not "
+    "spend an attempt, up to 3 times)",
 }
 RECORDED_KINDS = (*RETRY_KINDS, "refused")
 # A script with a bug is not run again by default; what the machine or the mesh did to it is.

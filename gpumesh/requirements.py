@@ -35,11 +35,12 @@ class Requirement:
 
 
 NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+MAX_NUMBER = 40  # characters, as the Lua's MAX_DECIMAL: longer text is no number (its pattern backtracks)
 
 
 def _number(text: str) -> float | None:
     """A decimal number, as the dispatcher's Lua reads one (no '1_0', 'inf', 'nan' or hex)."""
-    if not NUMBER.fullmatch(text):
+    if len(text) > MAX_NUMBER or not NUMBER.fullmatch(text):
         return None
     x = float(text)
     return x if math.isfinite(x) else None

@@ -155,3 +155,95 @@ print(json.dumps({{"on": me}}))
     print(
         f"\nout of CUDA memory on vram_gb=8 -> waited {waited:.1f} s for the busy vram_gb=24 worker (idle spare skipped)"
     )
+
+
+@pytest.mark.core
+@pytest.mark.parametrize(
+    ("stderr", "returncode", "kind"),
+    [
+        # logged an out-of-memory, recovered, then died of a bug: the bug is what it failed of
+        (["WARNING: CUDA out of memory at batch 512, retrying with batch 256", "Traceback (most recent call last):",
+          '  File "t.py", line 3, in <module>', "KeyError: 'labels'"], 1, "script"),
+        (["Traceback (most recent call last):", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"],
+         1, "memory"),
+        (["Traceback (most recent call last):", "numpy.core._exceptions._ArrayMemoryError: Unable to allocate"], 1,
+         "memory"),
+        (["CUDA error: out of memory", "CUDA_ERROR_OUT_OF_MEMORY"], -6, "memory"),  # a driver abort: no traceback
+        (['gpumesh-exception {"type": "MemoryError", "message": ""}'], 1, "memory"),  # a function task's
+        (['gpumesh-exception {"type": "ValueError", "message": "CUDA out of memory? no"}'], 1, "memory"),
+        (["Traceback (most recent call last):", "ValueError: bad"], 1, "script"),
+        ([], -9, "script"),  # SIGKILL without the kernel's OOM killer running: someone killed it
+    ],
+)  # fmt: skip
+def test_an_attempt_fails_of_what_it_died_of_not_of_what_it_logged(stderr, returncode, kind):
+    from gpumesh.sandbox.runner import Attempt
+    from gpumesh.worker.executor import failure_of
+
+    out = Attempt(returncode=returncode)
+    out.stderr_tail.extend(stderr)
+    got, need, _ = failure_of(out, {"task_memory_gb": 8.0, "vram_gb": 24.0})
+    assert got == kind
+    if kind == "memory":
+        assert need in (("vram_gb", 24.0), ("task_memory_gb", 8.0))
+
+
+def _register(r: redis.Redis, worker_id: str, **resources: object) -> None:
+    r.hset(keys.worker(worker_id), "resources", json.dumps(resources))
+    r.zadd(keys.SCORES, {worker_id: 1.0})
+
+
+@pytest.mark.core
+def test_a_task_out_of_memory_waits_only_for_a_worker_that_has_clearly_more_and_may_run_it(broker, r: redis.Redis):
+    from gpumesh.models import JobOptions
+    from gpumesh.store import scripts
+
+    res = broker.submit("print('{}')", "t.py", [{}], JobOptions(requires=("device=cuda",)))
+    (tid,) = broker.task_ids(res.job_id)
+    _register(r, "small", device="cuda", task_memory_gb=8.0)
+    _register(r, "cpu-box", device="cpu", task_memory_gb=256.0)  # more RAM, but the task requires cuda
+    _register(r, "about-same", device="cuda", task_memory_gb=8.5)  # not clearly more (under 1.2x)
+    _register(r, "liar", device="cuda", task_memory_gb="9" * 30_000 + "x")  # no number: ignored, quickly
+
+    def fail_once() -> scripts.Outcome:
+        lease = scripts.acquire(broker.scripts, r, tid, "small", 30_000)
+        assert isinstance(lease, scripts.Lease)
+        t0 = time.monotonic()
+        out = scripts.fail(broker.scripts, r, lease, "small", "killed: over its memory cap", 1.0, kind="memory",
+                           need=("task_memory_gb", 8.0), hold_ms=60_000)  # fmt: skip
+        assert time.monotonic() - t0 < 1, "a resource that is no number costs no time"
+        return out
+
+    out = fail_once()
+    assert out.status == "queued" and out.bigger is None  # nobody it could wait for: retried as any failure
+    assert r.hget(keys.task(tid), "bigger_on") is None
+    _register(r, "big", device="cuda", task_memory_gb=64.0)
+    out = fail_once()
+    assert out.status == "queued" and out.bigger == ("big", 64.0)
+    assert r.hget(keys.task(tid), "error_kind") == "memory"
+
+
+@pytest.mark.core
+def test_failed_by_kind_counts_what_failed_and_retry_takes_it_back(broker, r: redis.Redis):
+    from gpumesh.models import JobOptions
+    from gpumesh.store import scripts
+
+    res = broker.submit("print('{}')", "t.py", [{}, {}], JobOptions(max_attempts=1))
+    tids = broker.task_ids(res.job_id)
+    for tid, kind in zip(tids, ("script", "timeout"), strict=True):
+        lease = scripts.acquire(broker.scripts, r, tid, "w", 30_000)
+        assert isinstance(lease, scripts.Lease)
+        assert scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1, kind=kind).status == "failed"
+    st = broker.job_status(res.job_id)
+    assert st.failed_by_kind == {"script": 1, "timeout": 1} and st.tasks.failed == 2
+    assert broker.retry(res.job_id)[0] == 2
+    assert broker.job_status(res.job_id).failed_by_kind == {}
+    counts = r.hgetall(keys.job(res.job_id))
+    assert counts["failed:script"] == "0" and counts["failed:timeout"] == "0"
+    # a task that failed before kinds were recorded has none: retrying it takes nothing below zero
+    lease = scripts.acquire(broker.scripts, r, tids[0], "w", 30_000)
+    assert isinstance(lease, scripts.Lease)
+    assert scripts.fail(broker.scripts, r, lease, "w", "boom", 0.1).status == "failed"
+    r.hdel(keys.task(tids[0]), "error_kind")
+    r.hset(keys.job(res.job_id), "failed:script", 0)
+    assert broker.retry(res.job_id)[0] == 1
+    assert r.hget(keys.job(res.job_id), "failed:script") == "0"

@@ -37,6 +37,7 @@ from gpumesh.worker.reaper import reap_once
 
 pytestmark = pytest.mark.faults
 
+FREE_LOST = 3  # _lib.lua's FREE_LOST
 MAX_ATTEMPTS = 2
 STATES = ("queued", "running", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
@@ -248,12 +249,12 @@ class Mesh(RuleBasedStateMachine):
     @invariant()
     def terminal_states_stay_terminal_and_attempts_stay_in_bounds(self):
         for tid in self.tids:
-            status, attempts = self.r.hmget(keys.task(tid), "status", "attempts")
+            status, attempts, lost = self.r.hmget(keys.task(tid), "status", "attempts", "lost")
             if self.last_status[tid] in TERMINAL:
                 assert status == self.last_status[tid], f"{tid} left {self.last_status[tid]} for {status}"
             self.last_status[tid] = status
-            n = int(attempts or 0)
-            assert 0 <= n <= MAX_ATTEMPTS
+            n = int(attempts or 0)  # every run; up to 3 lapsed leases (lost) do not spend an attempt
+            assert 0 <= n - min(int(lost or 0), FREE_LOST) <= MAX_ATTEMPTS and n <= MAX_ATTEMPTS + FREE_LOST
             assert n >= self.last_attempts[tid] - 1  # a release refunds the attempt it was on
             self.last_attempts[tid] = n
 

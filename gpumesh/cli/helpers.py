@@ -166,7 +166,7 @@ def job_options(f: Any) -> Any:
                 show_default=True,
                 help="Failure kinds retried while attempts remain, comma-separated: script (non-zero exit, "
                 "traceback, no JSON result), timeout, memory (over its cap or out of CUDA memory: retried on a "
-                "worker with more when one is live), lost (worker or lease lost: retried without spending an "
+                "worker with more when one is live), lost (worker or lease lost; a lapsed lease does not spend an "
                 "attempt, up to 3 times); or all, none. A script that fails is not run again unless you add "
                 "script.",
             ),  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from gpumesh.models import Capability, loads_strict
+from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.warm import Zygote
@@ -36,7 +36,7 @@ UNREPORTED = ("lease lost", "broker lost")  # stop reasons after which the attem
 # What a script's stderr says when it ran out of device memory (PyTorch, cuBLAS, the CUDA runtime and
 # driver, JAX/XLA, Apple's MPS): the attempt failed for memory, not for a bug.
 DEVICE_OOM = (
-    "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY",
+    "CUDA out of memory", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY",
     "RESOURCE_EXHAUSTED: Out of memory", "MPS backend out of memory",
 )  # fmt: skip
 MEMORY_HOLD_TTLS = 10  # a task out of memory waits this many lease TTLs for a live worker with more
@@ -411,16 +411,33 @@ def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tu
         return "memory", ram, said
     if out.killed:  # stopped for the worker's reason (it stops, the backup copy yielded): not the script's doing
         return "lost", None, said
-    text = "\n".join(out.stderr_tail)
-    if any(marker in text for marker in DEVICE_OOM):
-        vram = None if "MPS backend out of memory" in text else _resource(resources, "vram_gb")
+    # What the script died of: its exception's line when it ended with a traceback (a script that logged
+    # "CUDA out of memory", recovered and then died of a bug failed for the bug), else all it wrote last
+    # (a CUDA driver or XLA abort prints no traceback).
+    tail = list(out.stderr_tail)
+    raw = next((line.strip() for line in reversed(tail) if line.strip()), "")
+    last = _exception_line(raw)
+    raised = raw != last or any(line.startswith("Traceback (most recent call last)") for line in tail)
+    died_of = last if raised else "\n".join(tail)
+    if any(marker in died_of for marker in DEVICE_OOM):
+        vram = None if "MPS backend out of memory" in died_of else _resource(resources, "vram_gb")
         return "memory", vram or ram, said
-    last = next((line.strip() for line in reversed(out.stderr_tail) if line.strip()), "")
-    if last.startswith("MemoryError"):
+    if last.partition(":")[0].endswith("MemoryError"):  # MemoryError, numpy's _ArrayMemoryError: RAM
         return "memory", ram, said
     if out.returncode == -9 and out.kernel_oom:
         return "memory", ram, said + " (the kernel's out-of-memory killer ran during the attempt)"
     return "script", None, said
+
+
+def _exception_line(line: str) -> str:
+    """``Type: message`` of a function task's exception (its marker line, gpumesh.functions), else the line."""
+    if not line.startswith(EXCEPTION_MARKER):
+        return line
+    try:
+        info = json.loads(line[len(EXCEPTION_MARKER) :])
+        return f"{info['type']}: {info['message']}"
+    except (ValueError, KeyError, TypeError):
+        return line
 
 
 def _resource(resources: dict[str, Any], key: str) -> tuple[str, float] | None:

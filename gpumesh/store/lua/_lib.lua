@@ -276,8 +276,9 @@ local function end_attempt(a)
     lost = tonumber(redis.pcall('HGET', task_key, 'lost')) or 0
   end
   attempts = attempts - math.min(lost, FREE_LOST)
+  redis.call('HSET', task_key, 'error_kind', kind)
   if a.error ~= '' then
-    redis.call('HSET', task_key, 'error', a.error, 'error_kind', kind)
+    redis.call('HSET', task_key, 'error', a.error)
   end
   if not a.refund then
     incr(a.stats_key, 'attempts_failed:' .. kind, 1)
@@ -325,8 +326,11 @@ end
 -- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
 -- reqs: list of {key, op, value}; res: the worker's resources (strings and numbers).
 -- A decimal number or nil, as requirements.py reads one (strtod alone would take 'inf', 'nan', hex).
+-- At most MAX_DECIMAL characters: the pattern backtracks in quadratic time, and resources and task
+-- fields are written by worker credentials (30,000 digits held Redis for 10 s).
+local MAX_DECIMAL = 40
 local function decimal(text)
-  if string.find(text, '^%s*[-+]?[%d%.]+[eE]?[-+]?%d*%s*$') then
+  if #text <= MAX_DECIMAL and string.find(text, '^%s*[-+]?[%d%.]+[eE]?[-+]?%d*%s*$') then
     return tonumber(text)
   end
   return nil

@@ -128,6 +128,7 @@ local function refuse(t, why)
     'error_kind', 'refused', 'finished_at', secs(ms))
   pcall(move, t.job_key, 'queued', 'failed')
   pcall(incr, t.job_key, 'failed:refused', 1)
+  pcall(incr, PREFIX .. 'stats', 'attempts_failed:refused', 1)
   pcall(emit, events_key, 'task', t.task_id, 'failed')
   pcall(ended, t.job_key, t.task_id, 'failed')
   if redis.pcall('RPUSH', t.job_key .. ':failed', t.task_id) == 101 then
@@ -174,10 +175,12 @@ local function avoided(job_id, member)
   if type(f[3]) == 'string' and f[3] ~= '' and type(f[5]) == 'string' then
     resources = resources or (raw and decode_resources()) or {}
     local have, above = decimal(tostring(resources[f[3]])), tonumber(f[4])
-    if have and above and have > above then
+    if have and above and have >= above * 1.2 then  -- fail.lua's MORE: this worker has more
       return false
     end
-    return redis.call('EXISTS', PREFIX .. 'worker:' .. f[5]) == 1
+    if redis.call('EXISTS', PREFIX .. 'worker:' .. f[5]) == 1 then
+      return true  -- the worker with more is live: it is that one's
+    end
   end
   return f[1] == worker_id
 end

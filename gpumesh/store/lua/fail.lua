@@ -10,9 +10,10 @@
 --           for 'memory': the resource it ran out of ('task_memory_gb' or 'vram_gb', '' = unknown) and this
 --           worker's value of it, and how long (ms) the task waits for a worker with more}
 -- )
--- A task requeued after running out of memory waits for a live worker with more of that resource (the
--- one with most is named in 'bigger_on'; dispatch gives the task only to workers with more while that
--- one is live, for up to the time given); with no such worker live it is retried like any failure.
+-- A task requeued after running out of memory waits for a live worker with more of that resource (at
+-- least 1.2 times as much) that may run it: the one with most is named in 'bigger_on', and dispatch gives
+-- the task only to workers with that much while that one is live, for up to the time given; with no such
+-- worker live it is retried like any failure.
 -- A task requeued after a failed attempt names the worker it failed on ('avoid', until 'avoid_until'):
 -- dispatch gives it to another live worker meanwhile, so one sick worker does not spend every attempt.
 -- mode: 'fail'; 'release' to hand the task back without spending an attempt; 'reject' to fail it for
@@ -51,16 +52,32 @@ if not KINDS[kind] then
   kind = 'script'
 end
 
--- The live worker with the most of resource ``key``, above ``above``, and how much it has; or nil.
+-- The live worker with the most of resource ``key``, at least MORE times ``above``, that may run this task
+-- (it meets the task's requirements and trusts its job's signer), and how much it has; or nil. Anything
+-- a credential wrote that does not decode counts as a worker that may not run it.
+local MORE = 1.2  -- "more memory" is this much more: two machines of one size differ by a few MB
 local function bigger_worker(key, above)
-  local best, most = nil, above
+  local job = redis.pcall('HMGET', job_key, 'classes', 'key_id')
+  local klass = redis.pcall('HGET', task_key, 'class')
+  if type(job) ~= 'table' or job.err or type(job[1]) ~= 'string' then
+    return nil
+  end
+  local ok, classes = pcall(cjson.decode, job[1])
+  local reqs = ok and type(classes) == 'table' and classes[(tonumber(klass) or 0) + 1] or {}
+  if type(reqs) ~= 'table' then
+    return nil
+  end
+  local best, most = nil, above * MORE
   for _, id in ipairs(redis.call('ZRANGE', scores_key, 0, 1999)) do
     local raw = redis.pcall('HGET', PREFIX .. 'worker:' .. id, 'resources')
-    if type(raw) == 'string' then
-      local ok, res = pcall(cjson.decode, raw)
-      local have = ok and type(res) == 'table' and decimal(tostring(res[key]))
-      if have and have > most then
-        best, most = id, have
+    if type(raw) == 'string' and #raw <= 65536 then
+      local fine, res = pcall(cjson.decode, raw)
+      local have = fine and type(res) == 'table' and decimal(tostring(res[key]))
+      if have and have >= most and accepts_signer(res, job[2]) then
+        local meets_ok, meets = pcall(meets_all, reqs, res)
+        if meets_ok and meets then
+          best, most = id, have
+        end
       end
     end
   end
@@ -80,7 +97,10 @@ end
 if mode ~= 'reject' and promote_backup({task_key = task_key, lease_key = lease_key, leases_key = leases_key,
     task_id = task_id, ms = ms}) then
   if err ~= '' then
-    redis.call('HSET', task_key, 'error', err)
+    redis.call('HSET', task_key, 'error', err, 'error_kind', kind)
+  end
+  if mode == 'fail' then
+    incr(stats_key, 'attempts_failed:' .. kind, 1)  -- the primary's attempt failed; its backup runs on
   end
   return {1, 'running', 'attempts', 0}
 end

@@ -29,9 +29,9 @@ end
 -- from KEYS, so a caller cannot skip this step by naming another key.
 redis.call('SREM', PREFIX .. 'spent:' .. (job_of(task_id) or ''), spent)
 local job_id = job_of(task_id)
-if status == 'failed' then
-  local kind = redis.call('HGET', task_key, 'error_kind')
-  incr(job_key, 'failed:' .. (type(kind) == 'string' and kind or 'script'), -1)
+local kind = status == 'failed' and redis.call('HGET', task_key, 'error_kind')
+if type(kind) == 'string' and (tonumber(redis.pcall('HGET', job_key, 'failed:' .. kind)) or 0) > 0 then
+  incr(job_key, 'failed:' .. kind, -1)  -- a task failed before kinds were recorded has none to take back
 end
 redis.call('HSET', task_key, 'status', 'queued', 'attempts', 0, 'lease', '')
 redis.call('HDEL', task_key, 'finished_at', 'duration', 'lost', 'avoid', 'avoid_until', 'bigger', 'bigger_than',
