@@ -206,7 +206,7 @@ def credential_of(url: str) -> tuple[str, str] | None:
         parts = urlsplit(url)
     except ValueError:
         return None
-    if parts.scheme not in ("redis", "rediss") or not parts.password:
+    if parts.scheme not in ("redis", "rediss", "redis+sentinel", "rediss+sentinel") or not parts.password:
         return None
     return unquote(parts.username or "") or "default", unquote(parts.password)
 

@@ -49,6 +49,28 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path):
     assert missing.returncode != 0 and "GPUMESH_REDIS_PASSWORD" in missing.stderr
 
 
+@pytest.mark.core
+def test_compose_sentinel_profile_is_a_replica_and_three_sentinels_with_quorum_2():
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    profiled = {name for name, svc in services.items() if "sentinel" in svc.get("profiles", [])}
+    assert profiled == {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+    assert "profiles" not in services["redis"], "`docker compose up` alone still starts the one broker"
+    replica = " ".join(services["redis-replica"]["command"])
+    assert "--replicaof redis 6379" in replica and "--replica-read-only yes" in replica and "masterauth" in replica
+    assert "masterauth" in " ".join(services["redis"]["command"]), "a failed primary rejoins as a replica"
+    ports = set()
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        svc = services[name]
+        conf = " ".join(svc["command"])
+        assert svc["hostname"] == name and "--sentinel" in conf
+        assert "sentinel monitor gpumesh redis 6379 2" in conf and "auth-pass gpumesh" in conf
+        assert "requirepass" in conf, "a Sentinel anyone can reach without a password can redirect every client"
+        ports.add(svc["ports"][0])
+    assert len(ports) == 3, "each Sentinel on its own host port"
+
+
 @pytest.mark.faults
 def test_gpus_runs_one_supervised_worker_per_device_and_restarts_a_crashed_one(env, r: redis.Redis, tmp_path: Path):
     with open(tmp_path / "sup.log", "wb") as log:
@@ -146,11 +168,23 @@ def test_metrics_endpoint_matches_the_jobs_that_ran(env, workers: Workers, tmp_p
     bad.write_text("import sys\nsys.exit(2)\n")
     assert (
         gpumesh(
-            "submit", str(bad), "--payloads", "-", "--max-attempts", "2", "--wait", env=env, input="[{}]"
+            "submit",
+            str(bad),
+            "--payloads",
+            "-",
+            "--max-attempts",
+            "2",
+            "--retry-on",
+            "script",
+            "--wait",
+            env=env,
+            input="[{}]",
         ).returncode
         == 1
     )
-    gpumesh("submit", str(bad), "--payloads", "-", env=env, input="[{}, {}, {}]")  # 3 attempts each (the default)
+    gpumesh(
+        "submit", str(bad), "--payloads", "-", "--retry-on", "all", env=env, input="[{}, {}, {}]"
+    )  # 3 attempts each
     port = free_port()
     exporter = subprocess.Popen([sys.executable, "-m", "gpumesh", "metrics", "--port", str(port)], env=env,
                                 stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
@@ -164,6 +198,8 @@ def test_metrics_endpoint_matches_the_jobs_that_ran(env, workers: Workers, tmp_p
         assert m['gpumesh_tasks_total{outcome="failed"}'] == 4  # 1 + 3 tasks, each out of attempts
         assert m['gpumesh_tasks_total{outcome="retried"}'] == 1 + 3 * 2  # attempts that failed with attempts left
         assert m['gpumesh_tasks_total{outcome="lease_expired"}'] == 0
+        assert m['gpumesh_failed_attempts_total{kind="script"}'] == 2 + 3 * 3  # every failed attempt, by its kind
+        assert m['gpumesh_failed_attempts_total{kind="memory"}'] == 0
         assert (
             m["gpumesh_task_duration_seconds_count"] == 6 and m['gpumesh_task_duration_seconds_bucket{le="+Inf"}'] == 6
         )

@@ -4,35 +4,59 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Protocol, cast, overload
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError
 
 from gpumesh.errors import BrokerError, BrokerUnreachable, UsageError
-from gpumesh.store import tlspin
+from gpumesh.store import sentinel, tlspin
+
+# What a call retries (after closing its connection) before it gives up: a lost connection, a reply too
+# slow, and READONLY, which a primary demoted to a replica answers to writes (a failover, or a managed
+# Redis whose address moved to the new primary): nothing was written, and a new connection may reach the
+# primary. Through Sentinel, redis-py turns READONLY into a ConnectionError and asks the Sentinels again.
+RETRIED: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError]
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for logs and messages."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        port = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]  # as written, even if not a number
-    except ValueError:
-        return "<unparseable URL>"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" + (f":{port}" if port else "")))
+    """The URL with its password replaced by ***, for logs and messages. The hosts stay as written (a
+    Sentinel URL lists several). Everything between ``://`` and the last ``@`` is taken as user and
+    password, so a password holding '/', '?' or '#' (which URL parsing would cut short) is masked whole."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, _password = userinfo.partition(":")
+    if not colon:
+        return url  # a user name alone
+    return f"{scheme}://{user}:***@{hosts}"
 
 
 def client(url: str, *, decode: bool, socket_timeout: float, retries: int, health_check: bool = True) -> redis.Redis:
     """A client that gives up after ``retries`` more tries of ``socket_timeout`` each. ``health_check``
-    PINGs a connection idle for 15 s before using it (long-lived workers); it doubles the tries."""
+    PINGs a connection idle for 15 s before using it (long-lived workers); it doubles the tries.
+
+    A ``redis+sentinel://`` (``rediss+sentinel://``) URL gives the primary's client through the Sentinels
+    it lists, which finds the new primary by itself after a failover (see :mod:`gpumesh.store.sentinel`)."""
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries)
+    common: dict[str, Any] = {
+        "decode_responses": decode,
+        "socket_connect_timeout": 3,
+        "socket_timeout": socket_timeout,
+        "health_check_interval": 15 if health_check else 0,
+        "retry": retry,
+        "retry_on_error": list(RETRIED),  # redis-py may add to the list it is given
+    }
+    if sentinel.is_sentinel(url):
+        return sentinel.client(sentinel.parse(url, mask_url(url)), **common)
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise UsageError(f"broker URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+        raise UsageError(
+            f"broker URL {mask_url(url)!r} must start with redis://, rediss://, unix://, redis+sentinel:// "
+            "or rediss+sentinel://"
+        )
     pinned: dict[str, Any] = {}
     try:
         values = parse_qs(urlsplit(url).query).get(tlspin.PARAM)
@@ -46,16 +70,7 @@ def client(url: str, *, decode: bool, socket_timeout: float, retries: int, healt
         tlspin.parse_fingerprint(values[0])  # a bad one is a usage error now, not at the first command
         pinned["connection_class"] = tlspin.PinnedSSLConnection  # redis-py hands it the ca_fingerprint
     try:
-        return redis.Redis.from_url(
-            url,
-            **pinned,
-            decode_responses=decode,
-            socket_connect_timeout=3,
-            socket_timeout=socket_timeout,
-            health_check_interval=15 if health_check else 0,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        )
+        return redis.Redis.from_url(url, **pinned, **common)
     except ValueError as exc:
         raise UsageError(f"invalid broker URL {mask_url(url)!r}: {exc}") from None
 
@@ -69,6 +84,20 @@ def translate(exc: redis.RedisError, url: str) -> BrokerError:
         return BrokerError(
             f"the broker at {mask_url(url)} is out of memory (maxmemory reached, noeviction) and refused the write; "
             "nothing was written. Free memory (finished jobs) or raise maxmemory"
+        )
+    if isinstance(exc, MasterNotFoundError) and sentinel.is_sentinel(url):
+        try:
+            parsed = sentinel.parse(url, mask_url(url))
+        except UsageError:
+            pass
+        else:
+            return BrokerUnreachable(
+                f"cannot reach the broker at {mask_url(url)}: {sentinel.describe_no_primary(text, parsed)}"
+            )
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return BrokerError(
+            f"the broker at {mask_url(url)} is a read-only replica ({text}): point the URL at the primary, "
+            "or at the Sentinels that know it (redis+sentinel://)"
         )
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         if url.startswith("redis://") and "reset by peer" in text:  # what a TLS-only port does to plain Redis
