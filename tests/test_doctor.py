@@ -256,3 +256,21 @@ def test_help_shows_an_example_and_every_option(env):
     assert "gpumesh doctor --url redis://" in p.stdout
     assert "--url URL" in p.stdout and "Broker URL" in p.stdout
     assert "--json" in p.stdout and "one JSON document" in p.stdout
+
+
+def test_persistence_says_what_the_fsync_policy_means_for_a_crash(env, r: redis.Redis):
+    r.config_set("appendonly", "yes")
+    try:
+        r.config_set("appendfsync", "everysec")
+        _, rows = doctor_json()
+        everysec = rows["persistence"]
+        r.config_set("appendfsync", "always")
+        _, rows = doctor_json()
+        always = rows["persistence"]
+    finally:
+        r.config_set("appendonly", "no")
+        r.config_set("appendfsync", "everysec")
+    assert everysec["status"] == "warn", everysec
+    assert "appendfsync everysec" in str(everysec["detail"]) and "run again" in str(everysec["detail"])
+    assert "CONFIG SET appendfsync always" in str(everysec["fix"])
+    assert always["status"] == "ok" and "survives a crash" in str(always["detail"]), always

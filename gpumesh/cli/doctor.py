@@ -480,7 +480,18 @@ def persistence_line(r: redis.Redis) -> Line:
     if aof == "yes":
         fsync = _config(r, "appendfsync") or "?"
         rdb = f", RDB snapshots (save {save})" if save else ""
-        return ok("persistence", f"append-only file on (appendfsync {fsync}){rdb}")
+        shown = f"append-only file on (appendfsync {fsync}){rdb}"
+        if fsync == "always":
+            return ok("persistence", f"{shown}: every acknowledged lease and result is on disk, so it survives a crash")
+        lost = {"everysec": "the last second or two", "no": "what the OS has not written yet (~30 s)"}.get(
+            fsync, "an unknown amount (the fsync policy could not be read)"
+        )
+        return warn(
+            "persistence",
+            f"{shown}: a crash of Redis or its machine may lose {lost} of acknowledged results; those tasks run again",
+            "Run CONFIG SET appendfsync always on the broker (and put appendfsync always in redis.conf); "
+            "gpumesh serve uses always unless started with --fsync everysec.",
+        )
     if save:
         return ok("persistence", f"RDB snapshots only (save {save}): a crash loses the writes since the last one")
     return warn(

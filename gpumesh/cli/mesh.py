@@ -240,6 +240,15 @@ def join(ctx: click.Context, /, address: str, token: str, ca_fingerprint: str | 
 )
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="Also export Prometheus metrics on 127.0.0.1:PORT.")
 @click.option(
+    "--fsync",
+    type=click.Choice(["always", "everysec"]),
+    default="always",
+    show_default=True,
+    help="When the append-only file reaches the disk. always: before Redis replies, so a crash loses no "
+    "acknowledged lease or result (a few ms more per task). everysec: once a second; a crash may lose the "
+    "last second or two of them, and the tasks whose results are lost run again.",
+)
+@click.option(
     "--no-sign", is_flag=True,
     help="Print lines for unsigned jobs (no --trust, no --sign-key): then any credential that can write to "
     "Redis, a worker's included, can run code on every worker. Not recommended.",
@@ -257,6 +266,7 @@ def serve(
     metrics_port: int | None,
     log_format: str,
     no_sign: bool = False,
+    fsync: str = "always",
 ) -> None:
     """Start a broker for the mesh: Redis with a generated password, kept across restarts.
 
@@ -292,7 +302,7 @@ def serve(
             from pyngrok import ngrok
         except ImportError:
             raise UsageError("--public needs pyngrok: pip install 'gpumesh-pool[tunnel]'") from None
-    server = BrokerServer(data_dir, host=host, port=port, tls=tls).start()
+    server = BrokerServer(data_dir, host=host, port=port, tls=tls, fsync=fsync).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
