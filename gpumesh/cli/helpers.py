@@ -10,43 +10,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-import redis
 
 from gpumesh import api
 from gpumesh.cli import render
-from gpumesh.errors import GpumeshError, UsageError
+from gpumesh.cli.group import Group as Group  # where commands have always found it
+from gpumesh.errors import UsageError
 from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summary, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
-from gpumesh.store.connection import translate
 
 err = render.err
 T = TypeVar("T")
-
-
-class Group(click.Group):
-    """Turns every gpumesh error into one line and its exit code; a traceback only with --debug."""
-
-    def main(self, *args: Any, **kwargs: Any) -> Any:
-        from gpumesh.cli.argv import hide_password
-
-        hide_password()  # a worker re-executes itself with its broker password off its command line
-        return super().main(*args, **kwargs)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except GpumeshError as exc:
-            self._die(ctx, exc, exc.exit_code)
-        except redis.RedisError as exc:
-            self._die(ctx, translate(exc, (ctx.obj or {}).get("url", "")), 3)
-
-    @staticmethod
-    def _die(ctx: click.Context, exc: Exception, code: int) -> None:
-        if (ctx.obj or {}).get("debug"):
-            raise exc
-        click.echo(f"error: {exc}", err=True)
-        ctx.exit(code)
 
 
 url_option = click.option(

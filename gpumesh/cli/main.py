@@ -6,16 +6,64 @@ Data goes to stdout, progress and errors to stderr. Exit codes: 0 ok · 1 job en
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import click
 
 from gpumesh import __version__
-from gpumesh.cli import admin, doctor, jobs, mesh
-from gpumesh.cli.helpers import Group
+from gpumesh.cli.group import Group
+
+# Every command: the module that defines it, and the line `gpumesh --help` shows for it. A command's module
+# is imported only when that command runs or shows its own help, so `gpumesh --help` loads no redis, rich
+# or pydantic (tests/test_cli_start.py checks both: the modules, and that these lines are the commands' own).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("gpumesh.cli.jobs", "Submit SCRIPT with one task per payload; print the job id."),
+    "status": ("gpumesh.cli.jobs", "Show a job's status and task counts, and which queued tasks no live worker may run."),
+    "jobs": ("gpumesh.cli.jobs", "List recent jobs, newest first."),
+    "results": ("gpumesh.cli.jobs", "Print a job's per-task results in payload order (--json is --format json)."),
+    "workers": ("gpumesh.cli.jobs", "List live workers with their device, score and tier."),
+    "top": ("gpumesh.cli.jobs", "A live view of the workers (tier, score, current task) and the recent jobs. Ctrl-C quits."),
+    "logs": ("gpumesh.cli.jobs", "Print the output of a task, or of every task of a job: its stdout to stdout, stderr to stderr."),
+    "cancel": ("gpumesh.cli.jobs", "Cancel a job: queued tasks never run, running ones are killed within a heartbeat. The output files its done tasks stored are deleted too (pull them first, or pass --keep-files)."),
+    "retry": ("gpumesh.cli.jobs", "Re-queue the failed tasks of a job (with --cancelled, its cancelled ones too), each with a fresh set of attempts."),
+    "pull": ("gpumesh.cli.jobs", "Fetch the files a job's tasks wrote to GPUMESH_OUTPUT_DIR (or one TASK's: its index or id)."),
+    "worker": ("gpumesh.cli.mesh", "Benchmark this machine, join the mesh at URL and run tasks until stopped."),
+    "join": ("gpumesh.cli.mesh", "Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form."),
+    "serve": ("gpumesh.cli.mesh", "Start a broker for the mesh: Redis with a generated password, kept across restarts."),
+    "run": ("gpumesh.cli.mesh", "Run SCRIPT on a private local mesh: a broker and N workers on this machine, one command."),
+    "access": ("gpumesh.cli.admin", "Per-person worker credentials on a broker that `gpumesh serve` runs (run it on that machine)."),
+    "keys": ("gpumesh.cli.admin", "Ed25519 keys for signed jobs: submitters sign, workers started with --trust verify."),
+    "metrics": ("gpumesh.cli.admin", "Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device, task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."),
+    "bench": ("gpumesh.cli.admin", "Probe and benchmark this machine (in a child process) and show the result."),
+    "config": ("gpumesh.cli.admin", "Write or show the config file that every command reads (mode 0600)."),
+    "doctor": ("gpumesh.cli.doctor", "Check this machine and the broker, and say how to fix what is wrong."),
+}  # fmt: skip
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(Group):
+    """The top-level group: commands load on first use (see COMMANDS)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(self.commands) | set(COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            command = getattr(importlib.import_module(COMMANDS[cmd_name][0]), cmd_name)
+            _with_examples(command)
+            self.add_command(command)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """As click's, with each line from COMMANDS: listing the commands imports none of them."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = [(name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)) for name in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="gpumesh")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context
@@ -23,7 +71,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     """Run data-parallel Python work on a mesh of uneven machines.
 
     A job is a script plus a JSON list of payloads; each payload is one task. Workers benchmark
-    themselves and take tasks from the tier that matches their strength.
+    themselves; when one asks for work it gets what fits it, the strongest the heaviest tasks.
 
     \b
     One machine, one command:   gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2
@@ -76,15 +124,6 @@ def _with_examples(command: click.Command, path: str = "") -> None:
         for sub in command.commands.values():
             _with_examples(sub, name)
 
-
-for command in (
-    jobs.submit, jobs.status, jobs.jobs, jobs.results, jobs.workers, jobs.top, jobs.logs, jobs.cancel, jobs.retry,
-    jobs.pull,
-    mesh.worker, mesh.join, mesh.serve, mesh.run,
-    admin.access, admin.keys, admin.metrics, admin.bench, admin.config, doctor.doctor,
-):  # fmt: skip
-    _with_examples(command)
-    main.add_command(command)
 
 if __name__ == "__main__":
     main()
