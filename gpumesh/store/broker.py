@@ -10,11 +10,9 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
@@ -24,6 +22,9 @@ from gpumesh.signing import Signer
 from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.connection import client, mask_url, text, translate
 from gpumesh.store.submit import Submitter
+
+if TYPE_CHECKING:
+    from rq import Queue
 
 log = logging.getLogger("gpumesh")
 
@@ -77,6 +78,9 @@ class Broker:
 
     def queue(self, worker_id: str) -> Queue:
         """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
+        from rq import Queue  # only workers use RQ: the CLI's other commands start without importing it
+        from rq.serializers import JSONSerializer
+
         return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer)
 
     @property
@@ -157,7 +161,7 @@ class Broker:
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
         name, job_requires = self._job_label(lease.job_id)
         description, meta = delivery_label(lease, name, job_requires)
-        data = Queue.prepare_data(
+        data = type(queue).prepare_data(
             EXECUTOR,
             args=(lease.task_id,),
             job_id=keys.rq_job_id(lease.task_id, lease.attempt, lease.backup),

@@ -9,7 +9,6 @@ from urllib.parse import parse_qs, urlsplit
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError
 
 from gpumesh.errors import BrokerError, BrokerUnreachable, UsageError
 from gpumesh.store import sentinel, tlspin
@@ -85,7 +84,7 @@ def translate(exc: redis.RedisError, url: str) -> BrokerError:
             f"the broker at {mask_url(url)} is out of memory (maxmemory reached, noeviction) and refused the write; "
             "nothing was written. Free memory (finished jobs) or raise maxmemory"
         )
-    if isinstance(exc, MasterNotFoundError) and sentinel.is_sentinel(url):
+    if sentinel.is_sentinel(url) and type(exc).__name__ == "MasterNotFoundError":  # redis.sentinel's, loaded lazily
         try:
             parsed = sentinel.parse(url, mask_url(url))
         except UsageError:

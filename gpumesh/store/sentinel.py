@@ -28,7 +28,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
-from redis.sentinel import Sentinel
 
 from gpumesh.errors import UsageError
 
@@ -151,6 +150,8 @@ def _options(query: str, tls: bool, bad: Any) -> tuple[bool, dict[str, Any]]:
 def client(parsed: SentinelURL, **connection: Any) -> redis.Redis:
     """The primary's client, through the Sentinels. ``connection``: the keyword arguments of every
     connection to the primary (timeouts, retry, decode_responses), as ``redis.Redis`` takes them."""
+    from redis.sentinel import Sentinel  # here: every other command imports this module, not redis.sentinel
+
     tls: dict[str, Any] = {"ssl": True, **parsed.options} if parsed.tls else {}
     sentinel_kwargs: dict[str, Any] = {
         "socket_connect_timeout": min(float(connection.get("socket_connect_timeout", SENTINEL_TIMEOUT)), 3.0),
