@@ -371,3 +371,16 @@ def test_submit_wait_rides_out_a_broker_restart(env, workers: Workers, tmp_path:
         assert "Traceback" not in err
     finally:
         server.stop()
+
+
+def test_rq_s_bookkeeping_during_a_broker_outage_does_not_end_the_worker(mesh_worker, r: redis.Redis):
+    # RQ's loop quits on any error it meets between deliveries ("found an unhandled exception, quitting");
+    # a failover or outage that falls on its heartbeat must not take the worker down with it.
+    from gpumesh.server.broker_server import free_port
+
+    worker = mesh_worker.build()
+    worker.connection = redis.Redis(port=free_port(), socket_connect_timeout=0.2)  # nobody listens there
+    t0 = time.monotonic()
+    worker.heartbeat()
+    worker.run_maintenance_tasks()
+    assert time.monotonic() - t0 < 10

@@ -102,6 +102,8 @@ def test_a_worker_credential_cannot_stop_the_mesh_or_freeze_redis(mesh: Mesh, en
                                   env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         wait_until(lambda: admin.zcard(keys.WORKERS) == 1, timeout=30, what="the worker to join")
+        # gpumesh registers the worker before RQ's loop registers it in rq:workers
+        wait_until(lambda: admin.scard("rq:workers") == 1, timeout=30, what="RQ to register the worker")
         name = next(iter(admin.smembers("rq:workers"))).removeprefix("rq:worker:")
         # what the issue did: a new epoch stops every worker; RQ's shutdown command stops one
         assert refused(attacker, "SET", keys.EPOCH, "stolen")

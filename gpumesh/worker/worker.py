@@ -449,8 +449,19 @@ class MeshWorker(SimpleWorker):
             self._revoked(exc)
             raise StopRequested from None
 
+    @contextlib.contextmanager
+    def _through_outage(self, what: str) -> Iterator[None]:
+        """Around RQ's bookkeeping between deliveries: RQ's loop quits on any error, and a broker outage or
+        failover must not end the worker. The step is skipped (RQ does it again on its next turn); gpumesh's
+        own heartbeat thread keeps the registration and lease, and says when the broker is gone."""
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("RQ's %s skipped: the broker is unreachable (%s)", what, exc)
+            time.sleep(0.5)
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        with self._unless_refused():
+        with self._unless_refused(), self._through_outage("heartbeat"):
             super().heartbeat(timeout, pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
@@ -462,7 +473,7 @@ class MeshWorker(SimpleWorker):
             raise StopRequested
 
     def run_maintenance_tasks(self) -> None:
-        with self._unless_refused():
+        with self._unless_refused(), self._through_outage("maintenance"):
             super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
 
     def handle_execution_ended(self, job: Job, queue: Any, heartbeat_ttl: int) -> None:
