@@ -170,7 +170,7 @@ class Workers:
     def __init__(self, env: dict[str, str], r: redis.Redis, tmp: Path) -> None:
         self.env, self.r, self.tmp = env, r, tmp
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.mode_args: list[str] = []  # ["--warm"] to run the same test against the warm executor
+        self.mode_args: list[str] = []  # ["--fresh"] / ["--warm"] to run a test against one executor (both_modes)
 
     def start(
         self, *args: str, score: float = 10, wait: bool = True, client: redis.Redis | None = None, **extra_env: str
@@ -358,7 +358,7 @@ def cli(*args: str, input: str | None = None) -> Ran:
 @pytest.fixture(params=["fresh", "warm"])
 def both_modes(request: pytest.FixtureRequest, workers: Workers) -> str:
     """Run a test against both executors: a new interpreter per task, and tasks forked from a warm zygote."""
-    workers.mode_args = ["--warm"] if request.param == "warm" else []
+    workers.mode_args = ["--warm"] if request.param == "warm" else ["--fresh"]
     return request.param
 
 

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from gpumesh.sandbox import runner as sandbox
-from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote
+from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote, ZygoteError
 
 from .conftest import gpumesh, pid_alive, wait_until
 
@@ -101,5 +101,41 @@ def test_bad_preload_is_a_one_line_startup_error_and_joins_nothing(env, r: redis
     )
     assert r.zcard("gpumesh:workers") == 0 and r.zcard("gpumesh:scores") == 0
 
-    p = gpumesh("worker", "--score", "5", "--preload", "json", env=env)
-    assert p.returncode == 2 and "--preload needs --warm" in p.stderr
+    p = gpumesh("worker", "--score", "5", "--fresh", "--preload", "json", env=env)
+    assert p.returncode == 2 and "--preload needs the warm executor" in p.stderr
+
+
+@pytest.mark.security
+def test_modules_the_zygote_imported_are_reseeded_for_each_task(tmp_path: Path):
+    # random and numpy imported by the zygote itself (not by each task): only a reseed after the fork gives
+    # two tasks different numbers; tempfile imported there must still pick each task's own TMPDIR
+    np = pytest.importorskip("numpy", reason="numpy is a test dependency")
+    assert np is not None
+    z = Zygote(["random", "tempfile", "numpy"])
+    z.start()
+    try:
+        src = """
+            import json, os, random, sys, tempfile
+            import numpy
+            assert "random" in sys.modules and "numpy" in sys.modules
+            print(json.dumps({"rand": random.random(), "np": float(numpy.random.random()),
+                              "tempdir": tempfile.gettempdir(), "tmp": os.environ["TMPDIR"]}))
+        """
+        first, second = (json.loads(run(z, src).last_line) for _ in range(2))
+    finally:
+        z.close()
+    assert first["rand"] != second["rand"] and first["np"] != second["np"], "each task gets its own seed"
+    assert first["tempdir"] == first["tmp"] and second["tempdir"] == second["tmp"] != first["tmp"]
+
+
+@pytest.mark.security
+def test_a_preload_that_initialises_cuda_is_refused_before_any_task(tmp_path: Path):
+    # CUDA does not survive fork: a zygote whose preload initialised it would break every task. A stand-in
+    # torch whose CUDA says it is initialised shows the refusal without a GPU.
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("class cuda:\n    is_initialized = staticmethod(lambda: True)\n")
+    z = Zygote(["torch"], env={"PYTHONPATH": str(tmp_path)})
+    with pytest.raises(ZygoteError, match="initialised CUDA"):
+        z.start()
+    z.close()

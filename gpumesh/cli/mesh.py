@@ -90,15 +90,17 @@ def worker_options(f: Any) -> Any:
                 help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS).",
             ),
             click.option(
-                "--warm",
-                is_flag=True,
-                help="Fork each task from a warm zygote instead of starting a new interpreter: same sandbox, "
-                "none of the start-up cost.",
+                "--warm/--fresh",
+                default=True,
+                show_default=True,
+                help="warm: fork each attempt from a zygote that started Python (and --preload) once: the same "
+                "sandbox, none of the start-up cost. fresh: a new interpreter for each attempt, for scripts "
+                "that must not share the zygote's imported modules or sys.path (see the README).",
             ),
             click.option(
                 "--preload",
                 metavar="MODULES",
-                help="With --warm: modules the zygote imports once, e.g. torch,numpy (never initialises CUDA).",
+                help="Modules the warm zygote imports once, e.g. torch,numpy (never initialises CUDA).",
             ),
             click.option(
                 "--resource",

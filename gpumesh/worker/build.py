@@ -33,7 +33,7 @@ class WorkerOptions:
     burst: bool = False  # stop when no work is left
     trust: tuple[str, ...] = ()  # public keys (file paths or inline ed25519:<base64>): run only tasks they signed
     sandbox_user: str | None = None
-    warm: bool = False
+    warm: bool = True  # tasks fork from a zygote; False: a new interpreter per attempt (--fresh)
     preload: str | None = None
     resources: tuple[str, ...] = ()  # KEY=VALUE, as --resource gives them
     exit_with_parent: int | None = None
@@ -82,7 +82,7 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
 def start_zygote(warm: bool, preload: str | None, python: str, cuda: str | None) -> Zygote | None:
     """Start the warm executor's zygote before joining, so a failing --preload is a startup error."""
     if preload and not warm:
-        raise UsageError("--preload needs --warm (it names what the warm zygote imports)")
+        raise UsageError("--preload needs the warm executor (it names what the zygote imports); drop --fresh")
     if not warm:
         return None
     zygote = Zygote((preload or "").split(","), python=python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {})
@@ -132,7 +132,7 @@ def supervise(broker: Broker, opts: WorkerOptions) -> int:
     args += ["--burst"] if opts.burst else []
     args += [a for path in opts.trust for a in ("--trust", str(path))]
     args += ["--sandbox-user", opts.sandbox_user] if opts.sandbox_user else []
-    args += ["--warm"] if opts.warm else []
+    args += ["--warm" if opts.warm else "--fresh"]
     args += ["--preload", opts.preload] if opts.preload else []
     args += [a for r in opts.resources for a in ("--resource", r)]
     sup = Supervisor(gpus, args, opts.name or socket.gethostname(), restart=not opts.burst, url=broker.url)
