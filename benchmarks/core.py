@@ -150,7 +150,8 @@ def main() -> None:
             dbs[("current", "pinned")] = 3
         versions = {"current": current, "v1": v1}
         for (ver, mode), db in dbs.items():
-            extra = ("--warm",) if mode == "warm" else ()
+            # the first version ran fresh by default and knows no --fresh; this one runs warm by default
+            extra = ("--warm",) if mode == "warm" else () if ver == "v1" else ("--fresh",)
             prefix = ("taskset", "-c", "0") if mode == "pinned" else ()
             procs.append(versions[ver].worker(server.db(db), *extra, prefix=prefix))
         for db in dbs.values():

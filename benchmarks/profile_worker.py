@@ -76,7 +76,7 @@ def main() -> None:
         broker = Broker(Settings(url=server.url))
         env = {**os.environ, "GPUMESH_URL": server.url, "XDG_CACHE_HOME": str(tmp / "cache")}
         worker = [sys.executable, "-m", "gpumesh", "worker", "--score", "1", "--log-level", "WARNING"]
-        worker += ["--warm"] if args.mode == "warm" else []
+        worker += ["--warm"] if args.mode == "warm" else ["--fresh"]
         proc = subprocess.Popen(
             [spy, "record", "--idle", "-r", str(RATE_HZ), "--format", "raw", "-o", str(raw), "--", *worker],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -53,7 +53,7 @@ def main() -> None:
     work_ms = (time.perf_counter() - t0) * 10
     server = PrivateRedis()
     tmp = server.tmp
-    modes = {"fresh": [], "warm": ["--warm"], "warm + preload": ["--warm", "--preload", "torch"]}
+    modes = {"fresh": ["--fresh"], "warm": ["--warm"], "warm + preload": ["--warm", "--preload", "torch"]}
     results: dict[str, list[float]] = {m: [] for m in modes}
     procs = []
     try:
