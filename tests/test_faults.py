@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -384,3 +385,53 @@ def test_rq_s_bookkeeping_during_a_broker_outage_does_not_end_the_worker(mesh_wo
     worker.heartbeat()
     worker.run_maintenance_tasks()
     assert time.monotonic() - t0 < 10
+
+
+def test_status_watch_logs_follow_and_top_ride_out_a_broker_restart(env, workers: Workers, tmp_path: Path):
+    import pty
+
+    server, e, path = aof_broker(env, tmp_path)
+    try:
+        r2 = server.client()
+        workers.start(client=r2, **{k: v for k, v in e.items() if k in AOF_ENV})
+        job = gpumesh("submit", str(path), "--payloads", "-", env=e, input=json.dumps([{"i": i} for i in range(20)]))
+        job_id = job.stdout.strip()
+        gpm = [sys.executable, "-m", "gpumesh"]
+        main_fd, term = pty.openpty()  # top's live view runs only on a terminal
+        followers = {
+            "status --watch": subprocess.Popen([*gpm, "status", job_id, "--watch"], stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, env=e, text=True),
+            "logs -f": subprocess.Popen([*gpm, "logs", job_id, "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        env=e, text=True),
+            "top": subprocess.Popen([*gpm, "top", "--interval", "0.3"], stdout=term, stderr=subprocess.PIPE, env=e,
+                                    text=True),
+        }  # fmt: skip
+        os.close(term)
+        drain = threading.Thread(target=lambda: _drain(main_fd), daemon=True)
+        drain.start()
+        wait_until(lambda: int(r2.hget(keys.job(job_id), "done") or 0) >= 3, what="the job to be under way")
+        r2.close()
+        server.stop()
+        time.sleep(2.0)
+        server.start(appendonly=True)
+        r2 = server.client()
+        wait_until(lambda: r2.hget(keys.job(job_id), "status") == "done", timeout=90, what="the job to end")
+        time.sleep(1.0)  # top's next refresh sees the broker back
+        followers["top"].send_signal(signal.SIGINT)
+        for name, proc in followers.items():
+            _, said = proc.communicate(timeout=60)
+            assert proc.returncode == 0, (name, said)
+            assert said.count("broker unreachable") == 1 and said.count("broker reachable again") == 1, (name, said)
+            assert "Traceback" not in said, (name, said)
+        r2.close()
+    finally:
+        server.stop()
+
+
+def _drain(fd: int) -> None:
+    """Read what top draws on its terminal until it closes (a full pty would block it)."""
+    try:
+        while os.read(fd, 65536):
+            pass
+    except OSError:
+        pass
