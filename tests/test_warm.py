@@ -139,3 +139,20 @@ def test_a_preload_that_initialises_cuda_is_refused_before_any_task(tmp_path: Pa
     with pytest.raises(ZygoteError, match="initialised CUDA"):
         z.start()
     z.close()
+
+
+@pytest.mark.security
+def test_what_the_zygote_preloaded_does_not_count_against_each_task_s_memory_cap(tmp_path: Path):
+    # A preload of 120 MB is shared by the zygote, each attempt's supervisor and its script: counted once
+    # (by PSS), it leaves a 200 MB cap room for a small task, and a task that allocates past the cap is
+    # still killed for it.
+    (tmp_path / "ballast.py").write_text("B = bytearray(120 << 20)\nfor i in range(0, len(B), 4096):\n    B[i] = 1\n")
+    z = Zygote(["ballast"], env={"PYTHONPATH": str(tmp_path)})
+    z.start()
+    try:
+        small = run(z, "import time\ntime.sleep(1.5)\nprint('{}')\n", memory_bytes=200 << 20)
+        big = run(z, "b = bytearray(300 << 20)\nimport time\ntime.sleep(5)\nprint('{}')\n", memory_bytes=200 << 20)
+    finally:
+        z.close()
+    assert small.killed is None and small.returncode == 0, small.describe_exit()
+    assert big.killed == "memory", big.describe_exit()

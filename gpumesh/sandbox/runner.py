@@ -178,6 +178,10 @@ def _discard(proc: subprocess.Popen[bytes]) -> None:
 
 
 def tree_rss(pid: int) -> int:
+    """The memory of a process tree, for the memory cap: the sum of each process's proportional set size
+    (PSS), so that pages forked processes share (a script's DataLoader workers; the modules a warm
+    zygote imported, shared by every attempt it forks) count once, not once per process. Their RSS where
+    the kernel does not say (smaps_rollup, Linux 4.14+); about 0.1 ms a process, every 0.25 s."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -186,9 +190,12 @@ def tree_rss(pid: int) -> int:
     total = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
+            total += p.memory_full_info().pss
+        except (psutil.Error, AttributeError):  # AttributeError: no pss on this platform
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
     return total
 
 
