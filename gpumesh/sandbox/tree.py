@@ -144,6 +144,11 @@ CGROUP_PREFIX = "gpumesh-attempt-"
 _cgroup_base: str | None = None
 _cgroup_looked = False
 _cgroup_counter = itertools.count()
+# Attempt cgroups emptied (every member killed and gone) that the kernel had not let go of yet when their
+# attempt ended: v1 refuses the rmdir for a few ms after the last member exits, which every attempt would
+# otherwise wait. Removed by release_cgroups: at the next attempt, from the worker's heartbeat, at its exit.
+_emptied: list[str] = []
+_emptied_lock = threading.Lock()
 
 
 def cgroup_base() -> str | None:
@@ -200,16 +205,22 @@ def _can_join(path: str) -> bool:
 def _remove_empty(path: str, reap: bool = False) -> None:
     """Remove a cgroup once it is empty: a process that has exited leaves the group a moment later
     (``reap``: reap our orphans meanwhile, a killed member among them)."""
-    for _try in range(200):
+    # The kernel lets go of a cgroup a moment after its last member exits (v1: typically well under a
+    # millisecond, EBUSY until then): poll from 0.2 ms up, not in 5 ms steps that each attempt would wait.
+    delay, deadline = 0.0002, time.monotonic() + 1.0
+    while True:
         try:
             os.rmdir(path)
             return
         except FileNotFoundError:
             return
         except OSError:
+            if time.monotonic() > deadline:
+                return
             if reap:
                 reap_orphans()
-            time.sleep(0.005)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
 
 
 def _sweep_cgroups(base: str) -> None:
@@ -246,6 +257,7 @@ def new_cgroup() -> str | None:
     base = cgroup_base()
     if base is None:
         return None
+    release_cgroups()
     path = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-{next(_cgroup_counter)}")
     try:
         os.mkdir(path)
@@ -267,6 +279,7 @@ def end_cgroup(path: str | None, timeout: float = 10.0) -> None:
     if path is None:
         return
     deadline = time.monotonic() + timeout
+    delay = 0.0002  # the attempt's supervisor is usually still on its way out: a short first wait
     while time.monotonic() < deadline:
         members = cgroup_members(path)
         if not members:
@@ -281,5 +294,31 @@ def end_cgroup(path: str | None, timeout: float = 10.0) -> None:
                 except OSError:
                     pass
         reap_orphans()
-        time.sleep(0.005)
-    _remove_empty(path, reap=True)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+    reap_orphans()
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:  # empty, but not let go of yet: removed later (release_cgroups), not waited for here
+        with _emptied_lock:
+            _emptied.append(path)
+
+
+def release_cgroups(wait: bool = False) -> None:
+    """Remove the emptied attempt cgroups the kernel has let go of (see _emptied); with ``wait``, wait a
+    moment for each of the others (a worker that exits)."""
+    with _emptied_lock:
+        paths = list(_emptied)
+    for path in paths:
+        if wait:
+            _remove_empty(path, reap=True)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        with _emptied_lock:
+            _emptied.remove(path)

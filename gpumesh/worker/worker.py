@@ -569,6 +569,7 @@ class MeshWorker(SimpleWorker):
             self._unregister()
             self.executor.close()
             executor.bind(None)
+            tree.release_cgroups(wait=True)
 
     # -- gpumesh ---------------------------------------------------------------------------------
 
@@ -608,6 +609,7 @@ class MeshWorker(SimpleWorker):
             if time.monotonic() >= next_sweep:  # off this thread: a large directory must not delay a renewal
                 next_sweep = time.monotonic() + SWEEP_INTERVAL
                 threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
+            tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
             try:
                 self._beat()
                 if self._hb_failing:
