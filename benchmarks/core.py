@@ -42,7 +42,10 @@ NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i':
 DRIVE = r"""
 import json, sys, time
 import gpumesh
-from gpumesh.store.broker import Broker
+try:  # the layout since the structure issue; the first version had gpumesh/broker.py
+    from gpumesh.store.broker import Broker
+except ImportError:
+    from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 url, n, script = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
