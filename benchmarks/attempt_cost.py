@@ -1,0 +1,70 @@
+"""What the sandbox's layers cost one warm attempt (issue 18): no-op attempts forked from one zygote through
+``sandbox.run`` (no Redis, no RQ), with and without Landlock and the per-attempt cgroup, alternating rounds.
+
+    python benchmarks/attempt_cost.py [--attempts 150] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import med, publish, rounds, table  # noqa: E402
+
+from gpumesh.sandbox import landlock, tree  # noqa: E402
+from gpumesh.sandbox import runner as sandbox  # noqa: E402
+from gpumesh.sandbox.warm import Zygote  # noqa: E402
+
+NOOP = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
+
+
+def per_attempt_ms(zygote: Zygote, isolation: landlock.Isolation | None, n: int) -> float:
+    limits = sandbox.Limits(timeout=20, memory_bytes=1 << 30, grace=1.0, isolation=isolation)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = sandbox.run(NOOP, "noop.py", "{}", {}, limits, lambda s, line: None, lambda: None, zygote)
+        assert out.returncode == 0, list(out.stderr_tail)
+    return (time.perf_counter() - t0) / n * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--attempts", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    has_cgroup = tree.cgroup_base() is not None
+    iso = landlock.Isolation() if landlock.abi() else None
+    cases: dict[str, tuple[landlock.Isolation | None, bool]] = {"neither": (None, False)}
+    if iso is not None:
+        cases["Landlock"] = (iso, False)
+    if has_cgroup:
+        cases["per-attempt cgroup"] = (None, True)
+        if iso is not None:
+            cases["both (the default here)"] = (iso, True)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    zygote = Zygote()
+    zygote.start()
+    base = tree._cgroup_base
+    try:
+        for _ in range(args.rounds):
+            for name, (isolation, cgroup) in cases.items():
+                tree._cgroup_base = base if cgroup else None  # cgroup_base() answers from its cache
+                times[name].append(per_attempt_ms(zygote, isolation, args.attempts))
+    finally:
+        tree._cgroup_base = base
+        zygote.close()
+    neither = med(times["neither"])
+    rows = [[name, f"{med(xs):.2f}", rounds(xs), f"{med(xs) - neither:+.2f}"] for name, xs in times.items()]
+    body = (
+        f"{args.attempts} no-op attempts forked from one warm zygote per round, through `sandbox.run` (no Redis):\n\n"
+        + table(["layers", "ms per attempt, median", "rounds", "vs neither"], rows)
+    )
+    publish("attempt-cost", "What the sandbox's layers cost an attempt", body,
+            f"python benchmarks/attempt_cost.py --attempts {args.attempts} --rounds {args.rounds}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
