@@ -320,5 +320,6 @@ def release_cgroups(wait: bool = False) -> None:
             pass
         except OSError:
             continue
-        with _emptied_lock:
-            _emptied.remove(path)
+        with _emptied_lock:  # another thread may have released it meanwhile
+            if path in _emptied:
+                _emptied.remove(path)

@@ -609,8 +609,8 @@ class MeshWorker(SimpleWorker):
             if time.monotonic() >= next_sweep:  # off this thread: a large directory must not delay a renewal
                 next_sweep = time.monotonic() + SWEEP_INTERVAL
                 threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
-            tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
             try:
+                tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
                 self._beat()
                 if self._hb_failing:
                     log.info("broker reachable again")
