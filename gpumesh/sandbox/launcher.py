@@ -147,13 +147,31 @@ class _CapData(ctypes.Structure):
 def drop_capabilities() -> None:
     """A task that runs as root (a root worker without --sandbox-user) keeps uid 0 but no capability: with
     one (CAP_DAC_OVERRIDE, CAP_SYS_PTRACE...) it could still read /proc/<worker>/environ under Landlock."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    _, libc = _syscall()
+    prctl = libc.prctl
     for cap in range(64):  # the bounding set, so that nothing it runs gets one back
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; EINVAL past the last capability
+        if prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP; EINVAL past the last capability
             break
-    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
     if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), ctypes.byref((_CapData * 2)())) != 0:  # v3: all zero
         raise OSError(ctypes.get_errno(), "capset")
+
+
+_LIBC: Any = None  # libc through ctypes, loaded once per process (a warm zygote's forks inherit it)
+
+
+def _syscall() -> tuple[Any, Any]:
+    """libc's syscall() (returning a long) and libc itself, made once: a new CDLL per attempt costs more than
+    the rules it adds."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.syscall.restype = ctypes.c_long
+    return _LIBC.syscall, _LIBC
+
+
+def _is_dir(mode: int) -> bool:
+    return (mode & 0o170000) == 0o040000  # stat.S_ISDIR, without importing stat
 
 
 def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
@@ -164,29 +182,31 @@ def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
     abi = int(rules["abi"])
     create, add_rule, restrict = LANDLOCK_SYSCALLS[os.uname().machine]
     handled = fs_rights(abi)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
+    syscall, libc = _syscall()
     attr = _Ruleset(handled, 0, LANDLOCK_SCOPES if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct as this ABI knows it
-    ruleset = int(libc.syscall(ctypes.c_long(create), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
+    ruleset = int(syscall(ctypes.c_long(create), ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
     try:
-        grants = [(p, FS_READ) for p in [*rules["read"], *_python_paths(script_dir)]]
-        grants += [(p, handled) for p in rules["write"]] + [(p, FS_DEVICE) for p in rules["devices"]]
-        for path, access in grants:
+        # Each path once, with every right any of its lists grants it (the Python paths repeat each other).
+        grants: dict[str, int] = {}
+        for paths, access in ((rules["read"], FS_READ), (_python_paths(script_dir), FS_READ),
+                              (rules["write"], handled), (rules["devices"], FS_DEVICE)):  # fmt: skip
+            for path in paths:
+                grants[path] = grants.get(path, 0) | access
+        rule = _PathBeneath()
+        add_rule_nr, kind, rule_ref = ctypes.c_long(add_rule), LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule)
+        for path, access in grants.items():
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
                 continue  # not on this machine
             try:
-                if not os.path.isdir(f"/proc/self/fd/{fd}"):
+                if not _is_dir(os.fstat(fd).st_mode):
                     access &= FS_FILE_RIGHTS  # a file takes only file rights
-                rule = _PathBeneath(access & handled, fd)
-                if (
-                    libc.syscall(ctypes.c_long(add_rule), ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
-                    < 0
-                ):
+                rule.allowed_access, rule.parent_fd = access & handled, fd
+                if syscall(add_rule_nr, ruleset, kind, rule_ref, 0) < 0:
                     raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
             finally:
                 os.close(fd)
@@ -194,7 +214,7 @@ def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
             drop_capabilities()
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if libc.syscall(ctypes.c_long(restrict), ruleset, ctypes.c_uint32(0)) < 0:
+        if syscall(ctypes.c_long(restrict), ruleset, ctypes.c_uint32(0)) < 0:
             raise OSError(ctypes.get_errno(), "landlock_restrict_self")
     finally:
         os.close(ruleset)
@@ -500,6 +520,7 @@ def _preload(ctrl: socket.socket, preload: list[str]) -> None:
         sys.exit(2)
     # The first compile() in a process pays a one-time set-up (~3.5 ms here); pay it once, not per task.
     compile(_WARM_UP, "<warm-up>", "exec")
+    _syscall()  # libc through ctypes, for each attempt's Landlock and capabilities: loaded once, inherited
     # traceback: a task's error path needs it; loaded here, it works even for a --sandbox-user who
     # cannot read the standard library the zygote was started from.
     import gc
