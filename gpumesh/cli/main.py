@@ -58,7 +58,15 @@ class LazyGroup(Group):
         """As click's, with each line from COMMANDS: listing the commands imports none of them."""
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(len(name) for name in names)
-        rows = [(name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)) for name in names]
+        rows = []
+        for name in names:
+            loaded = self.commands.get(name)
+            if loaded is not None and loaded.hidden:
+                continue
+            if name in COMMANDS:
+                rows.append((name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit)))
+            elif loaded is not None:  # added with add_command, not in the table
+                rows.append((name, loaded.get_short_help_str(limit)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

@@ -177,25 +177,32 @@ def _discard(proc: subprocess.Popen[bytes]) -> None:
     close_pipes(proc)
 
 
-def tree_rss(pid: int) -> int:
-    """The memory of a process tree, for the memory cap: the sum of each process's proportional set size
-    (PSS), so that pages forked processes share (a script's DataLoader workers; the modules a warm
-    zygote imported, shared by every attempt it forks) count once, not once per process. Their RSS where
-    the kernel does not say (smaps_rollup, Linux 4.14+); about 0.1 ms a process, every 0.25 s."""
+def tree_memory(pid: int, cap: int) -> int:
+    """The memory of a process tree, for the memory cap. The sum of its processes' RSS when that is within
+    ``cap``; past it, the sum of their proportional set sizes (PSS), so that pages forked processes share
+    (a script's DataLoader workers; what a warm zygote imported, shared by every attempt it forks) count
+    once, not once per process. PSS (smaps_rollup) walks a process's page tables, so it is read only when
+    RSS alone says the cap may be passed; where it is refused (another user's process), RSS counts."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0
-    total = 0
+    rss: dict[psutil.Process, int] = {}
     for p in procs:
         try:
+            rss[p] = p.memory_info().rss
+        except psutil.Error:
+            pass
+    total = sum(rss.values())
+    if total <= cap:
+        return total
+    total = 0
+    for p, resident in rss.items():
+        try:
             total += p.memory_full_info().pss
-        except (psutil.Error, AttributeError):  # AttributeError: no pss on this platform
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
+        except (psutil.Error, AttributeError):  # refused, gone, or no pss on this platform
+            total += resident
     return total
 
 
@@ -501,7 +508,7 @@ class _Supervision:
             self._kill("timeout")
         elif self.limits.memory_bytes and now >= self.next_rss:
             self.next_rss = now + 0.25
-            if tree_rss(self.proc.pid) > self.limits.memory_bytes:
+            if tree_memory(self.proc.pid, self.limits.memory_bytes) > self.limits.memory_bytes:
                 self._kill("memory")
 
     def _kill(self, reason: str) -> None:

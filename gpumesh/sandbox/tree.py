@@ -301,9 +301,11 @@ def end_cgroup(path: str | None, timeout: float = 10.0) -> None:
         os.rmdir(path)
     except FileNotFoundError:
         pass
-    except OSError:  # empty, but not let go of yet: removed later (release_cgroups), not waited for here
-        with _emptied_lock:
-            _emptied.append(path)
+    except OSError:
+        if not cgroup_members(path):  # empty, but not let go of yet: removed later, not waited for here
+            with _emptied_lock:
+                _emptied.append(path)
+        # else members outlived 10 s of KILL (stuck in the kernel): the next worker here sweeps it
 
 
 def release_cgroups(wait: bool = False) -> None:

@@ -124,6 +124,9 @@ def supervise(broker: Broker, opts: WorkerOptions) -> int:
     """One ``gpumesh worker`` process per GPU, each pinned to its device, restarted when it crashes."""
     from gpumesh.worker.supervisor import Supervisor, parse_gpus
 
+    if opts.preload and not opts.warm:  # said once here, not by every child the supervisor restarts
+        raise UsageError("--preload needs the warm executor (it names what the zygote imports); drop --fresh")
+
     gpus = parse_gpus(opts.gpus or "")
     # The URL goes in each child's environment (GPUMESH_URL), never on its command line (cli/argv.py).
     args = ["--log-level", opts.log_level, "--log-format", opts.log_format]

@@ -610,8 +610,8 @@ class MeshWorker(SimpleWorker):
                 next_sweep = time.monotonic() + SWEEP_INTERVAL
                 threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
             try:
-                tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
                 self._beat()
+                tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
                 if self._hb_failing:
                     log.info("broker reachable again")
                 self._hb_failing = False
