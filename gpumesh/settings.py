@@ -43,7 +43,7 @@ class Settings(BaseModel):
     log_max_bytes: int = Field(1_000_000, ge=1024, description="stdout+stderr kept per attempt")
     result_max_bytes: int = Field(1_000_000, ge=64, description="largest accepted result line")
     task_memory_mb: int = Field(
-        0, ge=0, description="memory cap per task tree (its processes' PSS, summed); 0 = 90% of the machine's memory"
+        0, ge=0, description="memory cap per task tree (shared pages counted once); 0 = 90% of the machine's memory"
     )
     job_retention: float = Field(7 * 86400, ge=0, description="seconds a finished job is kept; 0 = for ever")
     sandbox_python: str = Field("", description="interpreter for tasks (default: the worker's own)")
