@@ -13,10 +13,13 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PrivateRedis, med, publish, table  # noqa: E402
+from common import PrivateRedis, med, publish, stop, table  # noqa: E402
+
+from gpumesh.server.broker_server import free_port  # noqa: E402
 
 PEER = "gpumesh==3.2.0"
 
@@ -28,6 +31,51 @@ def peer_venv(where: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
         subprocess.run([str(where / "bin" / "pip"), "install", "-q", PEER], check=True)
     return exe
+
+
+class PeerMesh:
+    """The peer's mesh on this machine, as its README runs it: a coordinator (`serve`, its own database
+    under ``home``), `join` workers and `submit --wait`. Shared by peer.py and first_result.py."""
+
+    TOKEN = "bench-token"
+
+    def __init__(self, exe: Path, home: Path) -> None:
+        self.exe, self.port = exe, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "HOME": str(home), "GPUMESH_TOKEN": self.TOKEN, "GPUMESH_COLOR": "0"}
+        self.env.pop("GPUMESH_URL", None)
+        self.procs = [self._start("serve", "--port", str(self.port), "--db", str(home / "db.sqlite"), "--token",
+                                  self.TOKEN, "--no-discovery", "--no-self-worker")]  # fmt: skip
+
+    def _start(self, *args: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([str(self.exe), *args], env=self.env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+    def wait_up(self, timeout: float = 60) -> None:
+        """Until the coordinator answers HTTP (an error status is an answer too)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/", timeout=1)
+                return
+            except OSError as exc:
+                if getattr(exc, "code", None):
+                    return
+                assert time.monotonic() < deadline and self.procs[0].poll() is None, (
+                    "the peer's coordinator did not start"
+                )
+                time.sleep(0.05)
+
+    def join(self, n: int) -> None:
+        self.procs += [self._start("join", self.url, "--token", self.TOKEN) for _ in range(n)]
+
+    def submit_wait(self, script: Path, payloads: Path) -> None:
+        done = subprocess.run([str(self.exe), "submit", str(script), "--payloads", str(payloads), "--wait", "--url",
+                               self.url, "--token", self.TOKEN], env=self.env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def stop(self) -> None:
+        stop(self.procs)
 
 
 def timed(argv: list[str], env: dict[str, str]) -> float:

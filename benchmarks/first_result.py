@@ -15,14 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_start import peer_venv  # noqa: E402
-from common import ROOT, med, publish, rounds, stop, table  # noqa: E402
-
-from gpumesh.server.broker_server import free_port  # noqa: E402
+from cli_start import PeerMesh, peer_venv  # noqa: E402
+from common import ROOT, med, publish, rounds, table  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "grid_search.py"
 PAYLOADS = ROOT / "examples" / "payloads.json"
@@ -40,49 +37,17 @@ def ours(tmp: Path) -> float:
 
 
 def peer(exe: Path, tmp: Path) -> float:
-    port, token = free_port(), "bench-token"
+    """The peer's way: its coordinator, 2 `join` workers once it answers, `submit --wait`; from the first command."""
     home = Path(tempfile.mkdtemp(dir=tmp))
-    env = {**os.environ, "HOME": str(home), "GPUMESH_TOKEN": token, "GPUMESH_COLOR": "0"}
-    env.pop("GPUMESH_URL", None)
-    url = f"http://127.0.0.1:{port}"
-    quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True}
     t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [
-                str(exe),
-                "serve",
-                "--port",
-                str(port),
-                "--db",
-                str(home / "db.sqlite"),
-                "--token",
-                token,
-                "--no-discovery",
-                "--no-self-worker",
-            ],
-            **quiet,
-        )
-    ]  # type: ignore[call-overload]
+    mesh = PeerMesh(exe, home)
     try:
-        while True:  # as a person would: start the workers once the coordinator answers
-            try:
-                urllib.request.urlopen(url + "/", timeout=1)
-                break
-            except OSError as exc:
-                if getattr(exc, "code", None):
-                    break
-                assert time.perf_counter() - t0 < 60, "the peer's coordinator did not start"
-                time.sleep(0.05)
-        for _ in range(2):
-            procs.append(subprocess.Popen([str(exe), "join", url, "--token", token], **quiet))  # type: ignore[call-overload]
-        done = subprocess.run([str(exe), "submit", str(EXAMPLE), "--payloads", str(PAYLOADS), "--wait", "--url", url,
-                               "--token", token], env=env, capture_output=True, text=True)  # fmt: skip
-        elapsed = time.perf_counter() - t0
-        assert done.returncode == 0, done.stdout + done.stderr
-        return elapsed
+        mesh.wait_up()
+        mesh.join(2)
+        mesh.submit_wait(EXAMPLE, PAYLOADS)
+        return time.perf_counter() - t0
     finally:
-        stop(procs)
+        mesh.stop()
 
 
 def main() -> None:

@@ -12,15 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_start import peer_venv  # noqa: E402
+from cli_start import PeerMesh, peer_venv  # noqa: E402
 from common import PrivateRedis, med, publish, rounds, start_worker, stop, table  # noqa: E402
-
-from gpumesh.server.broker_server import free_port  # noqa: E402
 
 NOOP = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
 
@@ -52,38 +50,17 @@ def ours(broker: PrivateRedis, payloads: Path, script: Path, mode: str, tasks: i
 
 def peer(exe: Path, tmp: Path, payloads: Path, script: Path, tasks: int) -> float:
     """One round of the peer: its coordinator (own database), one `join` worker, its `submit --wait`."""
-    port, token = free_port(), "bench-token"
-    home = tmp / f"peer-home-{port}"
-    home.mkdir()
-    env = {**os.environ, "HOME": str(home), "GPUMESH_TOKEN": token, "GPUMESH_COLOR": "0"}
-    env.pop("GPUMESH_URL", None)
-    serve = subprocess.Popen([str(exe), "serve", "--port", str(port), "--db", str(home / "db.sqlite"), "--token",
-                              token, "--no-discovery", "--no-self-worker"], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    procs = [serve]
+    home = Path(tempfile.mkdtemp(dir=tmp))
+    mesh = PeerMesh(exe, home)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/", timeout=1)
-                break
-            except OSError as exc:
-                if getattr(exc, "code", None):  # an HTTP error is an answer: it is up
-                    break
-                assert time.monotonic() < deadline and serve.poll() is None, "the peer's coordinator did not start"
-                time.sleep(0.1)
-        procs.append(subprocess.Popen([str(exe), "join", url, "--token", token], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        mesh.wait_up()
+        mesh.join(1)
         time.sleep(3.0)  # it registers and starts polling
         t0 = time.perf_counter()
-        done = subprocess.run([str(exe), "submit", str(script), "--payloads", str(payloads), "--wait", "--url", url,
-                               "--token", token], env=env, capture_output=True, text=True)  # fmt: skip
-        elapsed = time.perf_counter() - t0
-        assert done.returncode == 0, done.stdout + done.stderr
-        return elapsed
+        mesh.submit_wait(script, payloads)
+        return time.perf_counter() - t0
     finally:
-        stop(procs)
+        mesh.stop()
 
 
 def main() -> None:
