@@ -33,6 +33,7 @@ _EXPORTS = {
     "JobStatus": "gpumesh.models",
     "SubmitResult": "gpumesh.models",
     "TaskResult": "gpumesh.models",
+    "Attempt": "gpumesh.models",
     "WorkerInfo": "gpumesh.models",
 }
 
@@ -51,13 +52,14 @@ __all__ = [
     "JobStatus",
     "SubmitResult",
     "TaskResult",
+    "Attempt",
     "WorkerInfo",
 ]
 
 if TYPE_CHECKING:
     from gpumesh.api import Job, Mesh, connect
     from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, TaskFailed, UsageError
-    from gpumesh.models import JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
+    from gpumesh.models import Attempt, JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
 
 
 def load_ipython_extension(ipython: object) -> None:

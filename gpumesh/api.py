@@ -33,6 +33,7 @@ from gpumesh.errors import BrokerUnreachable, TaskFailed, UsageError
 from gpumesh.models import (
     DEFAULT_RETRY_ON,
     TERMINAL,
+    Attempt,
     JobOptions,
     JobStatus,
     SubmitResult,
@@ -454,6 +455,21 @@ class Job:
         """
         n, _st = self.mesh.broker.retry(self.id, cancelled)
         return n
+
+    def attempts(self) -> list[Attempt]:
+        """Every run of the job's tasks, by start: which worker ran which task when, primary or backup copy,
+        and how it ended (``done``, ``retried``, ``lost``, ... or ``running``). What the dashboard's timeline
+        draws; a job keeps the record of its last 50,000 attempts.
+
+        >>> [(a.index, a.attempt, a.worker, a.outcome) for a in job.attempts()]   # doctest: +SKIP
+        [(0, 1, 'w-a100', 'done'), (1, 1, 'w-laptop', 'retried'), (1, 2, 'w-a100', 'done')]
+        """
+        try:
+            return self.mesh.broker.attempts(self.id)
+        except redis.RedisError as exc:
+            from gpumesh.store.connection import translate
+
+            raise translate(exc, self.mesh.broker.url) from None
 
     def failures(self, limit: int = 5) -> tuple[list[TaskResult], int]:
         """(the first ``limit`` tasks that failed for good, how many failed in all): what ``status`` and

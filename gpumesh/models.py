@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from pydantic import (
     AfterValidator,
@@ -340,6 +341,36 @@ class SkippedArtifact(BaseModel):
 
     path: str
     reason: str
+
+
+AttemptOutcome = Literal["running", "done", "failed", "retried", "lost", "cancelled", "superseded", "handed back"]
+ATTEMPT_OUTCOMES: frozenset[str] = frozenset(get_args(AttemptOutcome))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a task on one worker (``Job.attempts()``; the dashboard's timeline draws one bar each).
+
+    ``copy`` is ``backup`` for a speculative copy started beside a straggler (it keeps its primary's
+    attempt number). ``outcome``: ``running`` (``ended_at`` is None), ``done``, ``failed`` (the task failed
+    for good, or its backup carried on), ``retried`` (failed, the task was queued again), ``lost`` (its
+    worker or lease was lost), ``cancelled``, ``superseded`` (the other copy finished first) or ``handed
+    back`` (its worker stopped and returned it unspent). ``kind`` is the failure kind when it failed.
+    Times are the broker's, in seconds since the epoch (``started_at`` None: not recorded).
+
+    >>> [(a.index, a.worker, a.outcome) for a in job.attempts()]   # doctest: +SKIP
+    [(0, 'w-a100', 'done'), (1, 'w-laptop', 'retried'), (1, 'w-a100', 'done')]
+    """
+
+    index: int
+    task_id: str
+    attempt: int
+    worker: str
+    copy: Literal["primary", "backup"]
+    started_at: float | None
+    ended_at: float | None
+    outcome: AttemptOutcome
+    kind: str | None = None
 
 
 class TaskResult(BaseModel):

@@ -256,6 +256,37 @@ class Broker:
                 rows += [TaskResult.from_hash(tid, h) for tid, h in zip(chunk, p.execute()) if h]
         return rows
 
+    def attempts(self, job_id: str) -> list[models.Attempt]:
+        """Every attempt of the job's tasks, by start: those that ended (the job's stream of attempts), then
+        those running now (the tasks the live workers hold), ``ended_at`` None."""
+        with self.r.pipeline(transaction=False) as p:
+            p.xrange(keys.job_attempts(job_id), count=ATTEMPTS_READ)
+            p.time()
+            p.zrange(keys.WORKERS, 0, -1)
+            ended, (sec, _usec), registered = p.execute()
+        out = [a for _id, f in ended if (a := _attempt(job_id, f)) is not None]
+        with self.r.pipeline(transaction=False) as p:
+            for w in registered:
+                p.hget(keys.worker(w), "current_task")
+            current = dict(zip(registered, p.execute()))
+        prefix = keys.task_id(job_id, 0)[:-1]
+        mine = {w: t for w, t in current.items() if t and t.startswith(prefix)}
+        with self.r.pipeline(transaction=False) as p:
+            for t in mine.values():
+                p.hmget(keys.task(t), "status", "index", "attempts", "worker", "started_at", "promoted",
+                        "backup_worker", "backup_started_at")  # fmt: skip
+            rows = p.execute()
+        for w, (status, index, attempt, primary, started, promoted, backup, backup_started) in zip(mine, rows):
+            if status != "running" or w not in (primary, backup):
+                continue
+            as_backup = w == backup and w != primary
+            fields = {"index": index, "attempt": attempt, "worker": w, "outcome": "running",
+                      "copy": "backup" if as_backup or promoted else "primary",
+                      "started": backup_started if as_backup else started}  # fmt: skip
+            if (a := _attempt(job_id, fields)) is not None:
+                out.append(a)
+        return sorted(out, key=lambda a: (a.started_at or float(sec), a.index))
+
     def task_ends(self, job_id: str, after: str = "0", block_ms: int = 1000) -> tuple[str, list[str]]:
         """(last entry id, task ids) of the entries on the job's stream of ends after ``after``, waiting up
         to ``block_ms`` for one when there is none yet; ``([after], [])`` when none came."""
@@ -389,6 +420,28 @@ class Broker:
                     scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
+
+
+ATTEMPTS_READ = 50_000  # the most a job's stream of attempts keeps (the Lua scripts cap it there)
+
+
+def _attempt(job_id: str, f: dict[str, str]) -> models.Attempt | None:
+    """An entry of a job's stream of attempts; None for one that does not decode (any credential that
+    writes jobs can write the stream)."""
+    try:
+        index = int(f["index"])
+        outcome = f["outcome"]
+        if outcome not in models.ATTEMPT_OUTCOMES:
+            return None
+        return models.Attempt(
+            index=index, task_id=keys.task_id(job_id, index), attempt=int(f.get("attempt") or 0),
+            worker=str(f["worker"]), copy="backup" if f.get("copy") == "backup" else "primary",
+            started_at=float(f["started"]) if f.get("started") else None,
+            ended_at=float(f["ended"]) if f.get("ended") else None,
+            outcome=outcome, kind=f.get("kind") or None,  # type: ignore[arg-type]
+        )  # fmt: skip
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def delivery_label(

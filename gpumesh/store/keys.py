@@ -39,6 +39,13 @@ def job_ended(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:ended"
 
 
+def job_attempts(job_id: str) -> str:
+    """stream: one entry each time an attempt of one of the job's tasks ends (task index, attempt, worker,
+    primary or backup copy, start and end in server seconds, outcome, failure kind): what the dashboard's
+    timeline draws. Written by the Lua scripts (job key + ":attempts"), capped at the last 50,000."""
+    return f"{PREFIX}job:{job_id}:attempts"
+
+
 def job_failed(job_id: str) -> str:
     """list: the first 100 tasks of the job to fail for good (what status and submit --wait explain)."""
     return f"{PREFIX}job:{job_id}:failed"

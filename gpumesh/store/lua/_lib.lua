@@ -202,7 +202,7 @@ local function take(a)
   redis.call('SET', a.lease_key, token, 'PX', ttl_ms)
   redis.call('ZADD', a.leases_key, ms + ttl_ms, task_id)
   redis.call('HSET', a.task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
-    'started_at', secs(ms))
+    'started_at', secs(ms), 'promoted', '')
   move(a.job_key, 'queued', 'running')
   local job, j = a.job, a.job_from or 0
   if not job then
@@ -440,6 +440,34 @@ local function clear_backup(task_key)
   redis.call('HSET', task_key, 'backup', '', 'backup_worker', '', 'backup_until', 0)
 end
 
+-- The history of attempts, which the dashboard's timeline draws: one entry per attempt that ended, on its
+-- job's stream of attempts (keys.job_attempts; the running ones are read from the tasks). attempt_of reads
+-- a copy's fields before the caller changes them ('primary' or 'backup'; nil when there is no such copy);
+-- attempt_log writes the entry: outcome done, failed, retried, lost, cancelled, superseded or handed back,
+-- with the failure kind when there is one. Capped: a job keeps its last 50,000 attempts.
+local function attempt_of(task_key, copy)
+  local f = copy == 'backup' and {'backup_worker', 'backup_started_at', 'backup_until'} or
+    {'worker', 'started_at', 'promoted'}
+  local t = redis.call('HMGET', task_key, 'index', 'attempts', f[1], f[2], f[3])
+  if not t[3] or t[3] == '' then
+    return nil
+  end
+  return {index = t[1], attempt = t[2], worker = t[3], started = t[4] or '',
+    backup = copy == 'backup' or (t[5] or '') ~= '', until_ms = copy == 'backup' and tonumber(t[5] or 0) or nil}
+end
+
+local function attempt_log(job_key, rec, outcome, kind, ms)
+  if not rec then
+    return
+  end
+  if rec.until_ms and rec.until_ms > 0 and rec.until_ms < ms then  -- a backup whose lease lapsed before
+    ms, outcome, kind = rec.until_ms, 'lost', 'lost'
+  end
+  redis.pcall('XADD', job_key .. ':attempts', 'MAXLEN', '~', 50000, '*', 'index', rec.index or '',
+    'attempt', rec.attempt or '', 'worker', rec.worker, 'copy', rec.backup and 'backup' or 'primary',
+    'started', rec.started, 'ended', secs(ms), 'outcome', outcome, 'kind', kind or '')
+end
+
 -- The primary copy ended without a result (failed, handed back, or its lease lapsed): a live backup
 -- becomes the primary, with the rest of its lease, and the task keeps running. Returns true if so.
 -- a: {task_key, lease_key, leases_key, task_id, ms}
@@ -449,7 +477,8 @@ local function promote_backup(a)
   if not token or token == '' or until_ms <= a.ms then
     return false
   end
-  redis.call('HSET', a.task_key, 'lease', token, 'worker', worker)
+  local started = redis.call('HGET', a.task_key, 'backup_started_at') or ''
+  redis.call('HSET', a.task_key, 'lease', token, 'worker', worker, 'started_at', started, 'promoted', '1')
   clear_backup(a.task_key)
   redis.call('SET', a.lease_key, token, 'PX', until_ms - a.ms)
   redis.call('ZADD', a.leases_key, until_ms, a.task_id)

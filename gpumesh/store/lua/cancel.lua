@@ -29,6 +29,10 @@ local job_id = job_of(task_id)
 if status == 'queued' then
   unpend({task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = job_id})
 end
+if status == 'running' then
+  attempt_log(job_key, attempt_of(task_key, 'primary'), 'cancelled', nil, ms)
+  attempt_log(job_key, attempt_of(task_key, 'backup'), 'cancelled', nil, ms)
+end
 redis.call('HSET', task_key, 'status', 'cancelled', 'lease', '', 'finished_at', secs(ms))
 clear_backup(task_key)
 redis.call('DEL', lease_key)

@@ -50,6 +50,8 @@ local ms = now_ms()
 if copy == 'backup' then
   incr(stats_key, 'speculative_wins', 1)
 end
+attempt_log(job_key, attempt_of(task_key, copy), 'done', nil, ms)
+attempt_log(job_key, attempt_of(task_key, copy == 'backup' and 'primary' or 'backup'), 'superseded', nil, ms)
 clear_backup(task_key)
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
   'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))

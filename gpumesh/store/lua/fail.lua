@@ -90,7 +90,11 @@ if not copy then
 end
 local ms = now_ms()
 clear_current(worker_key, task_id)
+local ended_as = mode == 'release' and 'handed back' or 'failed'
+local ended_kind = mode ~= 'release' and kind or nil  -- handed back: not a failure
+local rec = attempt_of(task_key, copy)
 if copy == 'backup' then
+  attempt_log(job_key, rec, ended_as, ended_kind, ms)
   clear_backup(task_key)
   return {1, 'running', 'attempts', 0}
 end
@@ -102,6 +106,7 @@ if mode ~= 'reject' and promote_backup({task_key = task_key, lease_key = lease_k
   if mode == 'fail' then
     incr(stats_key, 'attempts_failed:' .. kind, 1)  -- the primary's attempt failed; its backup runs on
   end
+  attempt_log(job_key, rec, ended_as, ended_kind, ms)
   return {1, 'running', 'attempts', 0}
 end
 local failed_on = redis.call('HGET', task_key, 'worker')
@@ -113,6 +118,7 @@ local r = end_attempt({
   stats_key = stats_key, task_id = task_id, error = err, duration = duration, ms = ms,
   refund = mode == 'release', final = mode == 'reject', kind = kind,
 })
+attempt_log(job_key, rec, (mode == 'fail' and r[2] == 'queued') and 'retried' or ended_as, ended_kind, ms)
 redis.call('HDEL', task_key, 'bigger', 'bigger_than', 'bigger_on')
 if r[2] == 'queued' and mode == 'fail' and kind == 'memory' and need_key ~= '' and need_value then
   local bigger, most = bigger_worker(need_key, need_value)

@@ -36,12 +36,16 @@ if pttl > 0 then
   redis.call('ZADD', leases_key, ms + pttl, task_id)
   return {0, 'renewed'}
 end
+local rec = attempt_of(task_key, 'primary')
 if promote_backup({task_key = task_key, lease_key = lease_key, leases_key = leases_key, task_id = task_id,
     ms = ms}) then
+  attempt_log(job_key, rec, 'lost', 'lost', ms)
   return {0, 'renewed'}  -- the primary is gone, its live backup carries on as the primary
 end
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
+attempt_log(job_key, rec, 'lost', 'lost', ms)
+attempt_log(job_key, attempt_of(task_key, 'backup'), 'lost', 'lost', ms)  -- lapsed too (else promoted above)
 clear_backup(task_key)
 local err = 'lease expired: worker ' .. (worker or '?') .. ' stopped heartbeating'
 incr(stats_key, 'lease_expired', 1)

@@ -67,6 +67,7 @@ local primary = tonumber(redis.call('ZSCORE', scores_key, primary_worker) or 0)
 if primary > 0 and score < primary * speedup then
   return {0, 'not faster'}
 end
+attempt_log(job_key, attempt_of(task_key, 'backup'), 'lost', 'lost', ms)  -- a lapsed backup, replaced here
 redis.call('HSET', task_key, 'backup', digest(token), 'backup_worker', worker_id, 'backup_until', ms + ttl_ms,
   'backup_mode', mode, 'backup_started_at', secs(ms))
 incr(stats_key, 'speculated', 1)
