@@ -137,7 +137,8 @@ def test_logs_follow_stops_when_the_task_ends(env, mesh_worker: MeshWorkers, tmp
 @pytest.mark.core
 def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch):
     buf = io.StringIO()
-    monkeypatch.setattr(render, "err", Console(file=buf, force_terminal=True, width=150, highlight=False))
+    console = Console(file=buf, force_terminal=True, width=150, highlight=False)
+    monkeypatch.setattr(render, "_err", lambda: console)
     now = datetime.now(UTC)
 
     def job(status: str, **counts: int) -> JobStatus:

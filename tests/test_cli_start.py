@@ -56,3 +56,26 @@ def test_a_command_s_own_help_still_shows_its_examples():
     assert ran.returncode == 0 and "Examples:" in ran.stdout and "--retry-on" in ran.stdout
     ran = cli("nosuchcommand")
     assert ran.returncode == 2 and "No such command 'nosuchcommand'" in ran.stderr
+
+
+@pytest.mark.core
+def test_status_json_loads_no_rich_and_nothing_of_submit_or_artifacts(broker, env):
+    """`status JOB --json` (what a pipeline polls) reads one job: no tables, no submit or file machinery,
+    and the models it does not use stay unbuilt."""
+    from gpumesh.models import JobOptions
+
+    job = broker.submit("print(1)", "s.py", [{"i": 0}], JobOptions()).job_id
+    code = (
+        "import json, sys\n"
+        "from gpumesh.cli import main\n"
+        f"try:\n    main(['status', {job!r}, '--json'], prog_name='gpumesh')\nexcept SystemExit:\n    pass\n"
+        "from gpumesh import models\n"
+        "built = [n for n in ('Capability', 'TaskResult', 'JobOptions') if getattr(models, n).__pydantic_complete__]\n"
+        "print(json.dumps([sorted(sys.modules), built]), file=sys.stderr)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert json.loads(ran.stdout)["job_id"] == job, ran.stdout + ran.stderr
+    loaded, built = json.loads(ran.stderr.strip().splitlines()[-1])
+    unwanted = ("rich", "gpumesh.store.artifacts", "gpumesh.store.submit", "rq")
+    assert sorted(m for m in loaded if m.startswith(unwanted)) == []
+    assert built == [], f"models built though status never uses them: {built}"

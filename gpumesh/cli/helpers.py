@@ -19,7 +19,15 @@ from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summar
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 
-err = render.err
+
+class _Stderr:
+    """The console on stderr (render's), made when first printed to: rich loads then, not with every command."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(render._err(), name)
+
+
+err = _Stderr()
 T = TypeVar("T")
 
 
@@ -161,7 +169,7 @@ def job_options(f: Any) -> Any:
 def patient(call: Callable[[], T], broker: Broker) -> Callable[[], T]:
     """``call`` riding out a broker outage (see gpumesh.api.patient), told on stderr. For the commands
     that follow a job; the others answer at once."""
-    return api.patient(call, broker.settings, err.print)
+    return api.patient(call, broker.settings, lambda line: err.print(line))
 
 
 def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:

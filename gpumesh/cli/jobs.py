@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Group
 
 from gpumesh.api import follow_logs
 from gpumesh.cli import render
@@ -26,6 +25,9 @@ from gpumesh.cli.helpers import (
     wait_for,
 )  # fmt: skip
 from gpumesh.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 
 @click.command()

@@ -7,36 +7,50 @@ change. With ``--json`` nothing but the final document goes to stdout.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
-
-from rich.console import Console, Group
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line, whatever the width
+if TYPE_CHECKING:
+    from rich.console import Console, Group
+    from rich.progress import Progress
+    from rich.table import Table
+
+# rich is imported where something is drawn, not with this module: `status --json` and every other
+# machine-readable command never load it (tests/test_cli_start.py counts).
+
+
+@functools.cache
+def _err() -> Console:
+    """The console on stderr, made on first use."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line, whatever the width
+
+
+def __getattr__(name: str) -> Any:
+    """``render.err``: the console on stderr, made on first use."""
+    if name == "err":
+        return _err()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def out() -> Console:
     """Console for tables on stdout: the terminal's width, or wide enough that piped ids are never cut."""
+    from rich.console import Console
+
     console = Console(highlight=False)
     return console if console.is_terminal else Console(highlight=False, width=240)
 
 
 def _table(*headers: str, title: str | None = None) -> Table:
+    from rich.table import Table
+
     table = Table(title=title)
     for h in headers:
         table.add_column(h, overflow="fold")  # wrap long values rather than cut ids with an ellipsis
@@ -119,6 +133,7 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
             st = poll()
         return st
     rate = Rate(st)
+    err = _err()
     if not err.is_terminal:
         last = ""
         while True:
@@ -130,6 +145,8 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
                 return st
             time.sleep(interval)
             st = poll()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (
         TextColumn("[bold]{task.fields[job]}"),
         BarColumn(),
@@ -239,6 +256,8 @@ def jobs_table(rows: Iterable[JobStatus]) -> Table:
 
 
 def top_view(workers: list[WorkerInfo], jobs: list[JobStatus]) -> Group:
+    from rich.console import Group
+
     return Group(workers_table(workers), jobs_table(jobs))
 
 
@@ -268,10 +287,19 @@ class TransferBar:
 
     def __init__(self, quiet: bool) -> None:
         self.progress: Progress | None = None
-        if not quiet and err.is_terminal:
+        if not quiet and _err().is_terminal:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
             self.progress = Progress(
                 TextColumn("pull"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                console=err, transient=False,
+                console=_err(), transient=False,
             )  # fmt: skip
         self.task: Any = None
 

@@ -18,13 +18,15 @@ from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
-from gpumesh.signing import Signer
-from gpumesh.store import artifacts, keys, scripts
+from gpumesh.store import keys, scripts
 from gpumesh.store.connection import client, mask_url, text, translate
-from gpumesh.store.submit import Submitter
 
 if TYPE_CHECKING:
     from rq import Queue
+
+    from gpumesh.signing import Signer
+    from gpumesh.store import artifacts
+    from gpumesh.store.submit import Submitter
 
 log = logging.getLogger("gpumesh")
 
@@ -58,7 +60,7 @@ class Broker:
             self.url, decode=False, socket_timeout=timeout, retries=retries, health_check=health_check
         )  # RQ wants bytes
         self.scripts = scripts.Scripts(self.redis)
-        self._submitter = Submitter(self.r, self.url, settings, self.scripts, self._live)
+        self._submitter: Submitter | None = None  # made by the first submit: reading commands never import it
 
     def submit(
         self,
@@ -74,6 +76,10 @@ class Broker:
 
         With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
         returns the job the first one created instead of a second job."""
+        if self._submitter is None:
+            from gpumesh.store.submit import Submitter
+
+            self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
         return self._submitter.submit(source, script_name, payloads, options, idempotency_key, signer, expires_in)
 
     def queue(self, worker_id: str) -> Queue:
@@ -394,6 +400,8 @@ class Broker:
                     f"job {job_id} has no task {task!r} (give a task id or an index from 0 to {len(ids) - 1})"
                 )
             ids = [wanted]
+        from gpumesh.store import artifacts
+
         try:
             return artifacts.pull(
                 self.r, self.rq, ids, dest, pattern=pattern, force=force, parallel=parallel, on_start=on_start,
@@ -407,6 +415,8 @@ class Broker:
         tasks had some."""
         ids = self.task_ids(job_id)
         store = self.r.hget(keys.job(job_id), "artifact_store")
+        from gpumesh.store import artifacts
+
         return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)
 
     def retry(self, job_id: str, cancelled: bool = False) -> tuple[int, JobStatus]:

@@ -33,14 +33,17 @@ import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.client
 
 from gpumesh.errors import BrokerError
 from gpumesh.signing import leased_identity
-from gpumesh.store import artifacts, keys
+from gpumesh.store import keys
+
+if TYPE_CHECKING:
+    from gpumesh.store import artifacts
 
 NAMES = (
     "dispatch",
@@ -362,6 +365,8 @@ def complete(
     pairs kept with the result (the worker's result proof)."""
     staging, final, index, total, store = "", "", "", 0, ""
     if staged is not None:
+        from gpumesh.store import artifacts
+
         staging, final = staged.store.promote(staged.index)
         index, total = artifacts.dumps(staged.index), staged.total
         store = "" if staged.index["store"] == "broker" else staged.index["store"]
