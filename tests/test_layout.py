@@ -24,7 +24,8 @@ LAYERS = {
     "worker": {"store", "sandbox"},
     "server": {"store"},
     "api": {"store"},
-    "cli": {"api", "store", "worker", "server"},  # worker and server: the commands that start them
+    "dashboard": {"api", "store"},  # a web view over the Python API (and the artifact reader under it)
+    "cli": {"api", "store", "worker", "server", "dashboard"},  # the commands that start them
 }
 
 

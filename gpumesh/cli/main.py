@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "metrics": ("gpumesh.cli.admin", "Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device, task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."),
     "bench": ("gpumesh.cli.admin", "Probe and benchmark this machine (in a child process) and show the result."),
     "config": ("gpumesh.cli.admin", "Write or show the config file that every command reads (mode 0600)."),
+    "dashboard": ("gpumesh.cli.dashboard", "Serve a web dashboard of the mesh: workers, jobs, tasks, failures, a timeline of attempts, live logs. Cancel and retry only with a credential that may write. Runs until Ctrl-C."),
     "doctor": ("gpumesh.cli.doctor", "Check this machine and the broker, and say how to fix what is wrong."),
 }  # fmt: skip
 
@@ -118,6 +119,7 @@ EXAMPLES = {
     "config": ["gpumesh config init --url redis://:PASSWORD@10.0.0.5:6390/0"],
     "config init": ["gpumesh config init --url redis://:PASSWORD@10.0.0.5:6390/0"],
     "config show": ["gpumesh config show"],
+    "dashboard": ["gpumesh dashboard --port 9181", "gpumesh dashboard --url redis://submitter:PASSWORD@10.0.0.5:6390/0"],
     "doctor": ["gpumesh doctor", "gpumesh doctor --json"],
 }  # fmt: skip
 

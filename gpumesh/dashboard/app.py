@@ -1,0 +1,648 @@
+"""The dashboard's web app: pages rendered on the server from the Python API, kept live by server-sent
+events, and the two write actions (cancel, retry) for a credential that may write.
+
+Why it is built this way:
+
+* Every Redis call is redis-py's blocking client, so each runs in Starlette's thread pool and a slow broker
+  never stalls the event loop; a live region is re-rendered about once a second, on the server, and the
+  page's small script swaps the HTML in. No client-side templating, no build step, no CDN.
+* Everything shown comes from tasks, payloads and workers, i.e. from whoever could submit or join: Jinja2
+  autoescapes it, the SVG escapes it, the Content-Security-Policy (``default-src 'self'``) forbids inline
+  script, and no secret (the broker URL is shown masked) ever reaches a page or a URL.
+* A write needs three things: a credential that may write the job index (probed once at start), the
+  page's per-process token, and a request from this host (Origin/Referer), so that another site the
+  browser has open cannot make it cancel a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import re
+import secrets
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar, cast
+from urllib.parse import parse_qs, quote, urlsplit
+
+import jinja2
+import redis
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gpumesh import api
+from gpumesh.dashboard import timeline
+from gpumesh.errors import BrokerError, NotFound
+from gpumesh.models import JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
+from gpumesh.store import artifacts, keys
+from gpumesh.store.connection import translate
+
+log = logging.getLogger("gpumesh.dashboard")
+T = TypeVar("T")
+HERE = Path(__file__).resolve().parent
+TASKS_SHOWN = 500  # rows of the job page's task table
+JOBS_SHOWN = 100  # rows of the jobs page
+RESULT_CHARS = 200  # of a result's JSON in the task table
+LIVE_EVERY_S = 1.0  # how often a live region is re-rendered
+FORM_BYTES = 4096  # a cancel or retry form is one short field
+STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: where a log page's stream goes on
+STREAMS = ("stdout", "stderr", "gpumesh")
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+
+
+class BrokerDown(Exception):
+    """The broker did not answer, or refused: what a page shows in one line (masked)."""
+
+
+class Damaged(Exception):
+    """A stored file that does not match its index (size, checksum) or is gone: never sent as if whole."""
+
+
+class Forbidden(Exception):
+    """A write refused: its one-line reason goes back with 403."""
+
+
+# -- formatting -----------------------------------------------------------------------------------
+
+
+def ago(seconds: float | None) -> str:
+    """``3 s ago``, ``4 min ago``, ``2 h ago``, ``3 d ago``; an unknown time is "—"."""
+    if seconds is None:
+        return "—"
+    s = max(0, int(seconds))
+    if s < 90:
+        return f"{s} s ago"
+    if s < 5400:
+        return f"{round(s / 60)} min ago"
+    if s < 129600:
+        return f"{round(s / 3600)} h ago"
+    return f"{round(s / 86400)} d ago"
+
+
+def duration(seconds: float | None) -> str:
+    """``0.4 s``, ``12 s``, ``3 min 5 s``, ``2 h 10 min``; none is "—"."""
+    if seconds is None:
+        return "—"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def first_line(text: str | None) -> str:
+    return (text or "").strip().partition("\n")[0]
+
+
+def error_line(status: str, error: str | None, kind: str | None) -> str:
+    """A failure in one line: the error's first line, and what the exception said when that is elsewhere
+    (a script's error starts "exit code 1" and the traceback's last line says why)."""
+    first = first_line(error)
+    summary = error_summary(status, error, kind).partition(": ")[2]
+    if not first:
+        return summary
+    return first if not summary or summary in first else f"{first} · {summary}"
+
+
+def waiting_text(w: Waiting) -> str:
+    """Why some queued tasks wait: no live worker meets what they require, or none trusts their signer."""
+    n = f"{w.tasks} task{'s' if w.tasks != 1 else ''}"
+    if w.signer:
+        return f"{n}: no live worker that may run them trusts their signer ({w.signer})"
+    if w.requires:
+        return f"{n}: no live worker meets {', '.join(w.requires)}"
+    return f"{n}: no live worker"
+
+
+def result_json(res: TaskResult) -> str:
+    if res.result is None:
+        return ""
+    text = json.dumps(res.result, ensure_ascii=False)
+    return text if len(text) <= RESULT_CHARS else text[: RESULT_CHARS - 1] + "…"
+
+
+def safe_filename(path: str) -> str:
+    """The download's name: the path's last part, in characters every browser and file system takes."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1]).strip("._") or "artifact"
+    return name[:120]
+
+
+def _age(now_s: float, when: datetime | None) -> float | None:
+    return None if when is None else now_s - when.timestamp()
+
+
+# -- the data behind each page (blocking: run in the thread pool) -------------------------------------
+
+
+class View:
+    """What the pages show, read from one mesh; each method is one page's or fragment's data."""
+
+    def __init__(self, mesh: api.Mesh, may_write: bool) -> None:
+        self.mesh = mesh
+        self.may_write = may_write
+        self.csrf = secrets.token_urlsafe(32)
+        self.silent_after_s = 2 * mesh.broker.settings.heartbeat_interval + 1
+        self.stopping: Callable[[], bool] = lambda: False  # serve: the server is shutting down, streams end
+
+    def now(self) -> float:
+        return self.mesh.broker.server_ms() / 1000
+
+    def common(self) -> dict[str, Any]:
+        return {"broker": self.mesh.broker.url_masked, "may_write": self.may_write, "csrf": self.csrf}
+
+    def workers(self) -> dict[str, Any]:
+        now = self.now()
+        online: list[dict[str, Any]] = []
+        silent: list[dict[str, Any]] = []
+        for w in sorted(self.mesh.workers(), key=lambda w: (-w.score_gflops, w.name, w.id)):
+            row = self._worker_row(w, now)
+            (online if row["age"] is not None and row["age"] <= self.silent_after_s else silent).append(row)
+        return {"workers": online, "silent": silent}
+
+    @staticmethod
+    def _worker_row(w: WorkerInfo, now: float) -> dict[str, Any]:
+        vram = w.resources.get("vram_gb")
+        return {
+            "id": w.id, "name": w.name, "hostname": w.hostname, "device": w.device, "gpu": w.device_name or "—",
+            "vram": f"{vram:g} GiB" if isinstance(vram, int | float) else "—", "score": f"{w.score_gflops:g}",
+            "tier": w.tier, "resources": [f"{k}={v}" for k, v in sorted(w.resources.items())],
+            "task": w.current_task or "idle", "busy": w.current_task is not None, "age": _age(now, w.last_heartbeat),
+        }  # fmt: skip
+
+    def jobs(self) -> dict[str, Any]:
+        now = self.now()
+        rows = []
+        for st in self.mesh.jobs(JOBS_SHOWN):
+            job = api.Job(self.mesh, st.job_id)
+            failure = ""
+            if st.tasks.failed:
+                failed, _n = job.failures(limit=1)
+                failure = error_line(failed[0].status, failed[0].error, failed[0].error_kind) if failed else ""
+            if st.tasks.queued:
+                st = job.status()  # with waiting_for
+            rows.append(self._job_row(st, now) | {"failure": failure})
+        return {"jobs": rows}
+
+    @staticmethod
+    def _job_row(st: JobStatus, now: float) -> dict[str, Any]:
+        return {
+            "id": st.job_id, "name": st.name, "status": st.status, "priority": st.priority, "tasks": st.tasks,
+            "waiting": [waiting_text(w) for w in st.waiting_for], "created": ago(_age(now, st.created_at)),
+            "ended": st.tasks.done + st.tasks.failed + st.tasks.cancelled,
+        }  # fmt: skip
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        job = self.mesh.job(job_id)  # NotFound
+        st = job.status()
+        now = self.now()
+        broker = self.mesh.broker
+        ids = broker.task_ids(job_id)
+        rows = broker.task_results(ids[:TASKS_SHOWN])
+        failures, failed_n = job.failures(limit=5) if st.tasks.failed else ([], 0)
+        tasks = [
+            {
+                "index": r.index, "task_id": r.task_id, "status": r.status, "attempts": r.attempts,
+                "worker": r.worker or "—", "duration": duration(r.duration_s), "error_kind": r.error_kind or "",
+                "error": error_line(r.status, r.error, r.error_kind) if r.error else "", "result": result_json(r),
+                "artifacts": [(a.path, quote(a.path), a.bytes) for a in r.artifacts],
+            }
+            for r in rows
+        ]  # fmt: skip
+        return {
+            "job": self._job_row(st, now) | {
+                "retry_on": ", ".join(st.retry_on) or "none", "failed_by_kind": st.failed_by_kind,
+                "finished": ago(_age(now, st.finished_at)) if st.finished_at else "",
+            },
+            "tasks": tasks, "shown": len(tasks), "total": len(ids),
+            "failures": [(r.index, r.task_id, error_line(r.status, r.error, r.error_kind)) for r in failures],
+            "failed_n": failed_n,
+            "can_cancel": self.may_write and st.status in ("queued", "running"),
+            "can_retry": self.may_write and (st.tasks.failed + st.tasks.cancelled) > 0,
+        }  # fmt: skip
+
+    def timeline(self, job_id: str) -> str:
+        job = self.mesh.job(job_id)
+        attempts = job.attempts()
+        lanes = [timeline.Lane(w.id, w.name, w.score_gflops) for w in self.mesh.workers()]
+        return timeline.render(attempts, lanes, self.now())
+
+    def log(self, task_id: str, cursors: dict[str, str]) -> tuple[bool, list[tuple[str, str]]]:
+        """(whether the task had ended before these lines were read, its new (stream, line)s)."""
+        broker = self.mesh.broker
+        ended = broker.target_ended(task_id)  # NotFound; read first, so that no line is missed
+        lines = [(s if s in STREAMS else "stdout", line) for _t, s, line in broker.logs(task_id, cursors)]
+        return ended, lines
+
+    def cancel(self, job_id: str) -> None:
+        self.mesh.job(job_id).cancel(keep_files=True)  # a click should not delete what the done tasks stored
+
+    def retry(self, job_id: str) -> None:
+        self.mesh.job(job_id).retry(cancelled=True)
+
+    def artifact(self, job_id: str, index: int, path: str) -> tuple[int, Iterator[bytes]]:
+        """(size, its bytes) of one file a done task stored, as its index lists it; NotFound otherwise."""
+        self.mesh.job(job_id)
+        broker = self.mesh.broker
+        status, raw = broker.r.hmget(keys.task(keys.task_id(job_id, index)), "status", "artifacts")
+        if status != "done" or not raw:
+            raise NotFound(f"task {index} of job {job_id} has no stored files")
+        try:
+            stored = json.loads(raw)
+            n = next(n for n, f in enumerate(stored["files"]) if f.get("path") == path)
+            entry = stored["files"][n]
+            size, sha = int(entry["bytes"]), str(entry["sha256"])
+            artifacts.safe_path(path)
+            store = artifacts.reader(stored, broker.rq, broker.settings.artifacts)
+        except StopIteration:
+            raise NotFound(f"task {index} of job {job_id} stored no file {path!r}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise NotFound(f"task {index}'s file index is malformed ({type(exc).__name__})") from None
+        return size, first_checked(checked(store.read(stored, n), size, sha, path))
+
+
+def checked(chunks: Iterator[bytes], size: int, sha256: str, path: str) -> Iterator[bytes]:
+    """The chunks, checked against the index's size and checksum. The last chunk is held back until the
+    whole file has checked out: a damaged copy ends the download short of its Content-Length, so the
+    browser reports it failed instead of saving a bad file."""
+    digest = hashlib.sha256()
+    got = 0
+    held: bytes | None = None
+    try:
+        for data in chunks:
+            got += len(data)
+            if got > size:
+                raise Damaged(f"{path}: the stored copy is longer than its index says")
+            digest.update(data)
+            if held is not None:
+                yield held
+            held = data
+    except LookupError as exc:  # a chunk is gone (the job expired or was cancelled meanwhile)
+        raise Damaged(f"{path}: {exc}") from None
+    if got != size or digest.hexdigest() != sha256:
+        raise Damaged(f"{path}: the stored copy does not match its checksum")
+    if held is not None:
+        yield held
+
+
+def first_checked(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks`` with the first one read now: a file of one chunk (most) is then checked whole before
+    any header goes out, and a damaged one is a clear error instead of a cut-off download."""
+    first = next(chunks, None)
+    return itertools.chain([] if first is None else [first], chunks)
+
+
+def probe_may_write(mesh: api.Mesh) -> bool:
+    """Whether the credential may write the job index: ``ZADD XX`` of a member that is not there adds
+    nothing, and a read-only credential is refused it."""
+    try:
+        client = cast(redis.Redis, mesh.broker.r)  # redis-py underneath the store's narrower protocol
+        client.zadd(keys.JOBS, {f"dashboard-probe-{uuid.uuid4().hex}": 0}, xx=True)
+    except redis.exceptions.NoPermissionError:
+        return False
+    return True
+
+
+# -- HTTP -------------------------------------------------------------------------------------------
+
+
+class SecurityHeaders:
+    """Adds the same security headers to every response, streamed ones included (pure ASGI: Starlette's
+    BaseHTTPMiddleware would buffer or break the event streams)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                have = {k.lower() for k, _v in message["headers"]}
+                message["headers"] = [
+                    *message["headers"],
+                    *[(k.lower().encode(), v.encode()) for k, v in HEADERS.items() if k.lower().encode() not in have],
+                ]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def same_origin(request: Request) -> bool:
+    """Whether a POST comes from a page of this host: its Origin, else its Referer, names this Host."""
+    host = request.headers.get("host", "")
+    for header in ("origin", "referer"):
+        value = request.headers.get(header)
+        if value:
+            return value != "null" and bool(host) and urlsplit(value).netloc == host
+    return False
+
+
+def sse(data: str, event: str | None = None) -> str:
+    lines = [f"event: {event}"] if event else []
+    lines += [f"data: {line}" for line in (data.split("\n") if data else [""])]
+    return "\n".join(lines) + "\n\n"
+
+
+class Dashboard:
+    """The routes, bound to one View and the templates."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
+        )
+        self.env.filters["ago"] = ago
+
+    def html(self, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+        text = self.env.get_template(template).render(**self.view.common(), **context)
+        return HTMLResponse(text, status_code=status_code, headers={"Cache-Control": "no-store"})
+
+    def fragment(self, template: str, **context: Any) -> str:
+        return self.env.get_template(template).render(**self.view.common(), **context)
+
+    async def read(self, call: Callable[[], T]) -> T:
+        """``call`` in the thread pool, its broker errors as BrokerDown (one masked line)."""
+        try:
+            return await run_in_threadpool(call)
+        except redis.RedisError as exc:
+            raise BrokerDown(str(translate(exc, self.view.mesh.broker.url))) from None
+        except NotFound:
+            raise
+        except BrokerError as exc:
+            raise BrokerDown(str(exc)) from None
+
+    # pages
+
+    async def mesh_page(self, request: Request) -> Response:
+        return self.html("mesh.html", title="Mesh", page="mesh", **await self.read(self.view.workers))
+
+    async def jobs_page(self, request: Request) -> Response:
+        return self.html("jobs.html", title="Jobs", page="jobs", **await self.read(self.view.jobs))
+
+    async def job_page(self, request: Request) -> Response:
+        job_id = request.path_params["job"]
+        data = await self.read(lambda: self.view.job(job_id))
+        return self.html("job.html", title=f"Job {job_id}", page="jobs", job_id=job_id, **data)
+
+    async def timeline_page(self, request: Request) -> Response:
+        job_id = request.path_params["job"]
+        svg = await self.read(lambda: self.view.timeline(job_id))
+        return self.html("timeline.html", title=f"Timeline of {job_id}", page="jobs", job_id=job_id,
+                         svg=Markup(svg))  # fmt: skip  # escaped by timeline.render
+
+    async def timeline_svg(self, request: Request) -> Response:
+        job_id = request.path_params["job"]
+        svg = await self.read(lambda: self.view.timeline(job_id))
+        return Response(svg, media_type="image/svg+xml", headers={"Cache-Control": "no-store"})
+
+    async def log_page(self, request: Request) -> Response:
+        task_id = request.path_params["task"]
+        cursors: dict[str, str] = {}
+        ended, lines = await self.read(lambda: self.view.log(task_id, cursors))
+        return self.html("log.html", title=f"Log of {task_id}", page="jobs", task_id=task_id, lines=lines,
+                         ended=ended, job_id=keys.job_of_task(task_id), after=cursors.get(task_id, ""))  # fmt: skip
+
+    async def artifact(self, request: Request) -> Response:
+        job_id, path = request.path_params["job"], request.path_params["path"]
+        index = request.path_params["index"]
+        size, chunks = await self.read(lambda: self.view.artifact(job_id, index, path))
+        name = safe_filename(path)
+        disposition = f"attachment; filename=\"{name}\"; filename*=UTF-8''{quote(path.rsplit('/', 1)[-1], safe='')}"
+        headers = {"Content-Disposition": disposition, "Content-Length": str(size), "Cache-Control": "no-store"}
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+    async def healthz(self, request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def favicon(self, request: Request) -> Response:
+        return Response(status_code=204)
+
+    # writes
+
+    async def write(self, request: Request, action: Callable[[str], None]) -> Response:
+        job_id = request.path_params["job"]
+        if not self.view.may_write:
+            raise Forbidden("this dashboard's credential is read-only: it may not cancel or retry jobs")
+        body = await request.body()
+        form = parse_qs(body[:FORM_BYTES].decode("utf-8", "replace")) if len(body) <= FORM_BYTES else {}
+        token = (form.get("csrf") or [""])[0]
+        if not hmac.compare_digest(token.encode(), self.view.csrf.encode()):
+            raise Forbidden("missing or stale form token: reload the page and try again")
+        if not same_origin(request):
+            raise Forbidden("refused: the request did not come from a page of this dashboard")
+        try:
+            await self.read(lambda: action(job_id))
+        except BrokerDown as exc:
+            if "NOPERM" in str(exc) or "permission" in str(exc).lower():
+                raise Forbidden(f"the broker refused: {exc}") from None
+            raise
+        return RedirectResponse(f"/jobs/{quote(job_id, safe='')}", status_code=303)
+
+    async def cancel(self, request: Request) -> Response:
+        return await self.write(request, self.view.cancel)
+
+    async def retry(self, request: Request) -> Response:
+        return await self.write(request, self.view.retry)
+
+    # live regions
+
+    def stream(self, frames: AsyncIterator[str]) -> StreamingResponse:
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
+
+    async def pause(self, seconds: float) -> bool:
+        """Sleep ``seconds``, or less if the server begins to shut down; whether the stream goes on."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        while not self.view.stopping():
+            left = until - loop.time()
+            if left <= 0:
+                return True
+            await asyncio.sleep(min(left, 0.1))
+        return False
+
+    async def every_second(self, request: Request, render: Callable[[], str]) -> AsyncIterator[str]:
+        """The fragment, re-rendered about once a second until the client goes (or the server stops); a
+        broker outage is one line in the region, and the stream keeps trying."""
+        while not self.view.stopping() and not await request.is_disconnected():
+            try:
+                html = await self.read(render)
+            except BrokerDown as exc:
+                html = self.fragment("_broker_down.html", message=str(exc))
+            except NotFound as exc:
+                yield sse(self.fragment("_broker_down.html", message=str(exc)), event="gone")
+                return
+            yield sse(html)
+            if not await self.pause(LIVE_EVERY_S):
+                return
+
+    async def live_workers(self, request: Request) -> Response:
+        return self.stream(self.every_second(request, lambda: self.fragment("_workers.html", **self.view.workers())))
+
+    async def live_jobs(self, request: Request) -> Response:
+        return self.stream(self.every_second(request, lambda: self.fragment("_jobs.html", **self.view.jobs())))
+
+    async def live_job(self, request: Request) -> Response:
+        job_id = request.path_params["job"]
+        await self.read(lambda: self.view.mesh.job(job_id))  # an unknown job: 404 before any stream
+
+        def render() -> str:
+            return self.fragment("_job.html", job_id=job_id, **self.view.job(job_id))
+
+        return self.stream(self.every_second(request, render))
+
+    async def live_logs(self, request: Request) -> Response:
+        task_id = request.path_params["task"]
+        after = request.query_params.get("after", "")
+        cursors = {task_id: after} if STREAM_ID.fullmatch(after) else {}
+        first = await self.read(lambda: self.view.log(task_id, cursors))  # NotFound: 404 before any stream
+        return self.stream(self.log_frames(request, task_id, cursors, first))
+
+    async def log_frames(
+        self, request: Request, task_id: str, cursors: dict[str, str], first: tuple[bool, list[tuple[str, str]]]
+    ) -> AsyncIterator[str]:
+        """New log lines as they come (event ``lines``), then ``end`` once the task has ended."""
+        ended, lines = first
+        while True:
+            if lines:
+                yield sse(self.fragment("_lines.html", lines=lines), event="lines")
+            if ended:
+                yield sse("", event="end")
+                return
+            if not await self.pause(LIVE_EVERY_S / 2) or await request.is_disconnected():
+                return
+            try:
+                ended, lines = await self.read(lambda: self.view.log(task_id, cursors))
+            except BrokerDown as exc:
+                ended, lines = False, []
+                yield sse(self.fragment("_broker_down.html", message=str(exc)), event="trouble")
+            except NotFound:
+                yield sse("", event="end")
+                return
+
+    # errors
+
+    async def not_found(self, request: Request, exc: Exception) -> Response:
+        message = str(exc) if isinstance(exc, NotFound) else "no such page"
+        return self.html("error.html", status_code=404, title="Not found", page="", message=message)
+
+    async def broker_down(self, request: Request, exc: Exception) -> Response:
+        return self.html("error.html", status_code=503, title="Broker unreachable", page="",
+                         message=f"broker unreachable: {exc}")  # fmt: skip
+
+    async def damaged(self, request: Request, exc: Exception) -> Response:
+        log.error("artifact download refused: %s", exc)
+        return PlainTextResponse(f"not sent: {exc}", status_code=502)
+
+    async def forbidden(self, request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(str(exc), status_code=403)
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        code = exc.status_code if isinstance(exc, HTTPException) else 500
+        if code == 404:
+            return await self.not_found(request, exc)
+        return PlainTextResponse(str(getattr(exc, "detail", "error")), status_code=code)
+
+    async def crashed(self, request: Request, exc: Exception) -> Response:
+        log.error("dashboard error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
+        return PlainTextResponse("internal error (see the dashboard's log)", status_code=500)
+
+
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
+def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None) -> Starlette:
+    """The dashboard for ``mesh``. ``may_write`` None: probe the credential once (see probe_may_write);
+    False shows no cancel or retry button and refuses those requests whatever the credential may do.
+    ``hosts``: the only Host names it answers (400 otherwise); ``serve`` gives the loopback names when it
+    listens on loopback, so that a page of another site whose name resolves to 127.0.0.1 (DNS rebinding)
+    reads nothing and, with the token it could then read, writes nothing."""
+    view = View(mesh, probe_may_write(mesh) if may_write is None else may_write)
+    d = Dashboard(view)
+    routes = [
+        Route("/", d.mesh_page),
+        Route("/jobs", d.jobs_page),
+        Route("/jobs/{job}", d.job_page),
+        Route("/jobs/{job}/timeline", d.timeline_page),
+        Route("/jobs/{job}/timeline.svg", d.timeline_svg),
+        Route("/jobs/{job}/files/{index:int}/{path:path}", d.artifact),
+        Route("/jobs/{job}/cancel", d.cancel, methods=["POST"]),
+        Route("/jobs/{job}/retry", d.retry, methods=["POST"]),
+        Route("/tasks/{task}/logs", d.log_page),
+        Route("/live/workers", d.live_workers),
+        Route("/live/jobs", d.live_jobs),
+        Route("/live/job/{job}", d.live_job),
+        Route("/live/logs/{task}", d.live_logs),
+        Route("/healthz", d.healthz),
+        Route("/favicon.ico", d.favicon),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    handlers: dict[Any, Any] = {
+        NotFound: d.not_found, BrokerDown: d.broker_down, Forbidden: d.forbidden, Damaged: d.damaged,
+        HTTPException: d.http_error, Exception: d.crashed,
+    }  # fmt: skip
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
+    app.add_middleware(SecurityHeaders)
+    app.state.view = view
+    return app
+
+
+def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None) -> None:
+    """Serve the dashboard of the mesh at ``url`` (settings layering as every command) until SIGINT or
+    SIGTERM; prints one line once it listens. Open event streams are cut after 2 s at shutdown. ``hosts``:
+    the Host names answered (None: the loopback names on a loopback address, else any)."""
+    import uvicorn
+
+    from gpumesh.server.broker_server import is_loopback
+
+    mesh = api.connect(url)
+    if hosts is None and is_loopback(host):
+        hosts = LOOPBACK_NAMES
+    app = create_app(mesh, hosts=hosts)
+    mode = "may cancel and retry" if app.state.view.may_write else "read-only"
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                shown = f"[{host}]" if ":" in host else host
+                print(f"gpumesh dashboard: http://{shown}:{bound}/ ({mode})", flush=True)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+                            timeout_graceful_shutdown=2, server_header=False)  # fmt: skip
+    server = Server(config)
+    app.state.view.stopping = lambda: server.should_exit
+    try:
+        server.run()
+    finally:
+        mesh.close()
+        sys.stdout.flush()
