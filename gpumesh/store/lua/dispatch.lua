@@ -43,6 +43,18 @@ local score = tonumber(ARGV[3])
 local token = ARGV[4]
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
+
+-- Nothing it may run: the worker joins the idle set (woken when work arrives), and its registration names
+-- no task any more. A worker asks only when it runs nothing, and a cancelled task's worker never completes
+-- or fails it, so this is where that task leaves its `current_task` (what `workers` and the dashboard show).
+local function go_idle()
+  redis.call('SADD', idle_key, worker_id)
+  local current = redis.call('HGET', worker_key, 'current_task')
+  if current and current ~= '' then
+    redis.call('HSET', worker_key, 'current_task', '')
+  end
+  return {0, 'idle', 'fleet_version', version}
+end
 local raw = redis.pcall('HGET', worker_key, 'resources')
 if type(raw) ~= 'string' then
   raw = nil  -- none, or not a hash
@@ -236,8 +248,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     end
   end
   if not best then
-    redis.call('SADD', idle_key, worker_id)
-    return {0, 'idle', 'fleet_version', version}
+    return go_idle()
   end
 
   local job_key = PREFIX .. 'job:' .. best_job
@@ -303,5 +314,4 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     end
   end
 end
-redis.call('SADD', idle_key, worker_id)
-return {0, 'idle', 'fleet_version', version}
+return go_idle()
