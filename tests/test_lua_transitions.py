@@ -273,3 +273,20 @@ def test_finished_jobs_past_the_retention_are_pruned_open_ones_kept(r: redis.Red
     assert r.zscore(keys.JOBS, done_job) is None
     assert r.hget(keys.job(open_job), "status") == "queued", "a job still open is never pruned"
     b.close()
+
+
+@pytest.mark.core
+def test_a_cancelled_task_leaves_its_worker_s_registration_at_the_worker_s_next_dispatch(
+    broker: Broker, r: redis.Redis
+):
+    """A cancelled task's worker never completes or fails it: asking for work again (idle) clears it from
+    the registration, which `workers` and the dashboard show."""
+    job, (tid,) = submit(broker)
+    r.hset(keys.worker("w"), mapping={"name": "w", "current_task": ""})
+    r.zadd(keys.SCORES, {"w": 1.0})
+    lease = scripts.dispatch(broker.scripts, r, "w", LEASE_MS, 1.0)
+    assert isinstance(lease, scripts.Lease) and r.hget(keys.worker("w"), "current_task") == tid
+    broker.cancel(job)
+    assert r.hget(keys.worker("w"), "current_task") == tid  # the worker learns it at its next heartbeat
+    assert not isinstance(scripts.dispatch(broker.scripts, r, "w", LEASE_MS, 1.0), scripts.Lease)
+    assert r.hget(keys.worker("w"), "current_task") == ""
