@@ -101,3 +101,40 @@ def test_the_api_returns_the_record_and_it_goes_with_the_job(broker: Broker, r: 
     assert isinstance(a, gpumesh.Attempt) and (a.task_id, a.outcome) == (tid, "done")
     delete_job(r, job, keys.JOBS)
     assert not r.exists(keys.job_attempts(job))
+
+
+@pytest.mark.core
+def test_a_backup_that_is_not_promoted_is_recorded_too(broker: Broker, r: redis.Redis):
+    """The primary refused for good (a bad signature, say) while its backup runs, or failing after the
+    backup's lease lapsed: the backup's bar is there, cancelled or lost."""
+    job, (t0, t1), (p0, p1) = started(broker, r, n=2)
+    assert isinstance(backup(broker, r, t0), scripts.Lease) and isinstance(
+        backup(broker, r, t1, "fast2"), scripts.Lease
+    )
+    scripts.fail(broker.scripts, r, p0, "slow", "bad signature", 0.1, reject=True)
+    r.hset(keys.task(t1), "backup_until", 1)  # its backup's lease lapsed long ago
+    scripts.fail(broker.scripts, r, p1, "slow", "exit code 1", 0.1)
+    assert sorted(runs(broker, job)) == [
+        (0, 1, "fast", "backup", "cancelled", None),
+        (0, 1, "slow", "primary", "failed", "script"),
+        (1, 1, "fast2", "backup", "lost", "lost"),
+        (1, 1, "slow", "primary", "failed", "script"),  # a script error is not retried by default
+    ]
+
+
+@pytest.mark.security
+def test_a_worker_credential_s_transitions_write_the_record(broker: Broker, r: redis.Redis, redis_server):
+    """Scripts run with their caller's ACL: the worker role may append to a job's record of attempts (a
+    denied XADD would drop every entry without a word, since the scripts write it with pcall)."""
+    from gpumesh.server.broker_server import ROLES, prepare
+
+    r.execute_command("ACL", "SETUSER", "w-att", "reset", "on", ">pw", *ROLES["worker"])
+    prepare(r)
+    worker = redis.Redis(port=redis_server.port, username="w-att", password="pw", decode_responses=True)
+    job, (tid,) = submit(broker)
+    as_worker = scripts.Scripts(worker)
+    lease = scripts.acquire(as_worker, worker, tid, "w", LEASE_MS)
+    assert isinstance(lease, scripts.Lease)
+    assert scripts.complete(as_worker, worker, lease, "w", "1", 0.1).accepted
+    assert runs(broker, job) == [(0, 1, "w", "primary", "done", None)]
+    worker.close()

@@ -114,17 +114,24 @@ def test_pages_show_the_mesh_and_escape_what_tasks_and_submitters_set(ran: gpume
 
 
 @pytest.mark.security
-def test_headers_forbid_inline_script_and_framing_and_pages_hold_no_secret(mesh: gpumesh.Mesh, redis_server):
-    client = TestClient(create_app(mesh, may_write=False))
-    res = client.get("/jobs")
-    assert "default-src 'self'" in res.headers["content-security-policy"]
-    assert res.headers["x-frame-options"] == "DENY" and res.headers["x-content-type-options"] == "nosniff"
-    assert "<script>" not in res.text.replace('<script src="/static/dashboard.js" defer></script>', "")
-    assert client.get("/healthz").text == "ok"
-    assert client.get("/static/dashboard.js").status_code == 200
-    unknown = client.get("/jobs/nosuchjob")
-    assert unknown.status_code == 404 and "nosuchjob" in unknown.text and "Traceback" not in unknown.text
-    assert client.get("/live/job/nosuchjob").status_code == 404
+def test_headers_forbid_inline_script_and_framing_and_pages_hold_no_secret(
+    r: redis.Redis, redis_server: RedisServer, ran: gpumesh.Job
+):
+    url = role_url(r, redis_server, "submitter")
+    password = url.split(":")[2].split("@")[0]
+    with gpumesh.connect(url) as mesh:
+        client = TestClient(create_app(mesh))
+        pages = [client.get(p).text for p in ("/", "/jobs", f"/jobs/{ran.id}", f"/jobs/{ran.id}/timeline")]
+        assert all(password not in page for page in pages) and "redis://" in pages[0]  # the URL, masked
+        res = client.get("/jobs")
+        assert "default-src 'self'" in res.headers["content-security-policy"]
+        assert res.headers["x-frame-options"] == "DENY" and res.headers["x-content-type-options"] == "nosniff"
+        assert "<script>" not in res.text.replace('<script src="/static/dashboard.js" defer></script>', "")
+        assert client.get("/healthz").text == "ok"
+        assert client.get("/static/dashboard.js").status_code == 200
+        unknown = client.get("/jobs/nosuchjob")
+        assert unknown.status_code == 404 and "nosuchjob" in unknown.text and "Traceback" not in unknown.text
+        assert client.get("/live/job/nosuchjob").status_code == 404
 
 
 @pytest.mark.security
@@ -291,3 +298,44 @@ def test_timeline_draws_one_rect_per_attempt_in_lanes_strongest_first():
     assert running and abs(float(running.group(1)) + float(running.group(2)) - (timeline.WIDTH - 10)) < 0.2
     assert 'class="attempt outcome-handed-back"' in svg and "<title>task 1 (j-1), attempt 1" in svg
     assert timeline.render([], lanes, now=0.0).count("<rect class=") == 0
+
+
+@pytest.mark.security
+def test_a_job_id_is_not_a_task_s_log_and_a_cr_forges_no_event(ran: gpumesh.Job, mesh: gpumesh.Mesh):
+    """/tasks/ID/logs reads one task's log: a job's id there (every task's log, re-read twice a second) is
+    404. And a CR in what a task prints or a job is named (a progress bar's) ends no SSE data line early."""
+    from gpumesh.dashboard.app import sse
+
+    client = TestClient(create_app(mesh))
+    assert client.get(f"/tasks/{ran.id}/logs").status_code == 404
+    assert client.get(f"/live/logs/{ran.id}").status_code == 404
+    assert client.get(f"/tasks/{ran.id}-0/logs").status_code == 200
+    frame = sse("progress 10%\rprogress 50%\r\revent: end\rdata: x\r\nlast", event="lines")
+    fields = [line.partition(":")[0] for line in re.split(r"\r\n|\r|\n", frame.rstrip("\n"))]
+    assert fields == ["event"] + ["data"] * 6, frame
+
+
+@pytest.mark.security
+def test_garbage_a_credential_writes_into_a_job_or_a_registration_breaks_no_page(
+    ran: gpumesh.Job, mesh: gpumesh.Mesh, r: redis.Redis
+):
+    other = mesh.submit("print(1)", [{"i": 0}], name="fine")
+    r.hset(keys.job(ran.id), mapping={"created_at": "x", "priority": "high"})  # any worker credential may
+    r.hset(keys.worker("w-bad"), mapping={"name": "bad", "resources": "{not json"})
+    r.zadd(keys.WORKERS, {"w-bad": time.time() * 1000})
+    r.zadd(keys.SCORES, {"w-bad": 1.0})
+    client = TestClient(create_app(mesh))
+    jobs = client.get("/jobs")
+    assert jobs.status_code == 200 and other.id in jobs.text
+    assert client.get("/").status_code == 200
+
+
+@pytest.mark.core
+def test_timeline_svg_is_well_formed_xml_whatever_names_hold_and_caps_its_lanes():
+    from xml.dom import minidom
+
+    attempts = [FakeAttempt(i, f"j-{i}", 1, f"w\x01{i % 300}", "primary", 100.0 + i, 101.0 + i, "done")
+                for i in range(600)]  # fmt: skip
+    svg = timeline.render(attempts, [], now=1000.0)
+    minidom.parseString(svg)  # raises on a control character XML cannot hold
+    assert svg.count('class="lane"') == timeline.MAX_LANES and "not drawn" in svg

@@ -11,6 +11,7 @@ from gpumesh.cli.helpers import url_option
 from gpumesh.server.broker_server import is_loopback
 
 EXTRA = ("starlette", "uvicorn", "jinja2", "markupsafe", "anyio")
+MISSING = "gpumesh dashboard needs its extra: pip install 'gpumesh-pool[dashboard]'"
 
 
 @click.command()
@@ -18,11 +19,19 @@ EXTRA = ("starlette", "uvicorn", "jinja2", "markupsafe", "anyio")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=9181, show_default=True, help="Port to listen on.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
-              help="A Host name the dashboard answers (repeatable). Default: on a loopback address only "
-                   "127.0.0.1, localhost and ::1, so that another site's page cannot read it through DNS "
-                   "rebinding; elsewhere every name, unless given.")  # fmt: skip
+              help="A Host name the dashboard answers (repeatable; e.g. the name a proxy forwards). Default: "
+                   "127.0.0.1, localhost and ::1, and off loopback also the --host address and this machine's "
+                   "name and LAN address; other names get 400, so that another site's page cannot read or "
+                   "write it through DNS rebinding.")  # fmt: skip
+@click.option(
+    "--read-only",
+    is_flag=True,
+    help="Never cancel or retry, whatever the credential may do (no buttons; the endpoints refuse).",
+)
 @click.pass_context
-def dashboard(ctx: click.Context, url: str | None, host: str, port: int, allow_hosts: tuple[str, ...]) -> None:
+def dashboard(
+    ctx: click.Context, url: str | None, host: str, port: int, allow_hosts: tuple[str, ...], read_only: bool
+) -> None:
     """Serve a web dashboard of the mesh: workers, jobs, tasks, failures, a timeline of attempts, live logs.
     Cancel and retry only with a credential that may write. Runs until Ctrl-C."""
     try:
@@ -30,14 +39,15 @@ def dashboard(ctx: click.Context, url: str | None, host: str, port: int, allow_h
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] not in EXTRA:
             raise
-        click.echo("gpumesh dashboard needs its extra: pip install 'gpumesh-pool[dashboard]'", err=True)
+        click.echo(MISSING, err=True)
         ctx.exit(2)
     if not is_loopback(host):
         click.secho(
             f"WARNING: the dashboard listens on {host}: anyone who can reach port {port} sees every job, its "
             "payloads, results and logs, without a password (and may cancel and retry jobs if the credential "
-            "may). Keep it on 127.0.0.1, or put it behind a VPN or an authenticating proxy.",
+            "may: --read-only stops that). Keep it on 127.0.0.1, or put it behind a VPN or an authenticating "
+            "proxy.",
             err=True, fg="red", bold=True,
         )  # fmt: skip
     ctx.obj["url"] = url or ""
-    serve(url, host, port, list(allow_hosts) or None)
+    serve(url, host, port, list(allow_hosts) or None, read_only=read_only)

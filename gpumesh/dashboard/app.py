@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpumesh import api
 from gpumesh.dashboard import timeline
-from gpumesh.errors import BrokerError, NotFound
+from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 from gpumesh.store import artifacts, keys
 from gpumesh.store.connection import translate
@@ -59,9 +59,11 @@ TASKS_SHOWN = 500  # rows of the job page's task table
 JOBS_SHOWN = 100  # rows of the jobs page
 RESULT_CHARS = 200  # of a result's JSON in the task table
 LIVE_EVERY_S = 1.0  # how often a live region is re-rendered
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
 FORM_BYTES = 4096  # a cancel or retry form is one short field
 STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: where a log page's stream goes on
 STREAMS = ("stdout", "stderr", "gpumesh")
+TASK_ID = re.compile(r".{1,200}-\d{1,9}")  # keys.task_id: a job id, a dash, the task's index
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
     "X-Frame-Options": "DENY",
@@ -194,15 +196,16 @@ class View:
 
     def jobs(self) -> dict[str, Any]:
         now = self.now()
+        broker = self.mesh.broker
+        listed = self.mesh.jobs(JOBS_SHOWN)
+        # re-read every second while the page is open: a few pipelined reads for the whole page
+        failures = broker.first_failures([st.job_id for st in listed if st.tasks.failed])
+        waiting = broker.waiting_for([st.job_id for st in listed if st.tasks.queued])
         rows = []
-        for st in self.mesh.jobs(JOBS_SHOWN):
-            job = api.Job(self.mesh, st.job_id)
-            failure = ""
-            if st.tasks.failed:
-                failed, _n = job.failures(limit=1)
-                failure = error_line(failed[0].status, failed[0].error, failed[0].error_kind) if failed else ""
-            if st.tasks.queued:
-                st = job.status()  # with waiting_for
+        for st in listed:
+            st.waiting_for = waiting.get(st.job_id, [])
+            first = failures.get(st.job_id)
+            failure = error_line(first.status, first.error, first.error_kind) if first else ""
             rows.append(self._job_row(st, now) | {"failure": failure})
         return {"jobs": rows}
 
@@ -219,8 +222,8 @@ class View:
         st = job.status()
         now = self.now()
         broker = self.mesh.broker
-        ids = broker.task_ids(job_id)
-        rows = broker.task_results(ids[:TASKS_SHOWN])
+        total = broker.r.llen(keys.job_tasks(job_id))  # a job of 1,000,000 tasks: read the first rows only
+        rows = broker.task_results(broker.r.lrange(keys.job_tasks(job_id), 0, TASKS_SHOWN - 1))
         failures, failed_n = job.failures(limit=5) if st.tasks.failed else ([], 0)
         tasks = [
             {
@@ -236,7 +239,7 @@ class View:
                 "retry_on": ", ".join(st.retry_on) or "none", "failed_by_kind": st.failed_by_kind,
                 "finished": ago(_age(now, st.finished_at)) if st.finished_at else "",
             },
-            "tasks": tasks, "shown": len(tasks), "total": len(ids),
+            "tasks": tasks, "shown": len(tasks), "total": total,
             "failures": [(r.index, r.task_id, error_line(r.status, r.error, r.error_kind)) for r in failures],
             "failed_n": failed_n,
             "can_cancel": self.may_write and st.status in ("queued", "running"),
@@ -252,7 +255,9 @@ class View:
     def log(self, task_id: str, cursors: dict[str, str]) -> tuple[bool, list[tuple[str, str]]]:
         """(whether the task had ended before these lines were read, its new (stream, line)s)."""
         broker = self.mesh.broker
-        ended = broker.target_ended(task_id)  # NotFound; read first, so that no line is missed
+        if not TASK_ID.fullmatch(task_id) or not broker.r.exists(keys.task(task_id)):
+            raise NotFound(f"no task {task_id!r} on this broker")  # a job id would read every task's log
+        ended = broker.target_ended(task_id)  # read first, so that no line is missed
         lines = [(s if s in STREAMS else "stdout", line) for _t, s, line in broker.logs(task_id, cursors)]
         return ended, lines
 
@@ -280,6 +285,8 @@ class View:
             raise NotFound(f"task {index} of job {job_id} stored no file {path!r}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise NotFound(f"task {index}'s file index is malformed ({type(exc).__name__})") from None
+        except UsageError as exc:  # an index naming a store this dashboard does not read from (untrusted)
+            raise NotFound(f"task {index}'s files are not readable here: {exc}") from None
         return size, first_checked(checked(store.read(stored, n), size, sha, path))
 
 
@@ -365,7 +372,9 @@ def same_origin(request: Request) -> bool:
 
 def sse(data: str, event: str | None = None) -> str:
     lines = [f"event: {event}"] if event else []
-    lines += [f"data: {line}" for line in (data.split("\n") if data else [""])]
+    # EventSource ends a line at CR, LF or CRLF: split on all three, or a CR in a task's output (a
+    # progress bar's) would end the data line there and let the rest read as fields (a forged event)
+    lines += [f"data: {line}" for line in (LINE_BREAK.split(data) if data else [""])]
     return "\n".join(lines) + "\n\n"
 
 
@@ -498,6 +507,9 @@ class Dashboard:
             except NotFound as exc:
                 yield sse(self.fragment("_broker_down.html", message=str(exc)), event="gone")
                 return
+            except Exception as exc:  # noqa: BLE001 - data no honest client writes: one line, and keep going
+                log.error("dashboard: rendering %s failed: %s: %s", request.url.path, type(exc).__name__, exc)
+                html = self.fragment("_broker_down.html", message=f"could not show this ({type(exc).__name__})")
             yield sse(html)
             if not await self.pause(LIVE_EVERY_S):
                 return
@@ -577,6 +589,20 @@ class Dashboard:
 LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
+def own_names(host: str) -> list[str]:
+    """The Host names a dashboard listening on ``host`` (not loopback) answers by default: that address,
+    this machine's name and LAN address, and loopback. Any other name needs --allow-host: a name the
+    dashboard did not choose may be another site's, rebound to this address (DNS rebinding)."""
+    import socket
+
+    from gpumesh.server.broker_server import lan_address
+
+    names = [*LOOPBACK_NAMES, socket.gethostname(), socket.getfqdn(), lan_address()]
+    if host not in ("0.0.0.0", "::"):
+        names.append(host)
+    return sorted({n.lower() for n in names if n})
+
+
 def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None) -> Starlette:
     """The dashboard for ``mesh``. ``may_write`` None: probe the credential once (see probe_may_write);
     False shows no cancel or retry button and refuses those requests whatever the credential may do.
@@ -615,18 +641,18 @@ def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str
     return app
 
 
-def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None) -> None:
+def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None, read_only: bool = False) -> None:
     """Serve the dashboard of the mesh at ``url`` (settings layering as every command) until SIGINT or
     SIGTERM; prints one line once it listens. Open event streams are cut after 2 s at shutdown. ``hosts``:
-    the Host names answered (None: the loopback names on a loopback address, else any)."""
+    the Host names answered (None: see own_names); ``read_only``: never write, whatever the credential."""
     import uvicorn
 
     from gpumesh.server.broker_server import is_loopback
 
     mesh = api.connect(url)
-    if hosts is None and is_loopback(host):
-        hosts = LOOPBACK_NAMES
-    app = create_app(mesh, hosts=hosts)
+    if hosts is None:
+        hosts = LOOPBACK_NAMES if is_loopback(host) else own_names(host)
+    app = create_app(mesh, hosts=hosts, may_write=False if read_only else None)
     mode = "may cancel and retry" if app.state.view.may_write else "read-only"
 
     class Server(uvicorn.Server):

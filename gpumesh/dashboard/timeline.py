@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from html import escape
+from html import escape as _html_escape
 from typing import Protocol
 
 OUTCOME_COLOURS = {
@@ -20,8 +20,8 @@ OUTCOME_COLOURS = {
     "done": "#2e9e4f",
     "failed": "#d23b3b",
     "retried": "#e8892b",
-    "lost": "#e8892b",
-    "handed back": "#e8892b",
+    "lost": "#9c4a12",
+    "handed back": "#e3c23a",
     "cancelled": "#8a8a8a",
     "superseded": "#cfcfcf",
 }
@@ -33,7 +33,16 @@ BAR_H = 18
 AXIS_H = 28  # px above the first lane: the time axis
 LEGEND_H = 30
 MIN_BAR = 2  # px: an attempt of a few milliseconds is still visible
+MAX_LANES = 200  # the lanes drawn (the workers with most attempts); the rest are counted below the drawing
+MAX_BARS = 20_000  # the attempts drawn (the newest): the SVG of 50,000 is 15 MB
+XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")  # not even escaped: no XML may hold them
 STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 86400)
+
+
+def escape(text: str) -> str:
+    """Escaped for XML text and attributes, and without the control characters XML cannot hold at all (a
+    worker named with one would make the standalone SVG unreadable)."""
+    return _html_escape(XML_ILLEGAL.sub("\ufffd", text))
 
 
 class AttemptLike(Protocol):
@@ -149,7 +158,19 @@ def render(attempts: Sequence[AttemptLike], workers: Iterable[Lane], now: float)
     the broker's clock). ``workers`` names and ranks the lanes; a worker not among them gets a lane too.
     An attempt whose start was not recorded cannot be placed and is left out."""
     attempts = [a for a in attempts if a.started_at is not None]
+    attempts.sort(key=lambda a: a.started_at or 0.0)
+    left_out = max(0, len(attempts) - MAX_BARS)
+    attempts = attempts[left_out:]
+    by_worker: dict[str, list[AttemptLike]] = {}
+    for a in attempts:
+        by_worker.setdefault(a.worker, []).append(a)
     lanes = _lanes(attempts, workers)
+    if len(lanes) > MAX_LANES:
+        busiest = set(sorted(by_worker, key=lambda w: -len(by_worker[w]))[:MAX_LANES])
+        lanes = [lane for lane in lanes if lane.worker in busiest]
+        kept = [a for a in attempts if a.worker in busiest]
+        left_out += len(attempts) - len(kept)
+        attempts = kept
     height = AXIS_H + max(1, len(lanes)) * LANE_H + LEGEND_H
     head = [
         f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
@@ -173,13 +194,14 @@ def render(attempts: Sequence[AttemptLike], workers: Iterable[Lane], now: float)
         body.append(f'<g class="lane" data-worker="{escape(lane.worker)}">')
         body.append(f'<text class="lane-label" x="6" y="{y + BAR_H - 4}" font-size="12" fill="#222">'
                     f"{escape(label[:30])}<title>{escape(lane.worker)}</title></text>")  # fmt: skip
-        for a in attempts:
-            if a.worker != lane.worker:
-                continue
+        for a in by_worker.get(lane.worker, []):
             end = a.ended_at if a.ended_at is not None else now
             seconds = max(0.0, end - starts[id(a)])
             x = LABEL_W + (starts[id(a)] - t0) * scale
             body.append(_attempt_rect(a, x, y + (LANE_H - BAR_H) / 2, max(MIN_BAR, seconds * scale), seconds, lane))
         body.append("</g>")
     body += _legend(AXIS_H + len(lanes) * LANE_H + 4)
+    if left_out:
+        body.append(f'<text class="left-out" x="{LABEL_W}" y="{height - 2}" font-size="11" fill="#a33">'
+                    f"{left_out} older attempts (or of less busy workers) are not drawn</text>")  # fmt: skip
     return "\n".join([*head, *body, "</svg>"])

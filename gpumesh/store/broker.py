@@ -224,15 +224,39 @@ class Broker:
             for w in ids:
                 p.hget(keys.worker(w), "resources")
             raw = p.execute()
-        return {w: json.loads(r) for w, r in zip(ids, raw) if r}
+        out = {}
+        for w, r in zip(ids, raw):
+            try:
+                res = json.loads(r) if r else None
+            except ValueError:  # garbage a credential wrote into its registration: offers nothing
+                continue
+            if isinstance(res, dict):
+                out[w] = res
+        return out
 
-    def _waiting_for(self, job_id: str, h: dict[str, str]) -> list[Waiting]:
+    def waiting_for(self, job_ids: list[str]) -> dict[str, list[Waiting]]:
+        """``waiting_for`` of several jobs, the live fleet read once (a page of jobs); a job whose hash does
+        not decode (any credential that writes jobs can write garbage) waits for nothing here."""
+        with self.r.pipeline(transaction=False) as p:
+            for j in job_ids:
+                p.hgetall(keys.job(j))
+            hashes = p.execute()
+        fleet = list(self.live_resources().values())
+        out: dict[str, list[Waiting]] = {}
+        for j, h in zip(job_ids, hashes):
+            try:
+                out[j] = self._waiting_for(j, h, fleet) if h else []
+            except (ValueError, TypeError, KeyError):
+                out[j] = []
+        return out
+
+    def _waiting_for(self, job_id: str, h: dict[str, str], fleet: list[dict[str, Any]] | None = None) -> list[Waiting]:
         classes = json.loads(h.get("classes") or "[[]]")
         with self.r.pipeline(transaction=False) as p:
             for k in range(len(classes)):
                 p.zcard(keys.pending(job_id, k))
             counts = p.execute()
-        fleet = list(self.live_resources().values())
+        fleet = list(self.live_resources().values()) if fleet is None else fleet
         signer = h.get("key_id") or ""
         out = []
         for reqs, n in zip(classes, counts):
@@ -266,7 +290,7 @@ class Broker:
         """Every attempt of the job's tasks, by start: those that ended (the job's stream of attempts), then
         those running now (the tasks the live workers hold), ``ended_at`` None."""
         with self.r.pipeline(transaction=False) as p:
-            p.xrange(keys.job_attempts(job_id), count=ATTEMPTS_READ)
+            p.xrevrange(keys.job_attempts(job_id), count=ATTEMPTS_READ)  # the newest (MAXLEN ~ keeps a few more)
             p.time()
             p.zrange(keys.WORKERS, 0, -1)
             ended, (sec, _usec), registered = p.execute()
@@ -323,29 +347,37 @@ class Broker:
         for w, h in zip(ids, hashes):
             if not h:
                 continue
-            out.append(
-                WorkerInfo(
-                    id=w,
-                    name=h.get("name", w),
-                    hostname=h.get("hostname", ""),
-                    device=h.get("device", "cpu"),
-                    device_name=h.get("device_name", ""),
-                    score_gflops=float(h.get("score", 0)),
-                    tier=tiers.get(w, 0),
-                    state="busy" if h.get("current_task") else "idle",
-                    current_task=h.get("current_task") or None,
-                    last_heartbeat=ts(h.get("last_heartbeat")),
-                    resources=json.loads(h.get("resources") or "{}"),
-                )
-            )
+            try:
+                out.append(_worker_info(w, h, tiers))
+            except (ValueError, TypeError) as exc:  # a registration some credential wrote garbage into
+                log.warning("worker %s's registration is unreadable (%s); left out", w, type(exc).__name__)
         return out
 
     def jobs(self, limit: int = 50) -> list[JobStatus]:
+        """The newest jobs; one whose hash does not decode (written by some credential) is left out."""
         ids = self.r.zrevrange(keys.JOBS, 0, limit - 1)
         with self.r.pipeline(transaction=False) as p:
             for j in ids:
                 p.hgetall(keys.job(j))
-            return [JobStatus.from_hash(j, h) for j, h in zip(ids, p.execute()) if h]
+            hashes = p.execute()
+        out = []
+        for j, h in zip(ids, hashes):
+            if h:
+                try:
+                    out.append(JobStatus.from_hash(j, h))
+                except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+                    log.warning("job %s is unreadable (%s); left out", j, type(exc).__name__)
+        return out
+
+    def first_failures(self, job_ids: list[str]) -> dict[str, TaskResult]:
+        """The first task of each job that failed for good, as its job's list of failures names it (a page of
+        jobs: two pipelined reads, not every failed task)."""
+        with self.r.pipeline(transaction=False) as p:
+            for j in job_ids:
+                p.lindex(keys.job_failed(j), 0)
+            firsts = p.execute()
+        found = {t: j for j, t in zip(job_ids, firsts) if t}
+        return {found[r.task_id]: r for r in self.task_results(list(found)) if r.status == "failed"}
 
     def logs(self, target: str, cursors: dict[str, str] | None = None) -> Iterator[tuple[str, str, str]]:
         """(task id, stream, line) of a task, or of every task of a job in payload order.
@@ -430,6 +462,24 @@ class Broker:
                     scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
+
+
+def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo:
+    """A worker's registration as ``workers`` shows it (ValueError or TypeError when it does not decode)."""
+    resources = json.loads(h.get("resources") or "{}")
+    return WorkerInfo(
+        id=w,
+        name=h.get("name", w),
+        hostname=h.get("hostname", ""),
+        device=h.get("device", "cpu"),
+        device_name=h.get("device_name", ""),
+        score_gflops=float(h.get("score", 0)),
+        tier=tiers.get(w, 0),
+        state="busy" if h.get("current_task") else "idle",
+        current_task=h.get("current_task") or None,
+        last_heartbeat=ts(h.get("last_heartbeat")),
+        resources=resources if isinstance(resources, dict) else {},
+    )
 
 
 ATTEMPTS_READ = 50_000  # the most a job's stream of attempts keeps (the Lua scripts cap it there)

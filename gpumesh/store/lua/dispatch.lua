@@ -49,9 +49,9 @@ local n, sum, max, version = fleet(scores_key, fleet_key)
 -- or fails it, so this is where that task leaves its `current_task` (what `workers` and the dashboard show).
 local function go_idle()
   redis.call('SADD', idle_key, worker_id)
-  local current = redis.call('HGET', worker_key, 'current_task')
-  if current and current ~= '' then
-    redis.call('HSET', worker_key, 'current_task', '')
+  local current = redis.pcall('HGET', worker_key, 'current_task')  -- pcall: not a hash must not stop dispatch
+  if type(current) == 'string' and current ~= '' then
+    redis.pcall('HSET', worker_key, 'current_task', '')
   end
   return {0, 'idle', 'fleet_version', version}
 end

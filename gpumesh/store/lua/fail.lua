@@ -112,6 +112,8 @@ end
 local failed_on = redis.call('HGET', task_key, 'worker')
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
+-- a backup not promoted (refused task, or its lease lapsed: attempt_log records that as lost) is stopped
+attempt_log(job_key, attempt_of(task_key, 'backup'), 'cancelled', nil, ms)
 clear_backup(task_key)
 local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
