@@ -8,10 +8,25 @@ from __future__ import annotations
 import click
 
 from gpumesh.cli.helpers import url_option
-from gpumesh.server.broker_server import is_loopback
+from gpumesh.server.broker_server import is_loopback, lan_address
 
 EXTRA = ("starlette", "uvicorn", "jinja2", "markupsafe", "anyio")
 MISSING = "gpumesh dashboard needs its extra: pip install 'gpumesh-pool[dashboard]'"
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
+
+
+def own_names(host: str) -> list[str]:
+    """The Host names a dashboard listening on ``host`` answers by default: on loopback the loopback names;
+    elsewhere also that address, this machine's name and its LAN address. Any other name needs --allow-host:
+    a name the dashboard did not choose may be another site's, rebound to this address (DNS rebinding)."""
+    if is_loopback(host):
+        return LOOPBACK_NAMES
+    import socket
+
+    names = [*LOOPBACK_NAMES, socket.gethostname(), socket.getfqdn(), lan_address()]
+    if host not in ("0.0.0.0", "::"):
+        names.append(host)
+    return sorted({n.lower() for n in names if n})
 
 
 @click.command()
@@ -50,4 +65,4 @@ def dashboard(
             err=True, fg="red", bold=True,
         )  # fmt: skip
     ctx.obj["url"] = url or ""
-    serve(url, host, port, list(allow_hosts) or None, read_only=read_only)
+    serve(url, host, port, list(allow_hosts) or own_names(host), read_only=read_only)

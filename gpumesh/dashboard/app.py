@@ -586,28 +586,11 @@ class Dashboard:
         return PlainTextResponse("internal error (see the dashboard's log)", status_code=500)
 
 
-LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
-
-
-def own_names(host: str) -> list[str]:
-    """The Host names a dashboard listening on ``host`` (not loopback) answers by default: that address,
-    this machine's name and LAN address, and loopback. Any other name needs --allow-host: a name the
-    dashboard did not choose may be another site's, rebound to this address (DNS rebinding)."""
-    import socket
-
-    from gpumesh.server.broker_server import lan_address
-
-    names = [*LOOPBACK_NAMES, socket.gethostname(), socket.getfqdn(), lan_address()]
-    if host not in ("0.0.0.0", "::"):
-        names.append(host)
-    return sorted({n.lower() for n in names if n})
-
-
 def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None) -> Starlette:
     """The dashboard for ``mesh``. ``may_write`` None: probe the credential once (see probe_may_write);
     False shows no cancel or retry button and refuses those requests whatever the credential may do.
-    ``hosts``: the only Host names it answers (400 otherwise); ``serve`` gives the loopback names when it
-    listens on loopback, so that a page of another site whose name resolves to 127.0.0.1 (DNS rebinding)
+    ``hosts``: the only Host names it answers (400 otherwise); `gpumesh dashboard` gives the loopback names
+    when it listens on loopback, so that a page of another site whose name resolves to 127.0.0.1 (DNS rebinding)
     reads nothing and, with the token it could then read, writes nothing."""
     view = View(mesh, probe_may_write(mesh) if may_write is None else may_write)
     d = Dashboard(view)
@@ -644,14 +627,11 @@ def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str
 def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None, read_only: bool = False) -> None:
     """Serve the dashboard of the mesh at ``url`` (settings layering as every command) until SIGINT or
     SIGTERM; prints one line once it listens. Open event streams are cut after 2 s at shutdown. ``hosts``:
-    the Host names answered (None: see own_names); ``read_only``: never write, whatever the credential."""
+    the Host names answered (None: any; the command gives its own, see gpumesh.cli.dashboard.own_names);
+    ``read_only``: never write, whatever the credential."""
     import uvicorn
 
-    from gpumesh.server.broker_server import is_loopback
-
     mesh = api.connect(url)
-    if hosts is None:
-        hosts = LOOPBACK_NAMES if is_loopback(host) else own_names(host)
     app = create_app(mesh, hosts=hosts, may_write=False if read_only else None)
     mode = "may cancel and retry" if app.state.view.may_write else "read-only"
 
