@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from .conftest import ROOT, free_port, wait_until
@@ -58,6 +59,30 @@ def launch() -> Any:
     driver.set_page_load_timeout(20)
     driver.set_script_timeout(20)
     return driver
+
+
+def quit(driver: Any) -> None:
+    """Quit the browser, and reap what it leaves behind. Chromium's helper processes outlive chromedriver,
+    and once an in-process worker (conftest's MeshWorkers) has made this test process a subreaper, as every
+    gpumesh worker is, they come back to it when orphaned: the zombies they become would be children
+    that later tests trip over (tests/test_spares.py lists this process's children)."""
+    driver.quit()
+    deadline = time.monotonic() + 10
+    while True:
+        alive = 0
+        for p in psutil.Process().children():
+            try:
+                if not p.name().startswith(("chrome", "chromium")):
+                    continue
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
+                else:
+                    alive += 1
+            except (psutil.Error, ChildProcessError):
+                continue
+        if not alive or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 class Dashboard:

@@ -64,7 +64,7 @@ HOSTILE_NAME = "<script>window.__pwned=1</script>"
 def driver() -> Iterator[Any]:
     d = browser.launch()
     yield d
-    d.quit()
+    browser.quit(d)
 
 
 @pytest.fixture
