@@ -197,6 +197,7 @@ class Group:
         self.round_ms: list[float] = []
         self.steps: list[tuple[str, str, int]] = []  # the round in flight: (worker, step, replies it takes)
         self.sent, self.t0 = 0, 0.0
+        self.tokens: dict[str, str] = {}  # the token each worker sent with its last dispatch
 
     def send_round(self) -> None:
         """Each active worker's next step (and its heartbeat when due), sent in chunks as they are packed."""
@@ -208,7 +209,7 @@ class Group:
                 tid, token = (ph[1], ph[2]) if len(ph) == 3 else ("", "")
                 chunk.append(
                     (
-                        "EVALSHA",
+                        "FCALL",
                         sha["heartbeat"],
                         6,
                         keys.worker(wid),
@@ -229,8 +230,10 @@ class Group:
                 self.next_beat[wid] = now + self.heartbeat
             step = ph[0]
             if step == "dispatch":
-                chunk.append(("EVALSHA", sha["dispatch"], 7, keys.READY, keys.SCORES, keys.FLEET, keys.worker(wid),
-                              keys.LEASES, keys.EVENTS, keys.IDLE, wid, LEASE_MS, self.score[wid]))  # fmt: skip
+                token = scripts.new_token()  # the worker makes its lease's token (Redis keeps its digest)
+                self.tokens[wid] = token
+                chunk.append(("FCALL", sha["dispatch"], 7, keys.READY, keys.SCORES, keys.FLEET, keys.worker(wid),
+                              keys.LEASES, keys.EVENTS, keys.IDLE, wid, LEASE_MS, self.score[wid], token))  # fmt: skip
                 steps.append((wid, step, 1))
             elif step == "deliver":
                 assert self.dl is not None
@@ -243,9 +246,12 @@ class Group:
                 steps.append((wid, step, 2))
             else:
                 tid = ph[1]
-                chunk.append(("EVALSHA", sha["complete"], 8, keys.task(tid), keys.lease(tid), keys.LEASES,
+                files = keys.task_files(tid)  # no output files: the staging and kept names are the same
+                chunk.append(("FCALL", sha["complete"], 11, keys.task(tid), keys.lease(tid), keys.LEASES,
                               keys.job(keys.job_of_task(tid)), keys.EVENTS, keys.worker(wid), keys.STATS,
-                              keys.STATS_DURATION, tid, ph[2], "{}", "0.001", self.score[wid]))  # fmt: skip
+                              keys.STATS_DURATION, files, files, keys.spent(keys.job_of_task(tid)),
+                              tid, ph[2], "{}", "0.001", self.score[wid], "", 0, "", 0, ""))  # fmt: skip
+                # (the KEYS and ARGV of scripts.complete for an unsigned task without files)
                 steps.append((wid, step, 1))
             if len(chunk) >= 256:
                 self.raw.send(chunk)
@@ -275,7 +281,7 @@ class Group:
                     self.phase[wid] = (
                         "deliver" if self.dl else "complete",
                         lease[b"task_id"].decode(),
-                        lease[b"token"].decode(),
+                        self.tokens[wid],
                     )
             elif step == "deliver":
                 self.phase[wid] = ("pop", ph[1], ph[2])
@@ -293,7 +299,7 @@ def simulate(
 ) -> dict:
     """Run the fleet until every worker finds nothing left; ``dl`` None leaves the RQ delivery out."""
     score = {wid: SCORES[i % len(SCORES)] for i, wid in enumerate(ids)}
-    sha = {name: s[name].sha for name in ("dispatch", "complete", "heartbeat")}
+    sha = {name: s[name].name for name in ("dispatch", "complete", "heartbeat")}  # FCALL names of the library
     size = -(-len(ids) // groups)
     parts = [ids[i : i + size] for i in range(0, len(ids), size)]
     gs = [Group(url, part, score, sha, epoch, heartbeat, dl, i * size, len(ids)) for i, part in enumerate(parts)]
@@ -363,8 +369,7 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool) -> 
     ids = [f"sim-{i}" for i in range(args.workers)]
     register(broker.r, [*ids, "probe"])
     dl = Delivery(broker) if delivered else None
-    for name in ("dispatch", "complete", "heartbeat"):
-        broker.r.script_load(broker.scripts[name].script)  # the simulation sends EVALSHA only
+    broker.scripts.ensure(force=True)  # the simulation sends FCALL only: the library must be there
     per = [args.tasks // args.jobs + (j < args.tasks % args.jobs) for j in range(args.jobs)]
     jobs, at = [], 0
     for n in per:
