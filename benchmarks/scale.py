@@ -185,9 +185,9 @@ class Group:
     """Some of the simulated workers, with a connection of their own: while one group's round runs in
     Redis, the harness parses the other's replies and packs its next round, so Redis never waits for it."""
 
-    def __init__(self, url: str, ids: list[str], score: dict[str, float], sha: dict[str, str], epoch: str,
+    def __init__(self, url: str, ids: list[str], score: dict[str, float], fn: dict[str, str], epoch: str,
                  heartbeat: float, dl: Delivery | None, offset: int, n: int) -> None:  # fmt: skip
-        self.raw, self.active, self.score, self.sha, self.epoch, self.dl = Raw(url), list(ids), score, sha, epoch, dl
+        self.raw, self.active, self.score, self.fn, self.epoch, self.dl = Raw(url), list(ids), score, fn, epoch, dl
         self.heartbeat = heartbeat
         # phase: ("dispatch",) | ("deliver"|"pop"|"complete", tid, token) | ("idle",)
         self.phase: dict[str, tuple] = {wid: ("dispatch",) for wid in ids}
@@ -201,7 +201,7 @@ class Group:
 
     def send_round(self) -> None:
         """Each active worker's next step (and its heartbeat when due), sent in chunks as they are packed."""
-        now, sha, steps, chunk, self.sent = time.monotonic(), self.sha, [], [], 0
+        now, fn, steps, chunk, self.sent = time.monotonic(), self.fn, [], [], 0
         self.t0 = time.perf_counter()
         for wid in self.active:
             ph = self.phase[wid]
@@ -210,7 +210,7 @@ class Group:
                 chunk.append(
                     (
                         "FCALL",
-                        sha["heartbeat"],
+                        fn["heartbeat"],
                         6,
                         keys.worker(wid),
                         keys.WORKERS,
@@ -232,7 +232,7 @@ class Group:
             if step == "dispatch":
                 token = scripts.new_token()  # the worker makes its lease's token (Redis keeps its digest)
                 self.tokens[wid] = token
-                chunk.append(("FCALL", sha["dispatch"], 7, keys.READY, keys.SCORES, keys.FLEET, keys.worker(wid),
+                chunk.append(("FCALL", fn["dispatch"], 7, keys.READY, keys.SCORES, keys.FLEET, keys.worker(wid),
                               keys.LEASES, keys.EVENTS, keys.IDLE, wid, LEASE_MS, self.score[wid], token))  # fmt: skip
                 steps.append((wid, step, 1))
             elif step == "deliver":
@@ -247,7 +247,7 @@ class Group:
             else:
                 tid = ph[1]
                 files = keys.task_files(tid)  # no output files: the staging and kept names are the same
-                chunk.append(("FCALL", sha["complete"], 11, keys.task(tid), keys.lease(tid), keys.LEASES,
+                chunk.append(("FCALL", fn["complete"], 11, keys.task(tid), keys.lease(tid), keys.LEASES,
                               keys.job(keys.job_of_task(tid)), keys.EVENTS, keys.worker(wid), keys.STATS,
                               keys.STATS_DURATION, files, files, keys.spent(keys.job_of_task(tid)),
                               tid, ph[2], "{}", "0.001", self.score[wid], "", 0, "", 0, ""))  # fmt: skip
@@ -299,10 +299,10 @@ def simulate(
 ) -> dict:
     """Run the fleet until every worker finds nothing left; ``dl`` None leaves the RQ delivery out."""
     score = {wid: SCORES[i % len(SCORES)] for i, wid in enumerate(ids)}
-    sha = {name: s[name].name for name in ("dispatch", "complete", "heartbeat")}  # FCALL names of the library
+    fn = {name: s[name].name for name in ("dispatch", "complete", "heartbeat")}  # FCALL names of the library
     size = -(-len(ids) // groups)
     parts = [ids[i : i + size] for i in range(0, len(ids), size)]
-    gs = [Group(url, part, score, sha, epoch, heartbeat, dl, i * size, len(ids)) for i, part in enumerate(parts)]
+    gs = [Group(url, part, score, fn, epoch, heartbeat, dl, i * size, len(ids)) for i, part in enumerate(parts)]
     started = time.monotonic()
     for g in gs:
         g.send_round()
