@@ -480,7 +480,7 @@ class Job:
         (['script_error: ZeroDivisionError: division by zero'], 1)
         """
         broker = self.mesh.broker
-        ids = broker.r.lrange(keys.job_failed(self.id), 0, -1)
+        ids = list(dict.fromkeys(broker.r.lrange(keys.job_failed(self.id), 0, -1)))  # retried, failed again: once
         failed = [res for res in broker.task_results(ids) if res.status == "failed"]
         total = broker.job_status(self.id).tasks.failed
         if len(failed) < min(limit, total):  # failed before its worker kept the list (or re-failed after a retry)

@@ -321,9 +321,13 @@ def test_garbage_a_credential_writes_into_a_job_or_a_registration_breaks_no_page
 ):
     other = mesh.submit("print(1)", [{"i": 0}], name="fine")
     r.hset(keys.job(ran.id), mapping={"created_at": "x", "priority": "high"})  # any worker credential may
-    r.hset(keys.worker("w-bad"), mapping={"name": "bad", "resources": "{not json"})
-    r.zadd(keys.WORKERS, {"w-bad": time.time() * 1000})
-    r.zadd(keys.SCORES, {"w-bad": 1.0})
+    for w, fields in (("w-bad", {"resources": "{not json"}), ("w-far", {"last_heartbeat": "1e300"}),
+                      ("w-deep", {"resources": "[" * 100_000})):  # fmt: skip
+        r.hset(keys.worker(w), mapping={"name": w, **fields})
+        r.zadd(keys.WORKERS, {w: time.time() * 1000})
+        r.zadd(keys.SCORES, {w: 1.0})
+    failed = next(t for t in r.lrange(keys.job_tasks(ran.id), 0, -1) if r.hget(keys.task(t), "status") == "failed")
+    r.hset(keys.task(failed), "duration", "x")  # the failure the jobs page shows, unreadable
     client = TestClient(create_app(mesh))
     jobs = client.get("/jobs")
     assert jobs.status_code == 200 and other.id in jobs.text
@@ -339,3 +343,27 @@ def test_timeline_svg_is_well_formed_xml_whatever_names_hold_and_caps_its_lanes(
     svg = timeline.render(attempts, [], now=1000.0)
     minidom.parseString(svg)  # raises on a control character XML cannot hold
     assert svg.count('class="lane"') == timeline.MAX_LANES and "not drawn" in svg
+
+
+@pytest.mark.core
+def test_the_jobs_page_names_a_task_that_is_failed_now_after_a_retry(broker: Broker, r: redis.Redis):
+    """Tasks 0 and 1 fail, the job is retried, task 0 then completes and task 1 fails again: the failure
+    shown is task 1's (the job's list of failures still names task 0 first), and task 1 is listed once."""
+    from gpumesh.models import JobOptions
+    from gpumesh.store import scripts
+
+    job = broker.submit("print(1)", "s.py", [{"i": 0}, {"i": 1}], JobOptions(max_attempts=1)).job_id
+    t0, t1 = broker.task_ids(job)
+    for t, why in ((t0, "zero broke"), (t1, "one broke")):
+        lease = scripts.acquire(broker.scripts, r, t, "w", 30_000)
+        assert isinstance(lease, scripts.Lease)
+        scripts.fail(broker.scripts, r, lease, "w", why, 0.1)
+    broker.retry(job)
+    scripts.complete(broker.scripts, r, scripts.acquire(broker.scripts, r, t0, "w", 30_000), "w", "1", 0.1)
+    scripts.fail(broker.scripts, r, scripts.acquire(broker.scripts, r, t1, "w", 30_000), "w", "one broke again", 0.1)
+    assert broker.first_failures([job])[job].task_id == t1
+    with gpumesh.connect() as mesh:
+        failed, n = mesh.job(job).failures()
+        assert [f.task_id for f in failed] == [t1] and n == 1
+        page = TestClient(create_app(mesh)).get("/jobs").text
+    assert "one broke again" in page and "zero broke" not in page

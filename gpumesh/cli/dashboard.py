@@ -23,9 +23,14 @@ def own_names(host: str) -> list[str]:
         return LOOPBACK_NAMES
     import socket
 
-    names = [*LOOPBACK_NAMES, socket.gethostname(), socket.getfqdn(), lan_address()]
+    names = [*LOOPBACK_NAMES]
+    for lookup in (socket.gethostname, socket.getfqdn, lan_address):
+        try:  # an offline machine whose name does not resolve still serves its other names
+            names.append(lookup())
+        except OSError:
+            pass
     if host not in ("0.0.0.0", "::"):
-        names.append(host)
+        names.append(f"[{host}]" if ":" in host else host)  # how Starlette reads an IPv6 Host header
     return sorted({n.lower() for n in names if n})
 
 
@@ -34,10 +39,10 @@ def own_names(host: str) -> list[str]:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=9181, show_default=True, help="Port to listen on.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
-              help="A Host name the dashboard answers (repeatable; e.g. the name a proxy forwards). Default: "
-                   "127.0.0.1, localhost and ::1, and off loopback also the --host address and this machine's "
-                   "name and LAN address; other names get 400, so that another site's page cannot read or "
-                   "write it through DNS rebinding.")  # fmt: skip
+              help="Another Host name the dashboard answers (repeatable; e.g. the name a proxy forwards, or a "
+                   "VPN address). It always answers 127.0.0.1, localhost and ::1, and off loopback also the "
+                   "--host address and this machine's name and LAN address; other names get 400, so that "
+                   "another site's page cannot read or write it through DNS rebinding.")  # fmt: skip
 @click.option(
     "--read-only",
     is_flag=True,
@@ -59,10 +64,10 @@ def dashboard(
     if not is_loopback(host):
         click.secho(
             f"WARNING: the dashboard listens on {host}: anyone who can reach port {port} sees every job, its "
-            "payloads, results and logs, without a password (and may cancel and retry jobs if the credential "
-            "may: --read-only stops that). Keep it on 127.0.0.1, or put it behind a VPN or an authenticating "
-            "proxy.",
+            "payloads, results and logs, without a password"
+            + ("" if read_only else " (and may cancel and retry jobs if the credential may: --read-only stops that)")
+            + ". Keep it on 127.0.0.1, or put it behind a VPN or an authenticating proxy.",
             err=True, fg="red", bold=True,
         )  # fmt: skip
     ctx.obj["url"] = url or ""
-    serve(url, host, port, list(allow_hosts) or own_names(host), read_only=read_only)
+    serve(url, host, port, [*own_names(host), *allow_hosts], read_only=read_only)

@@ -155,6 +155,9 @@ class View:
         for st in listed:
             st.waiting_for = waiting.get(st.job_id, [])
             first = failures.get(st.job_id)
+            if first is None and st.tasks.failed:  # failed before its list was kept, or past its first 100
+                found, _n = api.Job(self.mesh, st.job_id).failures(limit=1)
+                first = found[0] if found else None
             failure = error_line(first.status, first.error, first.error_kind) if first else ""
             rows.append(self._job_row(st, now) | {"failure": failure})
         return {"jobs": rows}

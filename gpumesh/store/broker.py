@@ -228,7 +228,7 @@ class Broker:
         for w, r in zip(ids, raw):
             try:
                 res = json.loads(r) if r else None
-            except ValueError:  # garbage a credential wrote into its registration: offers nothing
+            except (ValueError, RecursionError):  # garbage a credential wrote into its registration: offers nothing
                 continue
             if isinstance(res, dict):
                 out[w] = res
@@ -237,6 +237,8 @@ class Broker:
     def waiting_for(self, job_ids: list[str]) -> dict[str, list[Waiting]]:
         """``waiting_for`` of several jobs, the live fleet read once (a page of jobs); a job whose hash does
         not decode (any credential that writes jobs can write garbage) waits for nothing here."""
+        if not job_ids:
+            return {}
         with self.r.pipeline(transaction=False) as p:
             for j in job_ids:
                 p.hgetall(keys.job(j))
@@ -246,7 +248,8 @@ class Broker:
         for j, h in zip(job_ids, hashes):
             try:
                 out[j] = self._waiting_for(j, h, fleet) if h else []
-            except (ValueError, TypeError, KeyError):
+            except Exception as exc:  # noqa: BLE001 - a job some credential wrote garbage into
+                _unreadable("job", j, exc)
                 out[j] = []
         return out
 
@@ -349,8 +352,8 @@ class Broker:
                 continue
             try:
                 out.append(_worker_info(w, h, tiers))
-            except (ValueError, TypeError) as exc:  # a registration some credential wrote garbage into
-                log.warning("worker %s's registration is unreadable (%s); left out", w, type(exc).__name__)
+            except Exception as exc:  # noqa: BLE001 - a registration some credential wrote garbage into
+                _unreadable("worker", w, exc)
         return out
 
     def jobs(self, limit: int = 50) -> list[JobStatus]:
@@ -365,19 +368,39 @@ class Broker:
             if h:
                 try:
                     out.append(JobStatus.from_hash(j, h))
-                except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
-                    log.warning("job %s is unreadable (%s); left out", j, type(exc).__name__)
+                except Exception as exc:  # noqa: BLE001 - a job some credential wrote garbage into
+                    _unreadable("job", j, exc)
         return out
 
     def first_failures(self, job_ids: list[str]) -> dict[str, TaskResult]:
-        """The first task of each job that failed for good, as its job's list of failures names it (a page of
-        jobs: two pipelined reads, not every failed task)."""
+        """The first task of each job, as its list of failures names them (at most 100), that is failed now
+        (one retried since may be done): a page of jobs in three pipelined reads, not every failed task.
+        A job none of whose listed tasks is failed now is left out (Job.failures scans its tasks)."""
         with self.r.pipeline(transaction=False) as p:
             for j in job_ids:
-                p.lindex(keys.job_failed(j), 0)
-            firsts = p.execute()
-        found = {t: j for j, t in zip(job_ids, firsts) if t}
-        return {found[r.task_id]: r for r in self.task_results(list(found)) if r.status == "failed"}
+                p.lrange(keys.job_failed(j), 0, -1)
+            listed = [list(dict.fromkeys(ids)) for ids in p.execute()]
+        with self.r.pipeline(transaction=False) as p:
+            for ids in listed:
+                for t in ids:
+                    p.hget(keys.task(t), "status")
+            statuses = iter(p.execute())
+        first = {}
+        for j, ids in zip(job_ids, listed):
+            failed = [t for t, status in zip(ids, statuses) if status == "failed"]
+            if failed:
+                first[failed[0]] = j
+        with self.r.pipeline(transaction=False) as p:
+            for t in first:
+                p.hgetall(keys.task(t))
+            hashes = p.execute()
+        out = {}
+        for (t, j), h in zip(first.items(), hashes):
+            try:
+                out[j] = TaskResult.from_hash(t, h)
+            except Exception as exc:  # noqa: BLE001 - a task some credential wrote garbage into
+                _unreadable("task", t, exc)
+        return out
 
     def logs(self, target: str, cursors: dict[str, str] | None = None) -> Iterator[tuple[str, str, str]]:
         """(task id, stream, line) of a task, or of every task of a job in payload order.
@@ -480,6 +503,17 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         last_heartbeat=ts(h.get("last_heartbeat")),
         resources=resources if isinstance(resources, dict) else {},
     )
+
+
+_UNREADABLE: set[tuple[str, str]] = set()  # what was said to be unreadable already (said once per process)
+
+
+def _unreadable(what: str, name: str, exc: BaseException) -> None:
+    """A job, task or registration that does not decode (any credential that writes them can write garbage)
+    is left out of what is listed: said once, not at every refresh of a page that lists it."""
+    if (what, name) not in _UNREADABLE and len(_UNREADABLE) < 10_000:
+        _UNREADABLE.add((what, name))
+        log.warning("%s %s is unreadable (%s); left out", what, name, type(exc).__name__)
 
 
 ATTEMPTS_READ = 50_000  # the most a job's stream of attempts keeps (the Lua scripts cap it there)
