@@ -297,7 +297,7 @@ class Broker:
             p.time()
             p.zrange(keys.WORKERS, 0, -1)
             ended, (sec, _usec), registered = p.execute()
-        out = [a for _id, f in ended if (a := _attempt(job_id, f)) is not None]
+        out = [a for _id, f in reversed(ended) if (a := _attempt(job_id, f)) is not None]
         with self.r.pipeline(transaction=False) as p:
             for w in registered:
                 p.hget(keys.worker(w), "current_task")
@@ -318,7 +318,7 @@ class Broker:
                       "started": backup_started if as_backup else started}  # fmt: skip
             if (a := _attempt(job_id, fields)) is not None:
                 out.append(a)
-        return sorted(out, key=lambda a: (a.started_at or float(sec), a.index))
+        return sorted(out, key=lambda a: (a.started_at or float(sec), a.index, a.attempt, a.copy == "backup"))
 
     def task_ends(self, job_id: str, after: str = "0", block_ms: int = 1000) -> tuple[str, list[str]]:
         """(last entry id, task ids) of the entries on the job's stream of ends after ``after``, waiting up
