@@ -325,9 +325,9 @@ class Dashboard:
 def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None) -> Starlette:
     """The dashboard for ``mesh``. ``may_write`` None: probe the credential once (see probe_may_write);
     False shows no cancel or retry button and refuses those requests whatever the credential may do.
-    ``hosts``: the only Host names it answers (400 otherwise); `gpumesh dashboard` gives the loopback names
-    when it listens on loopback, so that a page of another site whose name resolves to 127.0.0.1 (DNS rebinding)
-    reads nothing and, with the token it could then read, writes nothing."""
+    ``hosts``: the only Host names it answers (400 otherwise; None: any). `gpumesh dashboard` gives its own
+    (gpumesh.cli.dashboard.own_names), so that a page of another site whose name resolves to the dashboard's
+    address (DNS rebinding) reads nothing and, with the token it could then read, writes nothing."""
     view = View(mesh, probe_may_write(mesh) if may_write is None else may_write)
     d = Dashboard(view)
     routes = [

@@ -409,9 +409,14 @@ class Broker:
         cursors = {} if cursors is None else cursors
         if self.r.exists(keys.job(target)):
             ids = self.r.lrange(keys.job_tasks(target), 0, -1)
-        else:
-            self.task(target)
+        elif self.r.exists(keys.task(target)):
             ids = [target]
+        else:
+            raise NotFound(f"no task {target!r} on this broker")
+        yield from self.task_logs(ids, cursors)
+
+    def task_logs(self, ids: list[str], cursors: dict[str, str]) -> Iterator[tuple[str, str, str]]:
+        """(task id, stream, line) of these tasks' logs after ``cursors``, which is updated."""
         for start in range(0, len(ids), 1000):
             chunk = ids[start : start + 1000]
             with self.r.pipeline(transaction=False) as p:
@@ -426,7 +431,9 @@ class Broker:
         """Whether a job, or a task, has reached a terminal status."""
         h = self.r.hget(keys.job(target), "status")
         if h is None:
-            h = self.task(target).get("status")
+            h = self.r.hget(keys.task(target), "status")  # its status alone: a task's hash holds its payload
+            if h is None:
+                raise NotFound(f"no task {target!r} on this broker")
         return h in TERMINAL
 
     # -- changes ---------------------------------------------------------------------------------
