@@ -561,3 +561,43 @@ print(json.dumps({"pty": pty, "opt": isinstance(os.listdir("/opt"), list)}))
     out, lines = attempt(source, mode, isolation=landlock.Isolation())
     assert out.returncode == 0, lines
     assert _escaped(lines) == {"pty": "PermissionError", "opt": True}, lines
+
+
+# What each attempt may write, asked in turn of one zygote: a warm spare builds the last attempt's rules before
+# its own attempt comes, so each attempt must still get exactly its own, whether they match the last one's or not.
+WRITES = """
+import json, os, sys
+def writes(path):
+    try:
+        with open(os.path.join(path, "probe-%d" % os.getpid()), "w") as f:
+            f.write("x")
+        return True
+    except OSError:
+        return False
+print(json.dumps({"own": writes(os.environ["TMPDIR"]), "shared": writes(json.load(sys.stdin)["shared"])}))
+"""
+
+
+@needs_landlock
+def test_each_warm_attempt_gets_its_own_rules_whatever_the_last_attempt_had(tmp_path: Path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    payload = json.dumps({"shared": str(shared)})
+    granted, denied = landlock.Isolation(write=(str(shared),)), landlock.Isolation()
+    z = Zygote()
+    z.start()
+    seen = []
+    try:
+        # Granted, then not (built for the grant), not again (built for these very rules), granted again.
+        for isolation in (granted, denied, denied, granted, denied):
+            lines: list[tuple[str, str]] = []
+            lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=isolation)
+            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, seen=lines: seen.append((s, line)),
+                              lambda: None, zygote=z)  # fmt: skip
+            assert out.returncode == 0, lines
+            seen.append(_escaped(lines))
+    finally:
+        z.close()
+    expect = [{"own": True, "shared": grant} for grant in (True, False, False, True, False)]
+    assert seen == expect
+    assert len(list(shared.iterdir())) == 2, "only the two attempts granted it wrote there"

@@ -98,8 +98,9 @@ def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None)
         {
             "abi": kernel_abi if kernel_abi is not None else abi(),
             "read": [*SYSTEM_READ, *ETC_READ, *map(os.path.abspath, isolation.read)],
-            "write": [attempt_dir, *SYSTEM_WRITE, *map(os.path.abspath, isolation.write)],
+            "write": [*SYSTEM_WRITE, *map(os.path.abspath, isolation.write)],
             "devices": devices,
+            "attempt": attempt_dir,
         },
         separators=(",", ":"),
     )

@@ -140,16 +140,19 @@ class Spares:
                 proc = None
             finally:
                 ctrl.close()
-        self._spare = self._launch(python)
+        self._spare = self._launch(python, str(rlimits[6]))
         return proc
 
-    def _launch(self, python: str) -> tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None:
+    def _launch(
+        self, python: str, isolation: str = "-"
+    ) -> tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None:
+        """Start the next spare; it builds ``isolation`` (the last attempt's Landlock rules) while it waits."""
         env = clean_env({})
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = launcher_command(python)
         try:
             proc = subprocess.Popen(
-                [*cmd, "--spare", str(theirs.fileno()), str(os.getpid())],
+                [*cmd, "--spare", str(theirs.fileno()), str(os.getpid()), isolation],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(theirs.fileno(),), cwd="/", env=env,
             )  # fmt: skip
@@ -264,7 +267,7 @@ def run(
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
         # to this subreaper since the attempt began: both are killed.
         if cgroup is not None:
-            tree.end_cgroup(cgroup)
+            tree.end_cgroup(cgroup, supervisor=proc.pid if proc.poll() is not None else None)
             cgroup = None
         tree.kill_escaped(proc.pid, since)
         out.duration = time.monotonic() - started
