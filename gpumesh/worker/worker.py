@@ -35,9 +35,11 @@ from typing import Any
 import psutil
 import redis
 from rq.exceptions import StopRequested
+from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
+from rq.utils import now
+from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
 from gpumesh.models import Capability
@@ -57,6 +59,7 @@ SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this m
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
 # The broker refuses this worker's credentials: its ACL user was deleted or disabled (`gpumesh access revoke`),
 # or stripped of the commands a worker needs. Nothing it does can succeed any more.
+RQ_BEAT_EVERY = 1.0  # s: RQ's own beat of the worker's record, and its state, at most this often from RQ's loop
 REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
 # What a dispatch raises on garbage in Redis (a function's error, an unreadable reply or RQ job): never
 # the worker's end. (REFUSED, a ResponseError too, is caught before it.)
@@ -116,17 +119,19 @@ class MeshJob(Job):
         return summary
 
     def _label_outcome(self, summary: dict[str, Any]) -> None:
-        """Add how the attempt ended to what rq-dashboard shows of this delivery: its description (RQ
-        saves it with its record of the run) and its meta."""
+        """Add how the attempt ended to what rq-dashboard shows of this delivery: its description and its
+        meta, both saved with RQ's record of the run (:meth:`_handle_success`)."""
         ended = {k: summary[k] for k in ("outcome", "error", "next", "why") if summary.get(k)}
         said = ended["outcome"] + (f": {ended['error']}" if "error" in ended else "")
         said += f" ({ended['next']})" if "next" in ended else ""
         self.description = f"{self.description} -> {said}"
         self.meta.update(ended)
-        try:
-            self.save_meta()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
-        except redis.RedisError as exc:  # RQ's own bookkeeping meets the same error next, and handles it
-            log.debug("could not label RQ job %s with its outcome (%s)", self.id, exc)
+        self._labelled = True
+
+    def _handle_success(self, result_ttl: Any, pipeline: Any, *args: Any, **kwargs: Any) -> None:
+        super()._handle_success(result_ttl, pipeline, *args, **kwargs)
+        if getattr(self, "_labelled", False):  # RQ saves the job without its meta: the label, in the same transaction
+            pipeline.hset(self.key, "meta", self.serializer.dumps(self.meta))
 
 
 class MeshWorker(SimpleWorker):
@@ -180,6 +185,9 @@ class MeshWorker(SimpleWorker):
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
+        self._rq_beat_at = 0.0  # when RQ's record of this worker was last beaten (RQ_BEAT_EVERY)
+        self._state_written: str | None = None  # the state last sent to RQ's record
+        self._prepared: str | None = None  # the RQ job whose start prepare_execution wrote already
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self.isolation, self.isolation_said = isolation_of(self.settings)
         root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
@@ -460,9 +468,60 @@ class MeshWorker(SimpleWorker):
             log.warning("RQ's %s skipped: the broker is unreachable (%s)", what, exc)
             time.sleep(0.5)
 
+    # -- RQ's bookkeeping per delivery, in fewer round trips -------------------------------------------
+    # RQ beats (three commands, one round trip each) before and after every pop, writes the worker's
+    # state twice a delivery (idle after the run, idle again before the pop), prepares a run in two
+    # transactions and stamps the job's heartbeat once more as it ends. gpumesh keeps its own state and
+    # lease per task: here each of those reaches Redis at most once a second, or in the transaction that
+    # follows. rq-dashboard and `rq info` see the same workers, states, registries and results.
+
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         with self._unless_refused(), self._through_outage("heartbeat"):
-            super().heartbeat(timeout, pipeline)
+            if pipeline is not None:
+                super().heartbeat(timeout, pipeline)
+                return
+            if timeout is None and time.monotonic() - self._rq_beat_at < RQ_BEAT_EVERY:
+                return  # the worker's RQ record lives for worker_ttl + 60 s: a beat a second is plenty
+            with self.connection.pipeline(transaction=False) as p:
+                super().heartbeat(timeout, p)
+                if self._state_written is not None:
+                    p.hset(self.key, "state", self._state_written)  # and the state, once a second too
+                p.execute()
+            self._rq_beat_at = time.monotonic()
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        if self.revoked:
+            self._state = state
+            return
+        if pipeline is None and state == self._state_written:
+            self._state = state  # written already (the heartbeat writes it again)
+            return
+        super().set_state(state, pipeline)
+        self._state_written = state
+
+    def prepare_execution(self, job: Job) -> Any:
+        """RQ's two transactions before a run (the execution's record, then the job's start), as one."""
+        with self._unless_refused(), self.connection.pipeline() as p:
+            ttl = self.get_heartbeat_ttl(job)
+            execution = Execution.create(job, ttl, pipeline=p, worker_name=self.name)
+            self.executions[execution.id] = execution
+            self.set_state(WorkerStatus.BUSY, pipeline=p)
+            super().heartbeat(ttl, pipeline=p)
+            job.heartbeat(now(), ttl, pipeline=p)
+            job.prepare_for_execution(self.name, pipeline=p)
+            p.persist(job.key)
+            if len(self.queues) == 1:  # as RQ's perform_job asks of its prepare_job_execution
+                p.lrem(self.queue_class(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
+            p.execute()
+        self._rq_beat_at = time.monotonic()
+        self._prepared = job.id
+        return execution
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        if self._prepared == job.id:  # written with the execution's record
+            self._prepared = None
+            return
+        super().prepare_job_execution(job, remove_from_intermediate_queue)
 
     def check_for_suspension(self, burst: bool) -> None:
         # RQ's `rq suspend` (the key rq:suspended) is not a gpumesh feature: RQ would pause every worker
@@ -477,8 +536,11 @@ class MeshWorker(SimpleWorker):
             super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
 
     def handle_execution_ended(self, job: Job, queue: Any, heartbeat_ttl: int) -> None:
-        with self._unless_refused():
-            super().handle_execution_ended(job, queue, heartbeat_ttl)
+        # RQ writes the job's last heartbeat here, and saves the whole job in the same moment (success or
+        # failure, next): that save carries it. Once revoked, RQ's loop ends here (its failure path too).
+        if self.revoked:
+            raise StopRequested
+        job.ended_at = job.last_heartbeat = now()
 
     def handle_job_success(self, job: Job, queue: Any, started_job_registry: Any, execution: Any) -> None:
         with self._unless_refused():
@@ -488,12 +550,6 @@ class MeshWorker(SimpleWorker):
                            execution: Any = None) -> None:  # fmt: skip
         with self._unless_refused():
             super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
-
-    def set_state(self, state: str, pipeline: Any = None) -> None:
-        if self.revoked:
-            self._state = state
-            return
-        super().set_state(state, pipeline)
 
     def set_shutdown_requested_date(self) -> None:
         # Runs in the signal handler, for display only: it must not raise into the task it interrupts.
