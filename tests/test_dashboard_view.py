@@ -18,6 +18,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.worker import Worker
 
 import gpumesh
 from gpumesh.server.broker_server import ROLES, prepare
@@ -157,6 +158,35 @@ def test_a_delivery_says_its_job_task_cost_requirements_and_outcome(env, broker,
     assert page["result"] == {"task_id": ok, "attempt": 1, "status": "done", "outcome": "done"}
     listed = dashboard(f"jobs/{keys.queue_name(w.worker_id)}/finished/50/asc/1.json")["jobs"]
     assert sorted(j["description"] for j in listed) == sorted(j.description for j in (done, first, last))
+
+
+@pytest.mark.core
+def test_rq_shows_the_worker_busy_while_it_runs_and_idle_once_it_waits_with_a_fresh_heartbeat(
+    env, broker, r, mesh_worker, script, dashboard
+):
+    """RQ's record of a worker is written at most once a second from its loop, and its idle state only when it
+    waits: what rq-dashboard shows is still the worker's state, and a heartbeat a few seconds old at most."""
+    w = mesh_worker.start(name="dash")
+
+    def state() -> str:
+        return str(Worker.find_by_key(w.key, connection=broker.rq, serializer=JSONSerializer).get_state())
+
+    wait_until(lambda: state() == "idle", what="a new worker to be shown idle")
+    with gpumesh.connect() as mesh:
+        quick = mesh.submit(script, [{"i": i} for i in range(30)])  # back to back: no idle write between them
+        assert quick.wait(timeout=60).status == "done"
+        wait_until(lambda: state() == "idle", timeout=5, what="the worker shown idle once it waits")
+        (shown,) = dashboard("workers.json")["workers"]
+        assert shown["state"] == "idle" and shown["name"] == w.worker_id and shown["successful_job_count"] == 30
+        job = mesh.submit(script, [{"sleep": 60}])
+        tid = keys.task_id(job.id, 0)
+        wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the task to start")
+        wait_until(lambda: state() == "busy", timeout=5, what="the worker shown busy")
+        job.cancel()
+        wait_until(lambda: state() == "idle", timeout=5, what="the worker shown idle again")
+    beat = Worker.find_by_key(w.key, connection=broker.rq, serializer=JSONSerializer).last_heartbeat
+    assert beat is not None and abs(time.time() - beat.timestamp()) < 5, beat
+    assert registries(broker, w.worker_id)["finished"] == 31
 
 
 @pytest.mark.core

@@ -343,7 +343,10 @@ class MeshWorker(SimpleWorker):
             self.executor.hand_back(lease, why)
 
     def _sleep_until_woken(self, timeout: int) -> None:
-        self.set_state("idle")
+        if self._state_written != WorkerStatus.IDLE and not self.revoked:
+            super().set_state(WorkerStatus.IDLE)  # what rq-dashboard shows while it waits for work
+            self._state_written = WorkerStatus.IDLE
+        self._state = WorkerStatus.IDLE
         try:
             self.registry.sleep_until_woken(timeout)
         except REFUSED as exc:
@@ -484,17 +487,20 @@ class MeshWorker(SimpleWorker):
                 return  # the worker's RQ record lives for worker_ttl + 60 s: a beat a second is plenty
             with self.connection.pipeline(transaction=False) as p:
                 super().heartbeat(timeout, p)
-                if self._state_written is not None:
-                    p.hset(self.key, "state", self._state_written)  # and the state, once a second too
+                if self._state:
+                    p.hset(self.key, "state", self._state)  # and the state, once a second too
                 p.execute()
             self._rq_beat_at = time.monotonic()
+            self._state_written = self._state or None
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
         if self.revoked:
             self._state = state
             return
-        if pipeline is None and state == self._state_written:
-            self._state = state  # written already (the heartbeat writes it again)
+        if pipeline is None and (state == self._state_written or state == WorkerStatus.IDLE):
+            # Written already, or idle between two deliveries (RQ says so after each run): written when the
+            # worker sleeps for want of work (_sleep_until_woken), or by the next beat.
+            self._state = state
             return
         super().set_state(state, pipeline)
         self._state_written = state
