@@ -21,6 +21,7 @@ import functools
 import glob
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from gpumesh.sandbox.launcher import UNIX_SOCKETS_ABI, landlock_abi
@@ -91,15 +92,28 @@ def unix_socket_warnings(confined: bool, root_tasks: bool, kernel_abi: int | Non
     return said
 
 
+DEVICES_FRESH_FOR = 30.0  # s: how long the devices found are reused (a driver loaded later is seen this late)
+_devices: tuple[float, list[str]] | None = None
+
+
+def devices() -> list[str]:
+    """The devices a task may open: the ordinary ones and the GPUs' present now (looked up at most every
+    DEVICES_FRESH_FOR seconds, not at every attempt)."""
+    global _devices
+    if _devices is None or time.monotonic() - _devices[0] > DEVICES_FRESH_FOR:
+        found = [*DEVICES, *(p for pattern in NVIDIA_DEVICES for p in sorted(glob.glob(pattern)))]
+        _devices = (time.monotonic(), found)
+    return _devices[1]
+
+
 def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None) -> str:
     """The rule set for one attempt, as the JSON the launcher takes."""
-    devices = [*DEVICES, *(p for pattern in NVIDIA_DEVICES for p in sorted(glob.glob(pattern)))]
     return json.dumps(
         {
             "abi": kernel_abi if kernel_abi is not None else abi(),
             "read": [*SYSTEM_READ, *ETC_READ, *map(os.path.abspath, isolation.read)],
             "write": [*SYSTEM_WRITE, *map(os.path.abspath, isolation.write)],
-            "devices": devices,
+            "devices": devices(),
             "attempt": attempt_dir,
         },
         separators=(",", ":"),

@@ -255,6 +255,7 @@ def run(
     proc: AttemptProcess | None = None
     since = None
     cgroup = None
+    swept = False  # what escaped the attempt was killed already
     try:
         full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
         cgroup = tree.new_cgroup()
@@ -270,13 +271,14 @@ def run(
             tree.end_cgroup(cgroup, supervisor=proc.pid if proc.poll() is not None else None)
             cgroup = None
         tree.kill_escaped(proc.pid, since)
+        swept = True
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
             out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
     finally:
         if cgroup is not None:
             tree.end_cgroup(cgroup)
-        if proc is not None:
+        if proc is not None and not swept:
             tree.kill_escaped(proc.pid, since)
         if not out.duration:
             out.duration = time.monotonic() - started

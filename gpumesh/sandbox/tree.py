@@ -117,8 +117,10 @@ def kill_escaped(launcher: int, since: int | None) -> int:
     many were killed."""
     with _lock:
         _running.discard(launcher)
-    if not _subreaper:
-        return 0
+        if not _subreaper:
+            return 0
+        if all(pid in _running or pid in _helpers for pid in children()):
+            return 0  # the usual end: no child but the zygote and running attempts, nothing to reap or kill
     reap_orphans()
     if since is None:
         return 0
@@ -292,7 +294,8 @@ def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: int | None =
     finally:
         if leaving is not None:
             os.close(leaving)
-    reap_orphans()
+    if not only_supervisor:  # what was KILLed here and came to this subreaper (a lone supervisor is not ours)
+        reap_orphans()
     try:
         os.rmdir(path)
     except FileNotFoundError:
