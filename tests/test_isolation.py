@@ -592,7 +592,7 @@ def test_each_warm_attempt_gets_its_own_rules_whatever_the_last_attempt_had(tmp_
         for isolation in (granted, denied, denied, granted, denied):
             lines: list[tuple[str, str]] = []
             lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=isolation)
-            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, seen=lines: seen.append((s, line)),
+            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, into=lines: into.append((s, line)),
                               lambda: None, zygote=z)  # fmt: skip
             assert out.returncode == 0, lines
             seen.append(_escaped(lines))
@@ -601,3 +601,31 @@ def test_each_warm_attempt_gets_its_own_rules_whatever_the_last_attempt_had(tmp_
     expect = [{"own": True, "shared": grant} for grant in (True, False, False, True, False)]
     assert seen == expect
     assert len(list(shared.iterdir())) == 2, "only the two attempts granted it wrote there"
+
+
+@needs_landlock
+def test_an_owner_s_write_path_is_resolved_at_each_attempt_not_ahead_by_the_spare(tmp_path: Path):
+    """A --write-path may be a name its owner (or anyone who may write its parent) repoints: each attempt gets
+    what it names when the attempt starts, resolved as the task's user, never what a spare resolved ahead."""
+    first, second, shared = tmp_path / "first", tmp_path / "second", tmp_path / "shared"
+    first.mkdir()
+    second.mkdir()
+    shared.symlink_to(first)
+    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation(write=(str(shared),)))
+    payload = json.dumps({"shared": str(shared)})
+    z = Zygote()
+    z.start()
+    seen = []
+    try:
+        for target in (first, second):
+            shared.unlink()
+            shared.symlink_to(target)  # while the next attempt's spare waits, built already
+            lines: list[tuple[str, str]] = []
+            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, into=lines: into.append((s, line)),
+                              lambda: None, zygote=z)  # fmt: skip
+            assert out.returncode == 0, lines
+            seen.append(_escaped(lines))
+    finally:
+        z.close()
+    assert seen == [{"own": True, "shared": True}] * 2
+    assert len(list(first.iterdir())) == 1 and len(list(second.iterdir())) == 1

@@ -111,9 +111,13 @@ def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None)
     return json.dumps(
         {
             "abi": kernel_abi if kernel_abi is not None else abi(),
-            "read": [*SYSTEM_READ, *ETC_READ, *map(os.path.abspath, isolation.read)],
-            "write": [*SYSTEM_WRITE, *map(os.path.abspath, isolation.write)],
+            "read": [*SYSTEM_READ, *ETC_READ],
+            "write": list(SYSTEM_WRITE),
             "devices": devices(),
+            # What a task's user may be able to change (a path the owner shares with tasks, whose parent a
+            # task could write), resolved only as the task's user, at its attempt: never by a spare ahead.
+            "owner_read": [os.path.abspath(p) for p in isolation.read],
+            "owner_write": [os.path.abspath(p) for p in isolation.write],
             "attempt": attempt_dir,
         },
         separators=(",", ":"),

@@ -193,22 +193,24 @@ def _is_dir(mode: int) -> bool:
 
 
 def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
-    """Confine this process and all it starts: read (and run) only ``rules["read"]`` and this interpreter's
-    files, write only ``rules["write"]`` and the attempt's directory ``rules["attempt"]``, use only the devices
-    of ``rules["devices"]``; from ABI 6 signal no process outside and connect to no abstract Unix socket made
-    outside; from ABI 9 to no pathname Unix socket outside the write paths made outside (before that, pathname
-    sockets stay reachable). Raises OSError when the kernel refuses: the caller must then not run the task."""
+    """Confine this process and all it starts: read (and run) only ``rules["read"]``, ``rules["owner_read"]``
+    and this interpreter's files, write only ``rules["write"]``, ``rules["owner_write"]`` and the attempt's
+    directory ``rules["attempt"]``, use only the devices of ``rules["devices"]``; from ABI 6 signal no process
+    outside and connect to no abstract Unix socket made outside; from ABI 9 to no pathname Unix socket outside
+    the write paths made outside (before that, pathname sockets stay reachable). Raises OSError when the
+    kernel refuses: the caller must then not run the task."""
     ruleset = build_ruleset(rules, script_dir)
     try:
-        add_attempt_rule(ruleset, rules)
+        add_attempt_rules(ruleset, rules)
         restrict_to(ruleset, int(rules["abi"]))
     finally:
         os.close(ruleset)
 
 
 def build_ruleset(rules: dict[str, Any], script_dir: str | None) -> int:
-    """A Landlock rule set (its descriptor) of everything ``rules`` grants but the attempt's own directory,
-    which :func:`add_attempt_rule` adds: a warm spare builds this part before its attempt is known."""
+    """A Landlock rule set (its descriptor) of what ``rules`` grants of the system (its programs and libraries,
+    this interpreter, /etc's few files, the devices, /dev/shm): nothing a task's user could change, so a spare
+    may build it ahead, as root, before its attempt is known. :func:`add_attempt_rules` adds the rest."""
     abi = int(rules["abi"])
     handled = fs_rights(abi)
     syscall, _libc = _syscall()
@@ -219,24 +221,33 @@ def build_ruleset(rules: dict[str, Any], script_dir: str | None) -> int:
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
     try:
-        # Each path once, with every right any of its lists grants it (the Python paths repeat each other).
-        grants: dict[str, int] = {}
-        for paths, access in ((rules["read"], FS_READ), (_python_paths(script_dir), FS_READ),
-                              (rules["write"], handled), (rules["devices"], FS_DEVICE)):  # fmt: skip
-            for path in paths:
-                grants[path] = grants.get(path, 0) | access
-        for path, access in grants.items():
-            _add_rule(ruleset, path, access & handled)
+        _grant(ruleset, handled, ((rules["read"], FS_READ), (_python_paths(script_dir), FS_READ),
+                                  (rules["write"], handled), (rules["devices"], FS_DEVICE)))  # fmt: skip
     except BaseException:
         os.close(ruleset)
         raise
     return ruleset
 
 
-def add_attempt_rule(ruleset: int, rules: dict[str, Any]) -> None:
-    """Grant the attempt's own directory every right: its files, TMPDIR and GPUMESH_OUTPUT_DIR."""
-    if rules.get("attempt"):
-        _add_rule(ruleset, rules["attempt"], fs_rights(int(rules["abi"])))
+def add_attempt_rules(ruleset: int, rules: dict[str, Any]) -> None:
+    """Grant what is the attempt's own or its owner's to share: the paths the worker's owner added
+    (``--read-path``, ``--write-path``) and the attempt's directory (its files, TMPDIR, GPUMESH_OUTPUT_DIR).
+    Called as the task's user: a path here is never resolved with more privilege than the task has."""
+    handled = fs_rights(int(rules["abi"]))
+    attempt = [rules["attempt"]] if rules.get("attempt") else []
+    _grant(ruleset, handled, ((rules.get("owner_read", ()), FS_READ), (rules.get("owner_write", ()), handled),
+                              (attempt, handled)))  # fmt: skip
+
+
+def _grant(ruleset: int, handled: int, lists: Any) -> None:
+    """Each path of ``lists`` ((paths, rights) pairs) once, with every right any of its lists grants it (the
+    Python paths repeat each other). The kernel merges the rights of rules on one path across calls."""
+    grants: dict[str, int] = {}
+    for paths, access in lists:
+        for path in paths:
+            grants[path] = grants.get(path, 0) | access
+    for path, access in grants.items():
+        _add_rule(ruleset, path, access & handled)
 
 
 def _add_rule(ruleset: int, path: str, access: int) -> None:
@@ -275,9 +286,9 @@ _PREPARED: tuple[dict[str, Any], int, frozenset[str]] | None = None
 
 
 def prepare_landlock(isolation: str) -> None:
-    """In a warm spare, before its attempt comes: build the rule set of ``isolation`` (the last attempt's rules,
-    which every attempt of a worker shares but for its directory), so that the attempt only adds its own
-    directory. Nothing here is final: :func:`take_prepared` uses it only for the very same rules."""
+    """In a spare, before its attempt comes: build the system's part of ``isolation`` (the last attempt's rules,
+    which every attempt of a worker shares), so that the attempt only adds its directory and its owner's
+    paths. Nothing here is final: :func:`take_prepared` uses it only for the very same system rules."""
     global _PREPARED
     if isolation == "-":
         return
@@ -285,7 +296,8 @@ def prepare_landlock(isolation: str) -> None:
 
     try:
         rules = json.loads(isolation)
-        rules.pop("attempt", None)
+        for attempts_own in ("attempt", "owner_read", "owner_write"):
+            rules.pop(attempts_own, None)
         python = frozenset(map(os.path.realpath, _python_paths(None)))
         _PREPARED = (rules, build_ruleset(rules, None), python)
     except (OSError, ValueError, KeyError, TypeError):
@@ -295,20 +307,21 @@ def prepare_landlock(isolation: str) -> None:
 
 
 def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
-    """The prepared rule set with the attempt's directory added, if it was built from these ``rules``; else
-    None (the script's child builds its own). Any prepared set not taken is closed."""
+    """The prepared rule set with the attempt's directory and its owner's paths added (as the task's user: call
+    it once the supervisor has dropped root), if it was built from these ``rules``; else None (the script's
+    child builds its own). Any prepared set not taken is closed."""
     global _PREPARED
     prepared, _PREPARED = _PREPARED, None
     if prepared is None:
         return None
     built_from, ruleset, python = prepared
-    static = {k: v for k, v in (rules or {}).items() if k != "attempt"}
+    static = {k: v for k, v in (rules or {}).items() if k not in ("attempt", "owner_read", "owner_write")}
     # The interpreter's paths were taken without the script's directory excluded: only if it is none of them.
     if rules is None or static != built_from or os.path.realpath(script_dir) in python:
         os.close(ruleset)
         return None
     try:
-        add_attempt_rule(ruleset, rules)
+        add_attempt_rules(ruleset, rules)
     except OSError:
         os.close(ruleset)
         return None
