@@ -271,3 +271,69 @@ def test_the_reaper_fails_the_delivery_a_revoked_worker_left_started(env, r, bro
     assert reap_once(broker)["workers_dropped"] == 1
     assert registries(broker, wid)["started"] == 0
     assert rq_job(broker, tid).get_status() == "failed"
+
+
+# -- 4. rq-dashboard as gpumesh ships it unpickles nothing ---------------------------------------------
+
+
+class _Planted:
+    """What a credential that may write RQ's keys stores as a job's data: a pickle that runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.core
+def test_rq_dashboard_as_gpumesh_runs_it_reads_busy_workers_and_unpickles_nothing(
+    env, broker, r, mesh_worker, script, worker_user, monkeypatch, tmp_path: Path
+):
+    """rq-dashboard 0.9.0 reads a busy worker's current job with pickle, whatever -j says: a worker credential
+    plants a job whose data is a pickle, and an execution naming it; opening the workers page would run it.
+    `python -m gpumesh.server.rq_dashboard` (the compose file's rq-dashboard) reads it as JSON instead."""
+    import pickle
+
+    from rq import serializers
+
+    from gpumesh.server import rq_dashboard
+
+    for name in ("dumps", "loads"):  # restored after the test: json_only changes this process for good
+        monkeypatch.setattr(serializers.DefaultSerializer, name, serializers.DefaultSerializer.__dict__[name])
+    rq_dashboard.json_only()
+    import rq_dashboard.web as web
+    from rq_dashboard.cli import make_flask_app
+
+    monkeypatch.setattr(web.config, "serializer", JSONSerializer)
+    app = make_flask_app(None, None, None, "")
+    app.config["RQ_DASHBOARD_REDIS_URL"] = [broker.settings.url]
+    web.setup_rq_connection(app)
+    client = app.test_client()
+
+    w = mesh_worker.start(name="dash")
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(script, [{"sleep": 60}])
+        tid = keys.task_id(job.id, 0)
+        wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the task to start")
+        wait_until(lambda: StartedJobRegistry(keys.queue_name(w.worker_id), connection=broker.rq).count == 1,
+                   what="RQ to start the delivery")  # fmt: skip
+        resp = client.get("/0/data/workers.json")
+        assert resp.status_code == 200, resp.data[:300]  # with RQ's pickle default: a 500 for every busy worker
+        (shown,) = json.loads(resp.data)["workers"]
+        assert shown["state"] == "busy" and f"task 0 of job {job.id}" in shown["current_job"]["description"]
+        job.cancel()
+
+    user, url = worker_user
+    planter = redis.Redis.from_url(url)
+    marker = tmp_path / "ran"
+    planter.hset("rq:job:planted", mapping={"data": pickle.dumps(_Planted(marker)), "status": "started",
+                                            "created_at": "2026-12-01T00:00:00.000000Z", "origin": "q"})  # fmt: skip
+    planter.hset("rq:worker:planted", mapping={"state": "busy", "birth": "2026-12-01T00:00:00.000000Z",
+                                               "queues": "q", "last_heartbeat": "2026-12-01T00:00:00.000000Z"})  # fmt: skip
+    planter.sadd("rq:workers", "rq:worker:planted")
+    planter.sadd("rq:worker:planted:executions", "planted:e1")
+    planter.hset("rq:execution:planted:e1", mapping={"job_id": "planted", "id": "e1", "created_at": time.time(),
+                                                     "last_heartbeat": time.time(), "worker_name": "planted"})  # fmt: skip
+    client.get("/0/data/workers.json")  # the planted job cannot be read: an error page, nothing more
+    assert not marker.exists(), "rq-dashboard ran what a worker credential planted"
