@@ -3,7 +3,7 @@
 # only): rq-dashboard reads a busy worker's current job with pickle whatever -j says, and any credential that
 # may write RQ's keys could plant one; there RQ's default serializer is JSON, so nothing it reads is run.
 FROM python:3.12-slim
-RUN pip install --no-cache-dir rq-dashboard==0.9.0 six==1.17.0 \
+RUN pip install --no-cache-dir rq-dashboard==0.9.0 rq==3.0.0 six==1.17.0 \
  && useradd --create-home --uid 10001 dashboard
 COPY gpumesh/server/rq_dashboard.py /opt/gpumesh/rq_dashboard_json.py
 USER dashboard

@@ -268,7 +268,10 @@ def run(
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
         # to this subreaper since the attempt began: both are killed.
         if cgroup is not None:
-            tree.end_cgroup(cgroup, supervisor=proc.pid if proc.poll() is not None else None)
+            # A warm supervisor says the attempt is over before it exits (a fresh one was reaped already:
+            # its pid may be another's). end_cgroup checks that the pid is still this very supervisor.
+            reported = isinstance(proc, WarmProcess) and proc.poll() is not None
+            tree.end_cgroup(cgroup, supervisor=(proc.pid, since) if reported and since is not None else None)
             cgroup = None
         tree.kill_escaped(proc.pid, since)
         swept = True

@@ -278,19 +278,26 @@ def cgroup_members(path: str) -> list[int]:
         return []
 
 
-def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: int | None = None) -> None:
+def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, int] | None = None) -> None:
     """KILL every process left in an attempt's cgroup until it is empty, then remove it.
 
-    ``supervisor``: the attempt's supervisor, once it has said the attempt is over (its script's tree is gone,
-    reaped by it). Found alone in the group, it is on its way out, and nothing of the task runs on: it is
-    KILLed and not waited for (its group is removed later), which saves every attempt a wait of about 0.5 ms."""
+    ``supervisor``: (pid, start time) of the attempt's supervisor, once it has said the attempt is over (its
+    script's tree is gone, reaped by it). Found alone in the group, it is on its way out, and nothing of the
+    task runs on: it is KILLed and not waited for (its group is removed later), which saves every attempt a
+    wait of about 0.5 ms. Only if its pidfd names that very process (same start time): a pid a task's
+    process took over after its supervisor died gets the full treatment."""
     if path is None:
         return
-    leaving = _pidfd(supervisor) if supervisor is not None else None  # opened first: the pid cannot be another's
+    leaving = None
+    if supervisor is not None:
+        leaving = _pidfd(supervisor[0])  # opened first, then checked: the pid cannot become another's meanwhile
+        if leaving is not None and start_time(supervisor[0]) != supervisor[1]:
+            os.close(leaving)
+            leaving = None
     deadline = time.monotonic() + timeout
     delay = 0.0002
     try:
-        only_supervisor = _kill_members(path, deadline, delay, supervisor, leaving)
+        only_supervisor = _kill_members(path, deadline, delay, supervisor[0] if supervisor else None, leaving)
     finally:
         if leaving is not None:
             os.close(leaving)

@@ -22,6 +22,8 @@ def json_only() -> None:
 
     serializers.DefaultSerializer.dumps = staticmethod(serializers.JSONSerializer.dumps)
     serializers.DefaultSerializer.loads = staticmethod(serializers.JSONSerializer.loads)
+    if serializers.resolve_serializer(None).loads is not serializers.JSONSerializer.loads:  # another RQ's ways
+        sys.exit("error: this RQ still falls back to pickle here: install rq>=3.0,<4 (what gpumesh is tested with)")
 
 
 def main() -> None:

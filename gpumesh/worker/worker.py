@@ -186,6 +186,7 @@ class MeshWorker(SimpleWorker):
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
         self._rq_beat_at = 0.0  # when RQ's record of this worker was last beaten (RQ_BEAT_EVERY)
+        self._rq_lost = False  # the broker went away while RQ recorded a run's success
         self._state_written: str | None = None  # the state last sent to RQ's record
         self._prepared: str | None = None  # the RQ job whose start prepare_execution wrote already
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
@@ -344,8 +345,9 @@ class MeshWorker(SimpleWorker):
 
     def _sleep_until_woken(self, timeout: int) -> None:
         if self._state_written != WorkerStatus.IDLE and not self.revoked:
-            super().set_state(WorkerStatus.IDLE)  # what rq-dashboard shows while it waits for work
-            self._state_written = WorkerStatus.IDLE
+            with self._unless_refused(), self._through_outage("idle state"):
+                super().set_state(WorkerStatus.IDLE)  # what rq-dashboard shows while it waits for work
+                self._state_written = WorkerStatus.IDLE
         self._state = WorkerStatus.IDLE
         try:
             self.registry.sleep_until_woken(timeout)
@@ -546,11 +548,21 @@ class MeshWorker(SimpleWorker):
         # failure, next): that save carries it. Once revoked, RQ's loop ends here (its failure path too).
         if self.revoked:
             raise StopRequested
+        if self._rq_lost:
+            self._rq_lost = False
+            raise redis.ConnectionError("the broker was lost while RQ recorded the run")
         job.ended_at = job.last_heartbeat = now()
 
     def handle_job_success(self, job: Job, queue: Any, started_job_registry: Any, execution: Any) -> None:
         with self._unless_refused():
-            super().handle_job_success(job, queue, started_job_registry, execution)
+            try:
+                super().handle_job_success(job, queue, started_job_registry, execution)
+            except (redis.ConnectionError, redis.TimeoutError):
+                # RQ's loop takes any error here for the job's own and records it failed: the broker is what
+                # failed (the task was reported, or its lease lapses), so handle_execution_ended, which RQ's
+                # failure path calls first, raises it again and execute_job waits for the broker.
+                self._rq_lost = True
+                raise
 
     def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
                            execution: Any = None) -> None:  # fmt: skip
