@@ -578,6 +578,17 @@ print(json.dumps({"own": writes(os.environ["TMPDIR"]), "shared": writes(json.loa
 """
 
 
+def writes_seen(z: Zygote, payload: str, isolation: landlock.Isolation) -> dict[str, Any]:
+    """One warm attempt of WRITES on ``z``: where it could write."""
+    lines: list[tuple[str, str]] = []
+    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=isolation)
+    out = sandbox.run(
+        WRITES, "task.py", payload, {}, lim, lambda s, line: lines.append((s, line)), lambda: None, zygote=z
+    )
+    assert out.returncode == 0, lines
+    return _escaped(lines)
+
+
 @needs_landlock
 def test_each_warm_attempt_gets_its_own_rules_whatever_the_last_attempt_had(tmp_path: Path):
     shared = tmp_path / "shared"
@@ -590,12 +601,7 @@ def test_each_warm_attempt_gets_its_own_rules_whatever_the_last_attempt_had(tmp_
     try:
         # Granted, then not (built for the grant), not again (built for these very rules), granted again.
         for isolation in (granted, denied, denied, granted, denied):
-            lines: list[tuple[str, str]] = []
-            lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=isolation)
-            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, into=lines: into.append((s, line)),
-                              lambda: None, zygote=z)  # fmt: skip
-            assert out.returncode == 0, lines
-            seen.append(_escaped(lines))
+            seen.append(writes_seen(z, payload, isolation))
     finally:
         z.close()
     expect = [{"own": True, "shared": grant} for grant in (True, False, False, True, False)]
@@ -611,7 +617,7 @@ def test_an_owner_s_write_path_is_resolved_at_each_attempt_not_ahead_by_the_spar
     first.mkdir()
     second.mkdir()
     shared.symlink_to(first)
-    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation(write=(str(shared),)))
+    isolation = landlock.Isolation(write=(str(shared),))
     payload = json.dumps({"shared": str(shared)})
     z = Zygote()
     z.start()
@@ -620,11 +626,7 @@ def test_an_owner_s_write_path_is_resolved_at_each_attempt_not_ahead_by_the_spar
         for target in (first, second):
             shared.unlink()
             shared.symlink_to(target)  # while the next attempt's spare waits, built already
-            lines: list[tuple[str, str]] = []
-            out = sandbox.run(WRITES, "task.py", payload, {}, lim, lambda s, line, into=lines: into.append((s, line)),
-                              lambda: None, zygote=z)  # fmt: skip
-            assert out.returncode == 0, lines
-            seen.append(_escaped(lines))
+            seen.append(writes_seen(z, payload, isolation))
     finally:
         z.close()
     assert seen == [{"own": True, "shared": True}] * 2

@@ -202,7 +202,7 @@ def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
     ruleset = build_ruleset(rules, script_dir)
     try:
         add_attempt_rules(ruleset, rules)
-        restrict_to(ruleset, int(rules["abi"]))
+        restrict_to(ruleset)
     finally:
         os.close(ruleset)
 
@@ -267,7 +267,7 @@ def _add_rule(ruleset: int, path: str, access: int) -> None:
         os.close(fd)
 
 
-def restrict_to(ruleset: int, abi: int) -> None:
+def restrict_to(ruleset: int) -> None:
     """Confine this process, and all it starts, to ``ruleset``: without capabilities (uid 0) and never to gain
     a privilege again (no_new_privs: setuid and file capabilities do nothing at execve)."""
     syscall, libc = _syscall()
@@ -341,7 +341,7 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
             if ruleset is None:
                 apply_landlock(rules, os.path.dirname(script))
             else:
-                restrict_to(ruleset, int(rules["abi"]))
+                restrict_to(ruleset)
                 os.close(ruleset)  # the task holds nothing of its confinement
         except OSError as exc:  # never run a task less isolated than the worker said it would be
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)

@@ -294,10 +294,10 @@ def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, i
         if leaving is not None and start_time(supervisor[0]) != supervisor[1]:
             os.close(leaving)
             leaving = None
-    deadline = time.monotonic() + timeout
-    delay = 0.0002
     try:
-        only_supervisor = _kill_members(path, deadline, delay, supervisor[0] if supervisor else None, leaving)
+        only_supervisor = _kill_members(
+            path, time.monotonic() + timeout, supervisor[0] if supervisor else None, leaving
+        )
     finally:
         if leaving is not None:
             os.close(leaving)
@@ -323,9 +323,10 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _kill_members(path: str, deadline: float, delay: float, supervisor: int | None, leaving: int | None) -> bool:
+def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: int | None) -> bool:
     """KILL the members of ``path`` until none is left (False), or only the ``supervisor`` (True: KILLed, through
     its pidfd ``leaving``, and not waited for)."""
+    delay = 0.0002
     while time.monotonic() < deadline:
         members = cgroup_members(path)
         if not members:
