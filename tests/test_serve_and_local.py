@@ -202,8 +202,8 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     wait_until(lambda: (tmp_path / "started").exists(), what="the task to start")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=20)
-    assert proc.returncode == 130
-    job = re.search(r"submitted job (\w+)", stderr).group(1)
+    assert proc.returncode == 130, stderr
+    job = re.search(r"job (\w+) keeps running", stderr).group(1)  # said wherever after the write Ctrl-C lands
     assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
     assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
@@ -225,3 +225,37 @@ def test_without_redis_on_path_the_server_extra_s_valkey_runs_the_mesh(env, tmp_
         assert info.get("server_name") == "valkey", info
     finally:
         serve.stop()
+
+
+@pytest.mark.processes
+def test_ctrl_c_while_the_broker_does_not_answer_exits_130_in_one_line(env, redis_server, tmp_path: Path):
+    """A command stuck on a silent broker (a cut link) and stopped with Ctrl-C: the shell's 130, one line,
+    not click's "Aborted!" with exit 1, which a pipeline would read as a failed job."""
+    from .faultproxy import FaultProxy
+
+    proxy = FaultProxy(redis_server.port)
+    try:
+        url = env["GPUMESH_URL"].replace(f":{redis_server.port}/", f":{proxy.port}/")
+        assert url != env["GPUMESH_URL"]
+        gpumesh("workers", "--json", env={**env, "GPUMESH_URL": url})  # the path works before the cut
+        proxy.partition()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "status", "no-such-job", "--json", "--url", url],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        wait_until(lambda: _connected(proc.pid, proxy.port), what="the command to connect through the proxy")
+        proc.send_signal(signal.SIGINT)
+        out, stderr = proc.communicate(timeout=20)
+    finally:
+        proxy.close()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
+    assert out == ""
+
+
+def _connected(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns)

@@ -1,5 +1,5 @@
 """The click group every gpumesh command runs under: one line and an exit code for every gpumesh error,
-a traceback only with --debug. Import-light on purpose (no redis, rich or pydantic): ``gpumesh --help``
+130 for Ctrl-C, a traceback only with --debug. Import-light on purpose (no redis, rich or pydantic): ``gpumesh --help``
 loads only this, click and the command table in ``main``."""
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ class Group(click.Group):
             return super().invoke(ctx)
         except GpumeshError as exc:
             self._die(ctx, exc, exc.exit_code)
+        except KeyboardInterrupt:  # click would print "Aborted!" and exit 1, the code of a failed job
+            if (ctx.obj or {}).get("debug"):
+                raise
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
         except Exception as exc:
             redis = sys.modules.get("redis")  # a command that talks to Redis has imported it
             if redis is None or not isinstance(exc, redis.RedisError):

@@ -7,7 +7,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -172,11 +172,16 @@ def patient(call: Callable[[], T], broker: Broker) -> Callable[[], T]:
     return api.patient(call, broker.settings, lambda line: err.print(line))
 
 
+def stopped_waiting(ctx: click.Context, job_id: str) -> NoReturn:
+    """Ctrl-C once the job is written: the job keeps running, and the shell gets 130 (128 + SIGINT)."""
+    click.echo(
+        f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
+    )
+    ctx.exit(130)
+
+
 def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
     try:
         return render.follow(patient(lambda: broker.job_status(job_id), broker), quiet=quiet)
     except KeyboardInterrupt:
-        click.echo(
-            f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
-        )
-        ctx.exit(130)
+        stopped_waiting(ctx, job_id)

@@ -21,6 +21,7 @@ from gpumesh.cli.helpers import (
     json_option,
     open_mesh,
     patient,
+    stopped_waiting,
     url_option,
     wait_for,
 )  # fmt: skip
@@ -71,30 +72,33 @@ def submit(
     )
     res, broker = job.submitted, mesh.broker
     assert res is not None
-    res.waiting_for = job.status().waiting_for
-    for w in res.waiting_for:
-        err.print(f"warning: {render.waiting_line(w)}")
-    if res.existing and not as_json:
-        err.print(f"existing job {res.job_id}: the idempotency key was used before with the same request; "
-                  "nothing new was submitted")  # fmt: skip
-    if not wait:
+    try:  # the job is written: from here Ctrl-C stops this command, never the job
+        res.waiting_for = job.status().waiting_for
+        for w in res.waiting_for:
+            err.print(f"warning: {render.waiting_line(w)}")
+        if res.existing and not as_json:
+            err.print(f"existing job {res.job_id}: the idempotency key was used before with the same request; "
+                      "nothing new was submitted")  # fmt: skip
+        if not wait:
+            if as_json:
+                emit_json(res.model_dump())
+            else:
+                tiers = ", ".join(f"tier {t}: {n}" for t, n in res.tiers.items())
+                if not res.existing:
+                    err.print(f"submitted job {res.job_id}: {res.tasks} tasks ({tiers})")
+                click.echo(res.job_id)
+            return
+        if not as_json and not res.existing:
+            err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
+        st = wait_for(ctx, broker, res.job_id, quiet=as_json)
         if as_json:
-            emit_json(res.model_dump())
+            emit_json(st.model_dump(mode="json"))
         else:
-            tiers = ", ".join(f"tier {t}: {n}" for t, n in res.tiers.items())
-            if not res.existing:
-                err.print(f"submitted job {res.job_id}: {res.tasks} tasks ({tiers})")
-            click.echo(res.job_id)
-        return
-    if not as_json and not res.existing:
-        err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
-    st = wait_for(ctx, broker, res.job_id, quiet=as_json)
-    if as_json:
-        emit_json(st.model_dump(mode="json"))
-    else:
-        click.echo(f"{st.job_id} {st.status}")
-        explain_failures(mesh, st)
-    exit_for(ctx, st)
+            click.echo(f"{st.job_id} {st.status}")
+            explain_failures(mesh, st)
+        exit_for(ctx, st)
+    except KeyboardInterrupt:
+        stopped_waiting(ctx, res.job_id)
 
 
 @click.command()
