@@ -92,6 +92,25 @@ def test_backups_show_as_backups_superseded_failed_or_promoted(broker: Broker, r
 
 
 @pytest.mark.core
+def test_a_primary_that_wins_supersedes_its_running_backup_and_the_backup_s_result_is_refused(
+    broker: Broker, r: redis.Redis
+):
+    job, (t0, t1), (p0, p1) = started(broker, r, n=2)
+    b0 = backup(broker, r, t0)
+    assert isinstance(b0, scripts.Lease)
+    assert scripts.complete(broker.scripts, r, p0, "slow", "1", 0.1, score=1.0).accepted  # the primary wins
+    assert scripts.complete(broker.scripts, r, p1, "slow", "2", 0.2, score=1.0).accepted  # one without a backup
+    assert not scripts.complete(broker.scripts, r, b0, "fast", "9", 0.1).accepted
+    assert sorted(runs(broker, job)) == [
+        (0, 1, "fast", "backup", "superseded", None),
+        (0, 1, "slow", "primary", "done", None),
+        (1, 1, "slow", "primary", "done", None),
+    ]
+    assert r.hmget(keys.task(t0), "backup", "backup_worker", "result") == ["", "", "1"]
+    assert float(r.hget(keys.job(job), "unit_n")) == 2  # both taught the job its seconds per unit
+
+
+@pytest.mark.core
 def test_the_api_returns_the_record_and_it_goes_with_the_job(broker: Broker, r: redis.Redis, env):
     job, (tid,) = submit(broker)
     scripts.complete(broker.scripts, r, scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS), "w", "1", 0.1)

@@ -162,6 +162,27 @@ def test_equal_workers_never_idle_while_work_waits(broker: Broker, r: redis.Redi
 
 
 @pytest.mark.core
+def test_a_task_that_failed_on_a_worker_is_left_to_the_others_and_what_remains_stays_takeable(
+    broker: Broker, r: redis.Redis
+):
+    options = JobOptions(max_attempts=3, retry_on="script")
+    job = broker.submit("print(1)", "t.py", [{"cost": 5}, {"cost": 1}, {"cost": 1}], options).job_id
+    for w in ("a", "b"):
+        register(r, w, 5.0)
+    first = take(broker, r, "a", 5.0)
+    assert isinstance(first, scripts.Lease) and first.index == 0  # the heaviest, to an equal strongest
+    scripts.fail(broker.scripts, r, first, "a", "exit code 1", 0.1, avoid_ms=60_000)
+    again = take(broker, r, "a", 5.0)  # the heaviest waits for b: a takes a light one
+    assert isinstance(again, scripts.Lease) and again.index != 0
+    other = take(broker, r, "b", 5.0)
+    assert isinstance(other, scripts.Lease) and (other.index, other.attempt) == (0, 2)
+    last = take(broker, r, "a", 5.0)  # the pending set kept its last member through both takes
+    assert isinstance(last, scripts.Lease) and {first.index, again.index, last.index} == {0, 1, 2}
+    assert isinstance(take(broker, r, "a", 5.0), str) and not r.exists(keys.pending(job, 0))
+    assert not r.zscore(keys.READY, f"{job}/0"), "a drained job leaves the ready index"
+
+
+@pytest.mark.core
 def test_a_worker_never_gets_what_it_may_not_run_and_priority_comes_first(broker: Broker, r: redis.Redis):
     low = broker.submit("print(1)", "t.py", [{"i": 0}, {"i": 1}], JobOptions()).job_id
     gpu = broker.submit(

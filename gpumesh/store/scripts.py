@@ -60,10 +60,14 @@ NAMES = (
 )
 
 
+def _lua(name: str) -> str:
+    return (resources.files("gpumesh.store") / "lua" / f"{name}.lua").read_text()
+
+
 @cache
 def _source(name: str) -> str:
-    lua = resources.files("gpumesh.store") / "lua"
-    return (lua / "_lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    """A script as one chunk, ``_lib.lua`` first (what EVAL of one transition would take; tests use it)."""
+    return _lua("_lib") + "\n" + _lua(name)
 
 
 def new_token() -> str:
@@ -78,12 +82,13 @@ def token_digest(token: str) -> str:
 
 @cache
 def library() -> tuple[str, str]:
-    """(library name, the code FUNCTION LOAD takes): one function ``<library>_<script>`` per script, each
-    with ``_lib.lua`` inlined (one shared chunk would run into Lua's limit of 60 upvalues), and
-    ``<library>_version`` (read-only), which answers the library's name."""
-    bodies = [_source(name) for name in NAMES]
-    lib = "gpumesh_" + hashlib.sha256("\0".join(bodies).encode()).hexdigest()[:12]
-    parts = [f"#!lua name={lib}"]
+    """(library name, the code FUNCTION LOAD takes): ``_lib.lua`` once at the top of the library (its
+    helpers are made when the library loads, not at every call), then one function ``<library>_<script>``
+    per script, and ``<library>_version`` (read-only), which answers the library's name. Each function
+    reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer names."""
+    lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
+    lib = "gpumesh_" + hashlib.sha256("\0".join([lib_code, *bodies]).encode()).hexdigest()[:12]
+    parts = [f"#!lua name={lib}", lib_code]
     for name, body in zip(NAMES, bodies):
         parts.append(
             f"redis.register_function{{function_name='{lib}_{name}', callback=function(KEYS, ARGV)\n{body}\nend}}"

@@ -1,4 +1,5 @@
--- Helpers prepended to every gpumesh script by gpumesh/store/scripts.py (not a script of its own).
+-- Helpers shared by every gpumesh script, defined once at the top of the library by gpumesh/store/scripts.py
+-- (not a script of its own).
 -- Time always comes from the server; workers' clocks never enter the state machine.
 --
 -- The contract every script keeps:
@@ -14,8 +15,10 @@
 --    digest(token) in the lease key and the task's lease, backup and done_token fields, and a holder
 --    proves itself by presenting the token, which the script digests (see holder below).
 --  * A helper needing more than four values takes one table of named fields instead.
--- This file runs before the script on every call: each top-level function or table defined here costs
--- every call of every script, so only what scripts share lives here.
+-- This file runs once, when the library loads (scripts.py puts it at the library's top): the functions
+-- reach these helpers as upvalues, so nothing here may change after loading (no helper keeps state, no
+-- table here is written), and only what scripts share lives here. Lua 5.1 allows a function 60 upvalues:
+-- keep the names defined here below that.
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -123,7 +126,7 @@ end
 
 -- A queued task leaves its pending zset (taken, or cancelled); the ready index drops a drained class.
 -- a: {task_key, job_key, ready_key, job_id, and optionally index, cost, klass: the task's fields when
--- the caller has them already (else read here)}
+-- the caller has them already (else read here); remains: the caller saw another member in the set}
 local function unpend(a)
   local index, cost, klass = a.index, a.cost, a.klass
   if index == nil then
@@ -134,7 +137,7 @@ local function unpend(a)
   if redis.call('ZREM', pk, pad(index)) == 1 then
     incr(a.job_key, 'pending_cost', -cost, true)
   end
-  if redis.call('EXISTS', pk) == 0 then
+  if not a.remains and redis.call('EXISTS', pk) == 0 then
     redis.call('ZREM', a.ready_key, a.job_id .. '/' .. klass)
   end
 end
@@ -412,14 +415,17 @@ end
 
 -- Speculation: a running task may have one backup copy on a stronger idle worker (speculate.lua).
 -- The lease fence of complete and fail: which copy `token` (the plain token the caller presents) holds,
--- 'primary' or 'backup'; or nil and the refusal reply {0, why}, why = 'missing', the task's status, or
--- 'stale' (another lease holds it now, or no token).
-local function holder(task_key, token)
+-- 'primary' or 'backup', then nil, then whether the task has a backup copy (speculate.lua sets and
+-- clear_backup clears its fields together); or nil and the refusal reply {0, why}, why = 'missing', the
+-- task's status, or 'stale' (another lease holds it now, or no token).
+-- ``more``: further fields of the task to read in the same call, returned as a fourth value after
+-- status, lease and backup (so from position 4).
+local function holder(task_key, token, more)
   if token == '' then
     return nil, {0, 'stale'}
   end
   token = digest(token)
-  local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup')
+  local t = redis.call('HMGET', task_key, 'status', 'lease', 'backup', unpack(more or {}))
   local status, lease, backup = t[1], t[2], t[3]
   if not status then
     return nil, {0, 'missing'}
@@ -427,11 +433,12 @@ local function holder(task_key, token)
   if status ~= 'running' then
     return nil, {0, status}
   end
+  local has_backup = backup ~= nil and backup ~= ''
   if lease == token then
-    return 'primary'
+    return 'primary', nil, has_backup, t
   end
-  if backup and backup ~= '' and backup == token then
-    return 'backup'
+  if has_backup and backup == token then
+    return 'backup', nil, true, t
   end
   return nil, {0, 'stale'}
 end
@@ -445,15 +452,24 @@ end
 -- a copy's fields before the caller changes them ('primary' or 'backup'; nil when there is no such copy);
 -- attempt_log writes the entry: outcome done, failed, retried, lost, cancelled, superseded or handed back,
 -- with the failure kind when there is one. Capped: a job keeps its last 50,000 attempts.
-local function attempt_of(task_key, copy)
-  local f = copy == 'backup' and {'backup_worker', 'backup_started_at', 'backup_until'} or
-    {'worker', 'started_at', 'promoted'}
-  local t = redis.call('HMGET', task_key, 'index', 'attempts', f[1], f[2], f[3])
-  if not t[3] or t[3] == '' then
+-- attempt_rec builds the record from those fields already read: t[at + 1] ... t[at + 5], in the order
+-- ATTEMPT_FIELDS gives for the copy.
+local ATTEMPT_FIELDS = {
+  primary = {'index', 'attempts', 'worker', 'started_at', 'promoted'},
+  backup = {'index', 'attempts', 'backup_worker', 'backup_started_at', 'backup_until'},
+}
+local function attempt_rec(copy, t, at)
+  local worker = t[at + 3]
+  if not worker or worker == '' then
     return nil
   end
-  return {index = t[1], attempt = t[2], worker = t[3], started = t[4] or '',
-    backup = copy == 'backup' or (t[5] or '') ~= '', until_ms = copy == 'backup' and tonumber(t[5] or 0) or nil}
+  local last = t[at + 5]
+  return {index = t[at + 1], attempt = t[at + 2], worker = worker, started = t[at + 4] or '',
+    backup = copy == 'backup' or (last or '') ~= '', until_ms = copy == 'backup' and tonumber(last or 0) or nil}
+end
+local function attempt_of(task_key, copy)
+  copy = copy == 'backup' and 'backup' or 'primary'
+  return attempt_rec(copy, redis.call('HMGET', task_key, unpack(ATTEMPT_FIELDS[copy])), 0)
 end
 
 local function attempt_log(job_key, rec, outcome, kind, ms)

@@ -38,7 +38,10 @@ local artifact_store = ARGV[8] or ''
 local promote = ARGV[9] == '1'
 local spent_key, spent = KEYS[11], ARGV[10] or ''
 
-local copy, refused = holder(task_key, token)
+-- In one read: the fence's fields (t[1..3]), the primary's attempt record (t[4..8]) and the cost (t[9]).
+local read = {unpack(ATTEMPT_FIELDS.primary)}
+read[6] = 'cost'
+local copy, refused, has_backup, t = holder(task_key, token, read)
 if not copy then
   -- The same completion again (its first reply was lost and the call retried): it did win.
   if refused[2] == 'done' and token ~= '' and redis.call('HGET', task_key, 'done_token') == digest(token) then
@@ -50,9 +53,20 @@ local ms = now_ms()
 if copy == 'backup' then
   incr(stats_key, 'speculative_wins', 1)
 end
-attempt_log(job_key, attempt_of(task_key, copy), 'done', nil, ms)
-attempt_log(job_key, attempt_of(task_key, copy == 'backup' and 'primary' or 'backup'), 'superseded', nil, ms)
-clear_backup(task_key)
+local primary = attempt_rec('primary', t, 3)
+if copy == 'backup' then
+  attempt_log(job_key, attempt_of(task_key, 'backup'), 'done', nil, ms)
+  attempt_log(job_key, primary, 'superseded', nil, ms)
+else
+  attempt_log(job_key, primary, 'done', nil, ms)
+  if has_backup then
+    attempt_log(job_key, attempt_of(task_key, 'backup'), 'superseded', nil, ms)
+  end
+end
+if has_backup then
+  clear_backup(task_key)
+end
+local cost = tonumber(t[9] or 1) or 1  -- read before the result's fields are written
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
   'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))
 for i = 11, #ARGV - 1, 2 do
@@ -65,7 +79,6 @@ redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, 'running', 'done')
 if score > 0 then  -- seconds per (cost / score): how the dispatcher's callers estimate a straggler's end
-  local cost = tonumber(redis.call('HGET', task_key, 'cost') or 1) or 1
   incr(job_key, 'unit_sum', tonumber(duration) * score / cost, true)
   incr(job_key, 'unit_n', 1)
 end

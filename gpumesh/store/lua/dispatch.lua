@@ -174,34 +174,37 @@ end
 -- its last attempt failed here (fail.lua's 'avoid'), or it ran out of memory and waits for a worker with
 -- more of it ('bigger' above 'bigger_than') while the one fail.lua found ('bigger_on') is live; either
 -- until 'avoid_until'.
+-- avoided_by decides from those fields already read (AVOID's, at f[at + 1] ... f[at + 5]; f may be a
+-- pcall's error or false).
+local AVOID = {'avoid', 'avoid_until', 'bigger', 'bigger_than', 'bigger_on'}
+local function avoided_by(f, at)
+  local until_ms = type(f) == 'table' and not f.err and tonumber(f[at + 2])
+  if not until_ms or until_ms <= now_ms() then  -- the clock is read only for a task that is avoided
+    return false
+  end
+  local key, above, on = f[at + 3], tonumber(f[at + 4]), f[at + 5]
+  if type(key) == 'string' and key ~= '' and type(on) == 'string' then
+    resources = resources or (raw and decode_resources()) or {}
+    local have = decimal(tostring(resources[key]))
+    if have and above and have >= above * 1.2 then  -- fail.lua's MORE: this worker has more
+      return false
+    end
+    if redis.call('EXISTS', PREFIX .. 'worker:' .. on) == 1 then
+      return true  -- the worker with more is live: it is that one's
+    end
+  end
+  return f[at + 1] == worker_id
+end
 local function avoided(job_id, member)
   local index = numeric(member, 'integer')
   if not index then
     return false
   end
-  local f = redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, 'avoid', 'avoid_until', 'bigger',
-    'bigger_than', 'bigger_on')
-  if type(f) ~= 'table' or f.err or (tonumber(f[2]) or 0) <= now_ms() then
-    return false
-  end
-  if type(f[3]) == 'string' and f[3] ~= '' and type(f[5]) == 'string' then
-    resources = resources or (raw and decode_resources()) or {}
-    local have, above = decimal(tostring(resources[f[3]])), tonumber(f[4])
-    if have and above and have >= above * 1.2 then  -- fail.lua's MORE: this worker has more
-      return false
-    end
-    if redis.call('EXISTS', PREFIX .. 'worker:' .. f[5]) == 1 then
-      return true  -- the worker with more is live: it is that one's
-    end
-  end
-  return f[1] == worker_id
+  return avoided_by(redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, unpack(AVOID)), 0)
 end
--- ``pick`` unless this worker should leave it to others; then the lightest of the next few it need not
--- leave, or nil (none: this job is not for this worker now).
-local function unavoided(job_id, pk, pick)
-  if n <= 1 or not avoided(job_id, pick[1]) then
-    return pick
-  end
+-- The lightest of the first few pending tasks this worker need not leave to others, or nil (none: this
+-- job is not for this worker now).
+local function unavoided(job_id, pk)
   local some = redis.call('ZRANGE', pk, 0, 7, 'WITHSCORES')
   for i = 1, #some, 2 do
     if not avoided(job_id, some[i]) then
@@ -253,9 +256,9 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
 
   local job_key = PREFIX .. 'job:' .. best_job
   local pk = pending_key(best_job, best_class)
-  local pick
+  local pick, heaviest
   if n > 1 then
-    local heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
+    heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
     local queued_cost = tonumber(best_fields[4] or 0) or 0  -- pending_cost
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
     local limit = score * horizon * (1 + 1e-9)
@@ -271,8 +274,20 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
   if not pick or not pick[1] then
     pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
   end
-  if pick[1] then
-    pick = unavoided(best_job, pk, pick)
+  local task  -- the pick's TAKE_TASK fields, read with its AVOID fields (only a fleet of more than one avoids)
+  if pick[1] and n > 1 then
+    local index = numeric(pick[1], 'integer')
+    local fields = {unpack(TAKE_TASK)}
+    for _, name in ipairs(AVOID) do
+      fields[#fields + 1] = name
+    end
+    local f = index and index >= 0 and redis.pcall('HMGET', PREFIX .. 'task:' .. best_job .. '-' .. index,
+      unpack(fields))
+    if avoided_by(f, #TAKE_TASK) then
+      pick = unavoided(best_job, pk)  -- it waits for another worker: the next few it need not leave
+    else
+      task = f or nil
+    end
   end
   if not pick then
     skip[best] = true  -- its tasks wait for another worker: look at the other jobs
@@ -284,12 +299,18 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     end
     local task_id = best_job .. '-' .. index
     local task_key = PREFIX .. 'task:' .. task_id
-    local task = index >= 0 and redis.pcall('HMGET', task_key, unpack(TAKE_TASK)) or {}
+    if index < 0 then
+      task = {}
+    elseif not task then
+      task = redis.pcall('HMGET', task_key, unpack(TAKE_TASK))
+    end
     if task.err then
       task = {}  -- not a hash: not a task
     end
+    -- two members seen (the heaviest and another): the pending set stays after this one leaves it
+    local remains = heaviest ~= nil and heaviest[1] ~= nil and heaviest[1] ~= pick[1]
     local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
-      cost = cost, klass = best_class}
+      cost = cost, klass = best_class, remains = remains}
     local why = task[1] == 'queued' and malformed(task, best_fields, index)
     if why then
       unpend(taken)
