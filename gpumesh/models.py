@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar, cast, get_args
 
 from pydantic import (
@@ -20,19 +20,16 @@ from pydantic import (
     field_validator,
 )
 
+from gpumesh import jobstate
 from gpumesh.errors import UsageError
+from gpumesh.jobstate import RECORDED_KINDS as RECORDED_KINDS  # where callers have always found them
+from gpumesh.jobstate import RETRY_KINDS as RETRY_KINDS
+from gpumesh.jobstate import ts as ts
 from gpumesh.requirements import parse_all
 
 TaskState = Literal["queued", "running", "done", "failed", "cancelled"]
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
-
-
-def ts(value: Any) -> datetime | None:
-    """A Redis time field (epoch seconds as text) as an aware datetime; '' and None stay None."""
-    if value in (None, "", b""):
-        return None
-    return datetime.fromtimestamp(float(value), tz=UTC)
 
 
 def payload_cost(payload: dict[str, Any]) -> float:
@@ -174,16 +171,6 @@ def check_script(source: str, name: str) -> str:
     return source
 
 
-# Failure kinds as a worker records them (the task's error_kind; gpumesh/store/lua/_lib.lua end_attempt):
-# what ``submit --retry-on`` chooses from. 'refused' (the task must not run) is never retried.
-RETRY_KINDS = {
-    "script": "the script failed: non-zero exit, a traceback, killed by a signal, or no usable JSON result",
-    "timeout": "the attempt ran past the job's timeout",
-    "memory": "over its memory cap, out of CUDA memory, MemoryError, or killed by the kernel's OOM killer",
-    "lost": "its worker or lease was lost, or its output files could not be stored (a lapsed lease does not "
-    "spend an attempt, up to 3 times)",
-}
-RECORDED_KINDS = (*RETRY_KINDS, "refused")
 # A script with a bug is not run again by default; what the machine or the mesh did to it is.
 DEFAULT_RETRY_ON = ("timeout", "memory", "lost")
 
@@ -291,32 +278,11 @@ class JobStatus(Model):
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:
-        counts = TaskCounts(**{k: int(h.get(k, 0)) for k in TaskCounts.model_fields})
-        by_kind = {k: _count(h.get("failed:" + k)) for k in RECORDED_KINDS}
-        on = h.get("retry_on")
-        return cls(
-            job_id=job_id,
-            name=h.get("name", ""),
-            status=cast(JobState, h["status"]),
-            priority=int(h.get("priority", 0)),
-            tasks=counts,
-            created_at=ts(h.get("created_at")),
-            finished_at=ts(h.get("finished_at")),
-            failed_by_kind={k: n for k, n in by_kind.items() if n > 0},
-            retry_on=[k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
-        )
+        return cls.model_validate(jobstate.fields(job_id, h))
 
     @property
     def finished(self) -> bool:
         return self.status in TERMINAL
-
-
-def _count(text: str | None) -> int:
-    """A counter as stored; one that is not a number (written by some credential) reads as 0."""
-    try:
-        return max(int(text or 0), 0)
-    except ValueError:
-        return 0
 
 
 class SubmitResult(Model):

@@ -1,28 +1,22 @@
 """One settings object: flags over environment (``GPUMESH_*``) over the config file over defaults.
 
-Core code receives a :class:`Settings`; only :meth:`Settings.load` reads the environment.
+Core code receives a :class:`Settings`; only :meth:`Settings.load` reads the environment (through
+:func:`gpumesh.layers.layered`, which `status --json` reads alone to start fast).
 """
 
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
-import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpumesh.errors import UsageError
-
-ENV_PREFIX = "GPUMESH_"
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
-
-
-def config_path() -> Path:
-    """Where ``gpumesh config init`` writes and every command reads the config file."""
-    override = os.environ.get(ENV_PREFIX + "CONFIG")
-    return Path(override) if override else Path(click.get_app_dir("gpumesh")) / "config.toml"
+from gpumesh.layers import DEFAULT_LEASE_TTL, layered
+from gpumesh.layers import DEFAULT_URL as DEFAULT_URL  # where callers have always found them
+from gpumesh.layers import ENV_PREFIX as ENV_PREFIX
+from gpumesh.layers import config_path as config_path
 
 
 def _default_cache_dir() -> Path:
@@ -36,7 +30,9 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     url: str = DEFAULT_URL
-    lease_ttl: float = Field(30.0, gt=0, description="a task's lease lapses this long after the last heartbeat")
+    lease_ttl: float = Field(
+        DEFAULT_LEASE_TTL, gt=0, description="a task's lease lapses this long after the last heartbeat"
+    )
     heartbeat_interval: float = Field(5.0, gt=0, description="how often a worker renews its registration and lease")
     tiers: int = Field(3, ge=1, le=16, description="number of capability tiers (RQ queues)")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
@@ -87,18 +83,7 @@ class Settings(BaseModel):
     @classmethod
     def load(cls, **overrides: Any) -> Settings:
         """Build settings from defaults, the config file, ``GPUMESH_*`` variables and ``overrides`` (not None)."""
-        values: dict[str, Any] = {}
-        path = config_path()
-        if path.is_file():
-            try:
-                values.update(tomllib.loads(path.read_text()))
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise UsageError(f"config file {path} is unreadable ({exc}); fix it or delete it") from exc
-        for name in cls.model_fields:
-            env = os.environ.get(ENV_PREFIX + name.upper())
-            if env not in (None, ""):
-                values[name] = env
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values = layered(cls.model_fields, overrides)
         try:
             return cls(**values)
         except ValidationError as exc:

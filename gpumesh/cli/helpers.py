@@ -14,6 +14,9 @@ import click
 from gpumesh import api
 from gpumesh.cli import render
 from gpumesh.cli.group import Group as Group  # where commands have always found it
+from gpumesh.cli.options import emit_json as emit_json
+from gpumesh.cli.options import json_option as json_option
+from gpumesh.cli.options import url_option as url_option
 from gpumesh.errors import UsageError
 from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summary, parse_payloads
 from gpumesh.settings import Settings
@@ -29,16 +32,6 @@ class _Stderr:
 
 err = _Stderr()
 T = TypeVar("T")
-
-
-url_option = click.option(
-    "--url",
-    metavar="URL",
-    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, "
-    "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] for a broker that fails over "
-    "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout, nothing else.")
 
 
 def open_mesh(ctx: click.Context, url: str | None) -> api.Mesh:
@@ -57,10 +50,6 @@ def connect(ctx: click.Context, url: str | None, worker: bool = False) -> Broker
         broker = Broker(settings, retries=1, health_check=False)  # a broker that does not answer: exit 3 in ~10 s
     ctx.call_on_close(broker.close)
     return broker.ping()
-
-
-def emit_json(data: Any) -> None:
-    click.echo(render.dump(data))
 
 
 def exit_for(ctx: click.Context, st: JobStatus) -> None:

@@ -101,16 +101,8 @@ def submit(
         stopped_waiting(ctx, res.job_id)
 
 
-@click.command()
-@click.argument("job_id")
-@click.option(
-    "--watch", is_flag=True, help="Follow the job to its end with a progress bar; exit 1 if it did not succeed."
-)
-@url_option
-@json_option
-@click.pass_context
-def status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
-    """Show a job's status and task counts, and which queued tasks no live worker may run."""
+def show_status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
+    """``gpumesh status`` but for ``--json`` alone (gpumesh.cli.status answers that without pydantic)."""
     mesh = open_mesh(ctx, url)
     st = wait_for(ctx, mesh.broker, job_id, quiet=as_json) if watch else mesh.job(job_id).status()
     if as_json:

@@ -19,7 +19,7 @@ from gpumesh.cli.group import Group
 # or pydantic (tests/test_cli_start.py checks both: the modules, and that these lines are the commands' own).
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("gpumesh.cli.jobs", "Submit SCRIPT with one task per payload; print the job id."),
-    "status": ("gpumesh.cli.jobs", "Show a job's status and task counts, and which queued tasks no live worker may run."),
+    "status": ("gpumesh.cli.status", "Show a job's status and task counts, and which queued tasks no live worker may run."),
     "jobs": ("gpumesh.cli.jobs", "List recent jobs, newest first."),
     "results": ("gpumesh.cli.jobs", "Print a job's per-task results in payload order (--json is --format json)."),
     "workers": ("gpumesh.cli.jobs", "List live workers with their device, score and tier."),

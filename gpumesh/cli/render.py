@@ -278,10 +278,6 @@ def capability_table(cap: Capability) -> Table:
     return table
 
 
-def dump(data: Any) -> str:
-    return json.dumps(data, indent=2, default=str)
-
-
 class TransferBar:
     """Bytes fetched by ``pull``: a bar on a terminal (thread-safe: rich's Progress locks), nothing elsewhere."""
 

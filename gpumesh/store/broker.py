@@ -18,8 +18,8 @@ from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
-from gpumesh.store import keys, scripts
-from gpumesh.store.connection import client, mask_url, text, translate
+from gpumesh.store import jobstatus, keys, scripts
+from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, translate
 
 if TYPE_CHECKING:
     from rq import Queue
@@ -35,7 +35,6 @@ log = logging.getLogger("gpumesh")
 EXECUTOR = "gpumesh.executor.run_task"
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
-SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
 JOB_LABELS_KEPT = 4096  # jobs whose name and requirements a worker keeps for its deliveries' labels
 PAYLOAD_LABEL_BYTES = 1 << 20  # a larger payload is not parsed for its cost and requirements on the dispatch path
 
@@ -148,14 +147,7 @@ class Broker:
 
     def _live(self) -> tuple[int, dict[str, float]]:
         """(server time in ms, live scores), in one round trip."""
-        with self.r.pipeline(transaction=False) as p:
-            p.time()
-            p.zrange(keys.SCORES, 0, -1, withscores=True)
-            p.zrange(keys.WORKERS, 0, -1, withscores=True)
-            (sec, usec), scores, beats = p.execute()
-        now = sec * 1000 + usec // 1000
-        alive = {w for w, hb in beats if hb >= now - self.settings.worker_ttl * 1000}
-        return now, {w: s for w, s in scores if w in alive}
+        return jobstatus.live(self.r, self.settings.worker_ttl)
 
     def deliver(self, queue: Queue, lease: scripts.Lease) -> None:
         """The RQ job that carries a dispatched task to the worker holding its lease (RQ moves every task,
@@ -207,32 +199,13 @@ class Broker:
     def job_status(self, job_id: str, waiting: bool = False) -> JobStatus:
         """A job's status; with ``waiting``, also which of its queued tasks no live worker may run."""
         try:
-            h = self.r.hgetall(keys.job(job_id))
-            if not h:
-                raise NotFound(f"no job {job_id!r} on this broker; `gpumesh jobs` lists the jobs")
-            st = JobStatus.from_hash(job_id, h)
-            if waiting and st.tasks.queued:
-                st.waiting_for = self._waiting_for(job_id, h)
+            return JobStatus.model_validate(jobstatus.read(self.r, job_id, self.settings.worker_ttl, waiting))
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
-        return st
 
     def live_resources(self) -> dict[str, dict[str, Any]]:
         """Resources of every live worker (what requirements are checked against)."""
-        ids = sorted(self.live_scores())
-        with self.r.pipeline(transaction=False) as p:
-            for w in ids:
-                p.hget(keys.worker(w), "resources")
-            raw = p.execute()
-        out = {}
-        for w, r in zip(ids, raw):
-            try:
-                res = json.loads(r) if r else None
-            except (ValueError, RecursionError):  # garbage a credential wrote into its registration: offers nothing
-                continue
-            if isinstance(res, dict):
-                out[w] = res
-        return out
+        return jobstatus.live_resources(self.r, self.settings.worker_ttl)
 
     def waiting_for(self, job_ids: list[str]) -> dict[str, list[Waiting]]:
         """``waiting_for`` of several jobs, the live fleet read once (a page of jobs); a job whose hash does
@@ -254,22 +227,8 @@ class Broker:
         return out
 
     def _waiting_for(self, job_id: str, h: dict[str, str], fleet: list[dict[str, Any]] | None = None) -> list[Waiting]:
-        classes = json.loads(h.get("classes") or "[[]]")
-        with self.r.pipeline(transaction=False) as p:
-            for k in range(len(classes)):
-                p.zcard(keys.pending(job_id, k))
-            counts = p.execute()
         fleet = list(self.live_resources().values()) if fleet is None else fleet
-        signer = h.get("key_id") or ""
-        out = []
-        for reqs, n in zip(classes, counts):
-            parsed = [requirements.Requirement(*r) for r in reqs]
-            able = [res for res in fleet if requirements.meets_all(parsed, res)]
-            if n and not able:
-                out.append(Waiting(requires=[str(r) for r in parsed], tasks=n))
-            elif n and not any(requirements.accepts_signer(res, signer) for res in able):
-                out.append(Waiting(requires=[str(r) for r in parsed], tasks=n, signer=signer or "unsigned"))
-        return out
+        return [Waiting.model_validate(w) for w in jobstatus.waiting_for(self.r, job_id, h, fleet)]
 
     def task_ids(self, job_id: str) -> list[str]:
         self.job_status(job_id)

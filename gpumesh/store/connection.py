@@ -17,6 +17,8 @@ from gpumesh.store import sentinel, tlspin
 # slow, and READONLY, which a primary demoted to a replica answers to writes (a failover, or a managed
 # Redis whose address moved to the new primary): nothing was written, and a new connection may reach the
 # primary. Through Sentinel, redis-py turns READONLY into a ConnectionError and asks the Sentinels again.
+SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
+
 RETRIED: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError]
 
 

@@ -1,0 +1,46 @@
+"""Where settings come from, without building them: the config file, then ``GPUMESH_*`` variables, then
+what a caller passes (flags), later over earlier. :class:`gpumesh.settings.Settings` validates what this
+gathers; a command that needs one or two values and must start fast (``status --json``) reads them here
+and leaves everything else to Settings (imports no pydantic).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpumesh.errors import UsageError
+
+ENV_PREFIX = "GPUMESH_"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_LEASE_TTL = 30.0  # s; also how long a worker counts as live after its last heartbeat
+
+
+def config_path() -> Path:
+    """Where ``gpumesh config init`` writes and every command reads the config file."""
+    override = os.environ.get(ENV_PREFIX + "CONFIG")
+    return Path(override) if override else Path(click.get_app_dir("gpumesh")) / "config.toml"
+
+
+def layered(names: Iterable[str], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The raw values of these settings, unchecked: the config file's, over them ``GPUMESH_<NAME>`` (not
+    empty), over them ``overrides`` (not None). The config file's other keys come along (Settings refuses
+    the unknown ones). An unreadable config file is a UsageError."""
+    values: dict[str, Any] = {}
+    path = config_path()
+    if path.is_file():
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"config file {path} is unreadable ({exc}); fix it or delete it") from exc
+    for name in names:
+        env = os.environ.get(ENV_PREFIX + name.upper())
+        if env not in (None, ""):
+            values[name] = env
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return values
