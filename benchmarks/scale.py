@@ -1,7 +1,7 @@
 """Scale: 1,000 simulated workers against one Redis, each with a real worker's broker traffic.
 
     python benchmarks/scale.py [--workers 1000] [--tasks 30000] [--jobs 1] [--heartbeat 5]
-                               [--variants delivery,bare]
+                               [--variants delivery,bare] [--against REV] [--repeat N]
 
 The workers are plain state machines in one process, not processes. Each registers as a real worker
 does (worker hash with its `resources`, ZADD gpumesh:scores and gpumesh:workers, the fleet marked
@@ -42,11 +42,12 @@ import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 from urllib.parse import urlparse
 
 import hiredis
 import redis
-from common import PrivateRedis, publish, table
+from common import ROOT, PrivateRedis, publish, table
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -66,8 +67,10 @@ from gpumesh.store import keys
 from gpumesh.store import scripts
 from gpumesh.store.broker import Broker
 from gpumesh.settings import Settings
-url, go, ready, deliver = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+url, go, ready, deliver, lib = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
 b = Broker(Settings(url=url))
+if lib:
+    b.scripts = scripts.Scripts(b.redis, lib)
 q = b.queue("probe")
 open(ready, "w").close()
 while not os.path.exists(go):
@@ -361,8 +364,27 @@ def _redis_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool) -> dict:
-    """One run on an emptied Redis: the fleet registered, the jobs submitted, then the clock runs."""
+def library_of(rev: str, tmp: Path) -> tuple[str, str]:
+    """(name, code) of the Lua library as git revision ``rev`` builds it, by its own scripts.library()."""
+    root = tmp / f"rev-{rev}"
+    root.mkdir()
+    subprocess.run(f"git -C {ROOT} archive {rev} gpumesh | tar -x -C {root}", shell=True, check=True)
+    code = (
+        "import json, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"  # not this checkout's
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from gpumesh.store import scripts\n"
+        "assert scripts.__file__.startswith(sys.argv[1]), scripts.__file__\n"
+        "print(json.dumps(scripts.library()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True)
+    name, lua = json.loads(out.stdout)
+    return name, lua
+
+
+def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib: tuple[str, str] | None) -> dict:
+    """One run on an emptied Redis: the fleet registered, the jobs submitted, then the clock runs. ``lib``:
+    another version's library (name, code) to run the transitions with instead of this checkout's."""
     tmp = server.tmp
     broker = Broker(Settings(url=server.url))
     broker.r.flushall()
@@ -370,6 +392,10 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool) -> 
     register(broker.r, [*ids, "probe"])
     dl = Delivery(broker) if delivered else None
     broker.scripts.ensure(force=True)  # the simulation sends FCALL only: the library must be there
+    run_with = broker.scripts
+    if lib:
+        broker.redis.function_load(lib[1], replace=True)
+        run_with = scripts.Scripts(broker.redis, lib[0])
     per = [args.tasks // args.jobs + (j < args.tasks % args.jobs) for j in range(args.jobs)]
     jobs, at = [], 0
     for n in per:
@@ -379,14 +405,14 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool) -> 
     epoch = broker.r.get(keys.EPOCH) or ""
     go, ready = tmp / f"go-{delivered}", tmp / f"ready-{delivered}"
     probe = subprocess.Popen(
-        [sys.executable, "-c", PROBE, server.url, str(go), str(ready), str(int(delivered))],
+        [sys.executable, "-c", PROBE, server.url, str(go), str(ready), str(int(delivered)), lib[0] if lib else ""],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     while not ready.exists():
         time.sleep(0.01)
     cpu0 = _redis_cpu(broker.r)
     go.touch()
-    sim = simulate(server.url, broker.scripts, ids, args.heartbeat, epoch, dl)
+    sim = simulate(server.url, run_with, ids, args.heartbeat, epoch, dl)
     cpu = (_redis_cpu(broker.r) - cpu0) / sim["wall"]
     probe_ms = sorted(json.loads(probe.communicate(timeout=60)[0]))
     problems = check(broker.r, jobs, args.tasks, delivered)
@@ -414,33 +440,50 @@ def main() -> None:
         "--variants", default="delivery,bare",
         help="delivery: with the RQ enqueue + pop a real worker adds per task; bare: the gpumesh scripts alone",
     )  # fmt: skip
+    ap.add_argument(
+        "--against", metavar="REV",
+        help="also run git revision REV's Lua library (built by its own scripts.library()), alternating with "
+        "this checkout's, each --repeat times: medians side by side",
+    )  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="runs per variant (and per version with --against)")
     args = ap.parse_args()
     server = PrivateRedis()
-    results = {}
+    versions: dict[str, tuple[str, str] | None] = {"this checkout": None}
+    results: dict[tuple[str, str], list[dict]] = {}
     try:
+        if args.against:
+            versions[args.against] = library_of(args.against, server.tmp)
         for v in args.variants.split(","):
-            results[v] = measure(server, args, delivered={"delivery": True, "bare": False}[v])
+            for _ in range(args.repeat):
+                for version, lib in versions.items():  # alternating: drift on the machine hits both alike
+                    sim = measure(server, args, {"delivery": True, "bare": False}[v], lib)
+                    results.setdefault((v, version), []).append(sim)
     finally:
         server.stop()
     rows = []
-    for v, sim in results.items():
+    for (v, version), sims in results.items():
+        sim = sorted(sims, key=lambda x: x["wall"])[len(sims) // 2]  # the median run
         lat = sim["probe_ms"]
         p50, p99 = statistics.median(lat), lat[min(len(lat) - 1, int(len(lat) * 0.99))]
         what = "dispatch + RQ delivery + complete" if v == "delivery" else "dispatch + complete (no RQ delivery)"
+        runs = ", ".join(f"{args.tasks / x['wall']:,.0f}" for x in sims)
         rows.append((
-            what, f"{args.workers:,}", f"{args.jobs}", f"{args.tasks:,} in {sim['wall']:.2f} s",
-            f"**{args.tasks / sim['wall']:,.0f}**", "≥ 10,000", f"{p50:.2f}", f"{p99:.2f}",
+            what, *([version] if args.against else []), f"{args.workers:,}", f"{args.jobs}",
+            f"{args.tasks:,} in {sim['wall']:.2f} s", f"**{args.tasks / sim['wall']:,.0f}**",
+            *([runs] if args.repeat > 1 else []), "≥ 10,000", f"{p50:.2f}", f"{p99:.2f}",
             f"{sim['beats'] / sim['wall']:,.0f}", f"{100 * sim['cpu']:.0f} %",
             f"{1e6 * sim['cpu'] * sim['wall'] / args.tasks:.0f}",
         ))  # fmt: skip
     body = table(
-        ["per task", "simulated workers", "jobs", "completions", "completions/s", "target", "dispatch p50, ms",
+        ["per task", *(["code"] if args.against else []), "simulated workers", "jobs", "completions (median run)",
+         "completions/s", *(["runs, /s"] if args.repeat > 1 else []), "target", "dispatch p50, ms",
          "dispatch p99, ms", "heartbeats/s", "Redis CPU (share of one core)", "Redis CPU per task, µs"],
         rows,
     )  # fmt: skip
-    any_sim = next(iter(results.values()))
-    calls = " and ".join(f"{len(sim['probe_ms']):,}" for sim in results.values())
-    names = next((sim["names"] for sim in results.values() if sim["names"]), [])
+    all_sims = [sim for sims in results.values() for sim in sims]
+    any_sim = all_sims[0]
+    calls = " and ".join(f"{len(sims[0]['probe_ms']):,}" for sims in results.values())
+    names = next((sim["names"] for sim in all_sims if sim["names"]), [])
     body += (
         f"\n\nRounds of up to {args.workers:,} workers' next step each ({any_sim['rounds']:,} rounds), two groups "
         "of workers in flight at once so Redis never waits for the harness: dispatch.lua; "
@@ -457,7 +500,8 @@ def main() -> None:
     publish(
         "scale", "1,000 simulated workers", body,
         f"python benchmarks/scale.py --workers {args.workers} --tasks {args.tasks} --jobs {args.jobs}"
-        f" --heartbeat {args.heartbeat:g} --variants {args.variants}",
+        f" --heartbeat {args.heartbeat:g} --variants {args.variants}"
+        + (f" --against {args.against}" if args.against else "") + (f" --repeat {args.repeat}" if args.repeat > 1 else ""),
     )  # fmt: skip
 
 

@@ -159,9 +159,11 @@ class Function:
 class Scripts:
     """The transition functions bound to one client (a pipeline may run them too)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, lib: str | None = None) -> None:
+        """``lib``: the name of the library to call (default: this version's; benchmarks/scale.py's
+        --against calls another version's, which it loaded itself)."""
         self.client = client
-        self.lib = library()[0]
+        self.lib = lib or library()[0]
         self._ensured = -ENSURE_EVERY
         self._s: dict[str, Function] = {name: Function(self, name) for name in NAMES}
 
