@@ -19,6 +19,15 @@ from gpumesh.errors import UsageError
 ENV_PREFIX = "GPUMESH_"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_LEASE_TTL = 30.0  # s; also how long a worker counts as live after its last heartbeat
+DEFAULT_HEARTBEAT_INTERVAL = 5.0  # s
+# Every setting's name, as Settings names its fields (tests/test_cli_start.py checks they agree): the
+# config file's keys a command that reads some settings here may meet.
+NAMES = (
+    "url", "lease_ttl", "heartbeat_interval", "tiers", "cache_dir", "log_max_bytes", "result_max_bytes",
+    "task_memory_mb", "job_retention", "sandbox_python", "isolation", "read_paths", "write_paths", "signing_key",
+    "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
+    "trusted_keys",
+)  # fmt: skip
 
 
 def config_path() -> Path:
@@ -30,7 +39,7 @@ def config_path() -> Path:
 def layered(names: Iterable[str], overrides: dict[str, Any]) -> dict[str, Any]:
     """The raw values of these settings, unchecked: the config file's, over them ``GPUMESH_<NAME>`` (not
     empty), over them ``overrides`` (not None). The config file's other keys come along (Settings refuses
-    the unknown ones). An unreadable config file is a UsageError."""
+    those it does not know). An unreadable config file is a UsageError."""
     values: dict[str, Any] = {}
     path = config_path()
     if path.is_file():

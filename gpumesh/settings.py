@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpumesh.errors import UsageError
-from gpumesh.layers import DEFAULT_LEASE_TTL, layered
+from gpumesh.layers import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LEASE_TTL, layered
 from gpumesh.layers import DEFAULT_URL as DEFAULT_URL  # where callers have always found them
 from gpumesh.layers import ENV_PREFIX as ENV_PREFIX
 from gpumesh.layers import config_path as config_path
@@ -33,7 +33,9 @@ class Settings(BaseModel):
     lease_ttl: float = Field(
         DEFAULT_LEASE_TTL, gt=0, description="a task's lease lapses this long after the last heartbeat"
     )
-    heartbeat_interval: float = Field(5.0, gt=0, description="how often a worker renews its registration and lease")
+    heartbeat_interval: float = Field(
+        DEFAULT_HEARTBEAT_INTERVAL, gt=0, description="how often a worker renews its registration and lease"
+    )
     tiers: int = Field(3, ge=1, le=16, description="number of capability tiers (RQ queues)")
     cache_dir: Path = Field(default_factory=_default_cache_dir)
     log_max_bytes: int = Field(1_000_000, ge=1024, description="stdout+stderr kept per attempt")

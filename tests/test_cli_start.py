@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -142,8 +143,35 @@ def test_status_json_refuses_a_bad_setting_in_one_line_as_every_command_does(bro
     from .conftest import gpumesh
 
     job = broker.submit("print(1)", "s.py", [{"i": 0}], JobOptions()).job_id
-    for bad in ({"GPUMESH_LEASE_TTL": "soon"}, {"GPUMESH_LEASE_TTL": "-1"}, {"GPUMESH_URL": "http://nowhere"}):
-        ran = gpumesh("status", job, "--json", env={**env, **bad})
-        assert ran.returncode == 2, (bad, ran.stderr)
-        assert ran.stdout == "" and len(ran.stderr.strip().splitlines()) == 1, (bad, ran.stderr)
+    config = Path(env["GPUMESH_CONFIG"])
+    cases = [
+        ({"GPUMESH_LEASE_TTL": "soon"}, ""), ({"GPUMESH_LEASE_TTL": "-1"}, ""),
+        ({"GPUMESH_URL": "http://nowhere"}, ""),
+        ({"GPUMESH_LEASE_TTL": "0.5"}, ""),  # shorter than two heartbeats (0.4 s here)
+        ({"GPUMESH_LEASE_TTL": "\uff13\uff10"}, ""),  # full-width digits: Python's float() reads 30, Settings not
+        ({}, "lease_ttl = \"soon\"\n"), ({}, "leese_ttl = 30\n"),  # not a number; a key no setting has
+    ]  # fmt: skip
+    for bad, text in cases:
+        if text:
+            config.write_text(text)
+        base = {k: v for k, v in env.items() if not (text and k == "GPUMESH_LEASE_TTL")}  # else over the file's
+        ran = gpumesh("status", job, "--json", env={**base, **bad})
+        config.unlink(missing_ok=True)
+        assert ran.returncode == 2, (bad, text, ran.stderr)
+        assert ran.stdout == "" and len(ran.stderr.strip().splitlines()) == 1, (bad, text, ran.stderr)
         assert ran.stderr.startswith("error: ") and "Traceback" not in ran.stderr
+    config.write_text(f"url = {json.dumps(env['GPUMESH_URL'])}\nlease_ttl = 60\n")  # what the fast path reads
+    ran = gpumesh("status", job, "--json", env={k: v for k, v in env.items() if k != "GPUMESH_URL"})
+    assert ran.returncode == 0 and json.loads(ran.stdout)["job_id"] == job, ran.stderr
+
+
+@pytest.mark.core
+def test_the_settings_the_fast_path_knows_are_every_setting():
+    from gpumesh.layers import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LEASE_TTL, DEFAULT_URL, NAMES
+    from gpumesh.settings import Settings
+
+    assert set(NAMES) == set(Settings.model_fields)
+    fields = Settings.model_fields
+    assert (fields["url"].default, fields["lease_ttl"].default, fields["heartbeat_interval"].default) == (
+        DEFAULT_URL, DEFAULT_LEASE_TTL, DEFAULT_HEARTBEAT_INTERVAL,
+    )  # fmt: skip

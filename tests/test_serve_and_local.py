@@ -259,3 +259,38 @@ def _connected(pid: int, port: int) -> bool:
     except psutil.NoSuchProcess:
         return False
     return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns)
+
+
+@pytest.mark.processes
+def test_ctrl_c_at_a_prompt_exits_130_and_writes_nothing(env, tmp_path: Path):
+    """`gpumesh config init` asks for the URL on a terminal; Ctrl-C there is the shell's 130, not click's
+    "Aborted!" with exit 1."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import termios
+
+    def own_terminal() -> None:  # a session whose controlling terminal is the pty, as a login shell's is
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    config = tmp_path / "config.toml"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "config", "init"], env={**env, "GPUMESH_CONFIG": str(config)},
+        stdin=slave, stdout=slave, stderr=subprocess.PIPE, text=True, preexec_fn=own_terminal,
+    )  # fmt: skip
+    os.close(slave)
+    seen = b""
+    try:
+        while b"Broker URL" not in seen:  # the prompt is on the terminal: it waits for the URL
+            assert select.select([master], [], [], 30)[0], f"no prompt on the terminal: {seen!r}"
+            seen += os.read(master, 1024)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        os.close(master)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
+    assert not config.exists()

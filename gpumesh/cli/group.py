@@ -5,7 +5,7 @@ loads only this, click and the command table in ``main``."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -27,10 +27,11 @@ class Group(click.Group):
         except GpumeshError as exc:
             self._die(ctx, exc, exc.exit_code)
         except KeyboardInterrupt:  # click would print "Aborted!" and exit 1, the code of a failed job
-            if (ctx.obj or {}).get("debug"):
+            self._interrupted(ctx)
+        except click.Abort as exc:
+            if not isinstance(exc.__context__, KeyboardInterrupt):  # a prompt that met the end of its input
                 raise
-            click.echo("interrupted", err=True)
-            ctx.exit(130)
+            self._interrupted(ctx)  # Ctrl-C at a prompt
         except Exception as exc:
             redis = sys.modules.get("redis")  # a command that talks to Redis has imported it
             if redis is None or not isinstance(exc, redis.RedisError):
@@ -38,6 +39,15 @@ class Group(click.Group):
             from gpumesh.store.connection import translate
 
             self._die(ctx, translate(exc, (ctx.obj or {}).get("url", "")), 3)
+
+    @staticmethod
+    def _interrupted(ctx: click.Context) -> NoReturn:
+        if (ctx.obj or {}).get("debug"):
+            import traceback
+
+            traceback.print_exc()
+        click.echo("interrupted", err=True)
+        ctx.exit(130)
 
     @staticmethod
     def _die(ctx: click.Context, exc: Exception, code: int) -> None:

@@ -161,11 +161,10 @@ def patient(call: Callable[[], T], broker: Broker) -> Callable[[], T]:
     return api.patient(call, broker.settings, lambda line: err.print(line))
 
 
-def stopped_waiting(ctx: click.Context, job_id: str) -> NoReturn:
+def stopped_waiting(ctx: click.Context, job_id: str, waiting: bool = True) -> NoReturn:
     """Ctrl-C once the job is written: the job keeps running, and the shell gets 130 (128 + SIGINT)."""
-    click.echo(
-        f"stopped waiting; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True
-    )
+    what = "stopped waiting" if waiting else "interrupted"
+    click.echo(f"{what}; job {job_id} keeps running. Follow it with: gpumesh status {job_id} --watch", err=True)
     ctx.exit(130)
 
 

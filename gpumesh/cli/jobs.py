@@ -1,5 +1,6 @@
-"""``gpumesh submit``, ``status``, ``jobs``, ``results``, ``workers``, ``top``, ``logs``, ``cancel`` and
-``retry``: the commands that submit and read jobs."""
+"""``gpumesh submit``, ``jobs``, ``results``, ``workers``, ``top``, ``logs``, ``cancel``, ``retry`` and
+``pull``, and ``status``'s table and ``--watch`` (``gpumesh.cli.status`` defines the command): the
+commands that submit and read jobs."""
 
 from __future__ import annotations
 
@@ -91,18 +92,18 @@ def submit(
         if not as_json and not res.existing:
             err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
         st = wait_for(ctx, broker, res.job_id, quiet=as_json)
-        if as_json:
-            emit_json(st.model_dump(mode="json"))
-        else:
-            click.echo(f"{st.job_id} {st.status}")
-            explain_failures(mesh, st)
-        exit_for(ctx, st)
     except KeyboardInterrupt:
-        stopped_waiting(ctx, res.job_id)
+        stopped_waiting(ctx, res.job_id, waiting=wait)
+    if as_json:  # the job has ended: Ctrl-C from here is a plain interruption (cli.group)
+        emit_json(st.model_dump(mode="json"))
+    else:
+        click.echo(f"{st.job_id} {st.status}")
+        explain_failures(mesh, st)
+    exit_for(ctx, st)
 
 
 def show_status(ctx: click.Context, job_id: str, watch: bool, url: str | None, as_json: bool) -> None:
-    """``gpumesh status`` but for ``--json`` alone (gpumesh.cli.status answers that without pydantic)."""
+    """``gpumesh status`` but for ``--json`` without ``--watch``, which gpumesh.cli.status answers itself."""
     mesh = open_mesh(ctx, url)
     st = wait_for(ctx, mesh.broker, job_id, quiet=as_json) if watch else mesh.job(job_id).status()
     if as_json:

@@ -6,12 +6,13 @@ table, ``--watch`` and the explanation of failures take the full path (``gpumesh
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import click
 
 from gpumesh.cli.options import emit_json, json_option, url_option
-from gpumesh.layers import DEFAULT_LEASE_TTL, DEFAULT_URL, layered
+from gpumesh.layers import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LEASE_TTL, DEFAULT_URL, NAMES, layered
 
 
 @click.command()
@@ -45,17 +46,29 @@ def read_json(ctx: click.Context, url: str | None, job_id: str) -> dict[str, Any
     return jobstate.to_json(jobstatus.read(r, job_id, ttl))
 
 
+# A number as a GPUMESH_* variable or the config file writes it, in ASCII: what float() and pydantic read alike.
+_DECIMAL = re.compile(r"[ \t]*[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?[ \t]*")
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        return float(value)
+    return None
+
+
 def _settings(url: str | None) -> tuple[str, float]:
-    """The broker URL and the lease TTL (how long a worker counts as live), layered as Settings layers
-    them. Anything unusual in them goes through Settings, which refuses it in one line; the settings
-    this command does not use are not read."""
-    values = layered(("url", "lease_ttl"), {"url": url})
-    broker_url, ttl = values.get("url", DEFAULT_URL), values.get("lease_ttl", DEFAULT_LEASE_TTL)
-    try:
-        ttl = float(ttl)
-    except (TypeError, ValueError):
-        ttl = math.nan
-    if isinstance(broker_url, str) and math.isfinite(ttl) and ttl > 0:
+    """The broker URL and the lease TTL (how long a worker counts as live), layered as Settings layers them.
+    Whatever Settings might read otherwise (a number not in plain decimals, a lease shorter than two
+    heartbeats, a config file key it does not know) goes through Settings, which refuses it in one line as
+    every command does; the settings this command does not use are not read."""
+    values = layered(("url", "lease_ttl", "heartbeat_interval"), {"url": url})
+    broker_url = values.get("url", DEFAULT_URL)
+    ttl = _number(values.get("lease_ttl", DEFAULT_LEASE_TTL))
+    beat = _number(values.get("heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL))
+    known = set(values) <= set(NAMES)
+    if isinstance(broker_url, str) and ttl and beat and known and math.isfinite(ttl) and 0 < 2 * beat <= ttl:
         return broker_url, ttl
     from gpumesh.settings import Settings
 

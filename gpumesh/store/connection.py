@@ -13,12 +13,12 @@ from redis.retry import Retry
 from gpumesh.errors import BrokerError, BrokerUnreachable, UsageError
 from gpumesh.store import sentinel, tlspin
 
+SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
+
 # What a call retries (after closing its connection) before it gives up: a lost connection, a reply too
 # slow, and READONLY, which a primary demoted to a replica answers to writes (a failover, or a managed
 # Redis whose address moved to the new primary): nothing was written, and a new connection may reach the
 # primary. Through Sentinel, redis-py turns READONLY into a ConnectionError and asks the Sentinels again.
-SOCKET_TIMEOUT = 5.0  # s a reply may take before the broker counts as unreachable (exit 3 for the CLI)
-
 RETRIED: list[type[Exception]] = [redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError]
 
 

@@ -87,17 +87,22 @@ def library() -> tuple[str, str]:
     per script, and ``<library>_version`` (read-only), which answers the library's name. Each function
     reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer names."""
     lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
-    lib = "gpumesh_" + hashlib.sha256("\0".join([lib_code, *bodies]).encode()).hexdigest()[:12]
-    parts = [f"#!lua name={lib}", lib_code]
+    parts = ["#!lua name=" + _NAME, lib_code]
     for name, body in zip(NAMES, bodies):
         parts.append(
-            f"redis.register_function{{function_name='{lib}_{name}', callback=function(KEYS, ARGV)\n{body}\nend}}"
+            f"redis.register_function{{function_name='{_NAME}_{name}', callback=function(KEYS, ARGV)\n{body}\nend}}"
         )
     parts.append(
-        f"redis.register_function{{function_name='{lib}_version', callback=function() return '{lib}' end, "
+        f"redis.register_function{{function_name='{_NAME}_version', callback=function() return '{_NAME}' end, "
         "flags={'no-writes'}}"
     )
-    return lib, "\n".join(parts) + "\n"
+    template = "\n".join(parts) + "\n"
+    # named by the code FUNCTION LOAD gets, assembly included: a broker keeps a library by its name
+    lib = "gpumesh_" + hashlib.sha256(template.encode()).hexdigest()[:12]
+    return lib, template.replace(_NAME, lib)
+
+
+_NAME = "__gpumesh_library__"  # where library() writes the library's name once it knows it
 
 
 def missing_functions_message(lib: str) -> str:
@@ -171,7 +176,8 @@ class Scripts:
         return self._s[name]
 
     def ensure(self, force: bool = False) -> None:
-        """Make sure the broker has this version's library (once every ENSURE_EVERY s unless ``force``)."""
+        """Make sure the broker has the library (once every ENSURE_EVERY s unless ``force``); this version's
+        is loaded when missing."""
         if not force and time.monotonic() - self._ensured < ENSURE_EVERY:
             return
         try:
@@ -179,6 +185,8 @@ class Scripts:
         except redis.ResponseError as exc:
             if not _function_missing(exc):
                 raise
+            if self.lib != library()[0]:  # another version's, which only its caller can load
+                raise BrokerError(f"the broker lacks the Redis functions of library {self.lib}") from None
             load_library(self.client)
         self._ensured = time.monotonic()
 

@@ -433,7 +433,7 @@ local function holder(task_key, token, more)
   if status ~= 'running' then
     return nil, {0, status}
   end
-  local has_backup = backup ~= nil and backup ~= ''
+  local has_backup = type(backup) == 'string' and backup ~= ''  -- a field never written reads as false
   if lease == token then
     return 'primary', nil, has_backup, t
   end

@@ -179,7 +179,7 @@ end
 local AVOID = {'avoid', 'avoid_until', 'bigger', 'bigger_than', 'bigger_on'}
 local function avoided_by(f, at)
   local until_ms = type(f) == 'table' and not f.err and tonumber(f[at + 2])
-  if not until_ms or until_ms <= now_ms() then  -- the clock is read only for a task that is avoided
+  if not until_ms or until_ms <= now_ms() then  -- the clock is read only for a task with an avoid_until
     return false
   end
   local key, above, on = f[at + 3], tonumber(f[at + 4]), f[at + 5]
@@ -307,8 +307,10 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     if task.err then
       task = {}  -- not a hash: not a task
     end
-    -- two members seen (the heaviest and another): the pending set stays after this one leaves it
-    local remains = heaviest ~= nil and heaviest[1] ~= nil and heaviest[1] ~= pick[1]
+    -- two members seen (the heaviest and another, which unpend removes as pad(index)): the pending set
+    -- stays after this one leaves it
+    local remains = heaviest ~= nil and heaviest[1] ~= nil and heaviest[1] ~= pick[1] and index >= 0 and
+      heaviest[1] ~= pad(index)
     local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
       cost = cost, klass = best_class, remains = remains}
     local why = task[1] == 'queued' and malformed(task, best_fields, index)
