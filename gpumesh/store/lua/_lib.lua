@@ -45,19 +45,24 @@ local function ended(job_key, task_id, status)
   redis.call('XADD', job_key .. ':ended', '*', 'task', task_id, 'status', status)
 end
 
--- Add to a job's counter. Any credential that writes jobs can write a counter that is not a number
--- (HINCRBY would raise, and the script with it): such a counter restarts from this change.
+-- Add to a job's counter; the counter's new value. Any credential that writes jobs can write a counter
+-- that is not a number (HINCRBY would raise, and the script with it): such a counter restarts from this
+-- change.
 local function incr(key, field, by, float)
   local r = redis.pcall(float and 'HINCRBYFLOAT' or 'HINCRBY', key, field, by)
   if type(r) == 'table' and r.err then
     redis.pcall('HSET', key, field, math.max(by, 0))
+    return math.max(by, 0)
   end
+  return tonumber(r)
 end
 
--- Move one task between job counters, in the same script as the task's own change.
+-- Move one task between job counters, in the same script as the task's own change; what is left in
+-- ``from``.
 local function move(job_key, from, to)
-  incr(job_key, from, -1)
+  local left = incr(job_key, from, -1)
   incr(job_key, to, 1)
+  return left
 end
 
 -- The last task to end sets the job's terminal status: cancelled > failed > done.

@@ -77,7 +77,7 @@ if spent ~= '' and spent_key and redis.call('SISMEMBER', spent_key, '*') == 1 th
 end
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
-move(job_key, 'running', 'done')
+local still_running = move(job_key, 'running', 'done')
 if score > 0 then  -- seconds per (cost / score): how the dispatcher's callers estimate a straggler's end
   incr(job_key, 'unit_sum', tonumber(duration) * score / cost, true)
   incr(job_key, 'unit_n', 1)
@@ -103,5 +103,7 @@ if artifacts ~= '' then
 end
 emit(events_key, 'task', task_id, 'done')
 ended(job_key, task_id, 'done')
-maybe_finish(job_key, events_key, job_of(task_id), ms)
+if not still_running or still_running <= 0 then  -- else the job has not ended: no need to read its counters
+  maybe_finish(job_key, events_key, job_of(task_id), ms)
+end
 return {1, 'done'}
