@@ -12,7 +12,9 @@ task does what `gpumesh worker` does around it:
   2. the delivery to its own RQ queue `gpumesh-w-<id>` (Broker.deliver): RQ's own commands (SADD
      rq:queues, HSET of the RQ job hash, RPUSH), recorded once from a real `Queue.enqueue_many`
      and replayed with each task's id;
-  3. RQ's pop: LPOP of its queue and HGETALL of the RQ job (Job.fetch);
+  3. RQ's pop: the LMOVE of its queue (replayed as LPOP), which the worker sends in the same transaction
+     as the delivery and so never reads back the RQ job it has just written; a revision run with
+     --against (every one before that change) read it back with HGETALL (Job.fetch), replayed for it;
   4. complete.lua with the lease token.
 Variant `delivery` does all four (what a real worker asks of Redis); variant `bare` leaves out 2
 and 3 (the gpumesh scripts alone). Left out of both: the task itself and RQ's per-job execution
@@ -68,6 +70,7 @@ from gpumesh.store import scripts
 from gpumesh.store.broker import Broker
 from gpumesh.settings import Settings
 url, go, ready, deliver, lib = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
+read_back = bool(lib)  # another revision's worker read each delivery back
 b = Broker(Settings(url=url))
 if lib:
     b.scripts = scripts.Scripts(b.redis, lib)
@@ -85,7 +88,8 @@ while True:
     if deliver:
         b.deliver(q, lease)
         rq_id = b.rq.lpop(q.key).decode()
-        b.rq.hgetall("rq:job:" + rq_id)
+        if read_back:
+            b.rq.hgetall("rq:job:" + rq_id)
     assert scripts.complete(b.scripts, b.r, lease, "probe", "{}", 0.001, 1.0).accepted
     time.sleep(0.002)
 print(json.dumps(lat[:-1]))  # the last call found nothing left
@@ -189,8 +193,9 @@ class Group:
     Redis, the harness parses the other's replies and packs its next round, so Redis never waits for it."""
 
     def __init__(self, url: str, ids: list[str], score: dict[str, float], fn: dict[str, str], epoch: str,
-                 heartbeat: float, dl: Delivery | None, offset: int, n: int) -> None:  # fmt: skip
+                 heartbeat: float, dl: Delivery | None, offset: int, n: int, read_back: bool) -> None:  # fmt: skip
         self.raw, self.active, self.score, self.fn, self.epoch, self.dl = Raw(url), list(ids), score, fn, epoch, dl
+        self.read_back = read_back  # the pop reads the RQ job back (HGETALL), as workers before the fused pop did
         self.heartbeat = heartbeat
         # phase: ("dispatch",) | ("deliver"|"pop"|"complete", tid, token) | ("idle",)
         self.phase: dict[str, tuple] = {wid: ("dispatch",) for wid in ids}
@@ -245,8 +250,9 @@ class Group:
                 steps.append((wid, step, len(cmds)))
             elif step == "pop":
                 chunk.append(("LPOP", f"rq:queue:{keys.queue_name(wid)}"))
-                chunk.append(("HGETALL", f"rq:job:{keys.rq_job_id(ph[1], 1)}"))
-                steps.append((wid, step, 2))
+                if self.read_back:
+                    chunk.append(("HGETALL", f"rq:job:{keys.rq_job_id(ph[1], 1)}"))
+                steps.append((wid, step, 1 + self.read_back))
             else:
                 tid = ph[1]
                 files = keys.task_files(tid)  # no output files: the staging and kept names are the same
@@ -289,7 +295,8 @@ class Group:
             elif step == "deliver":
                 self.phase[wid] = ("pop", ph[1], ph[2])
             elif step == "pop":
-                self.bad_pops += reply[0] != keys.rq_job_id(ph[1], 1).encode() or not reply[1]
+                popped, job = (reply[0], reply[1]) if self.read_back else (reply, True)
+                self.bad_pops += popped != keys.rq_job_id(ph[1], 1).encode() or not job
                 self.phase[wid] = ("complete", ph[1], ph[2])
             else:
                 self.done += int(reply[0]) == 1
@@ -298,14 +305,23 @@ class Group:
 
 
 def simulate(
-    url: str, s: scripts.Scripts, ids: list[str], heartbeat: float, epoch: str, dl: Delivery | None, groups: int = 2
+    url: str,
+    s: scripts.Scripts,
+    ids: list[str],
+    heartbeat: float,
+    epoch: str,
+    dl: Delivery | None,
+    read_back: bool = False,
+    groups: int = 2,
 ) -> dict:
     """Run the fleet until every worker finds nothing left; ``dl`` None leaves the RQ delivery out."""
     score = {wid: SCORES[i % len(SCORES)] for i, wid in enumerate(ids)}
     fn = {name: s[name].name for name in ("dispatch", "complete", "heartbeat")}  # FCALL names of the library
     size = -(-len(ids) // groups)
     parts = [ids[i : i + size] for i in range(0, len(ids), size)]
-    gs = [Group(url, part, score, fn, epoch, heartbeat, dl, i * size, len(ids)) for i, part in enumerate(parts)]
+    gs = [
+        Group(url, part, score, fn, epoch, heartbeat, dl, i * size, len(ids), read_back) for i, part in enumerate(parts)
+    ]
     started = time.monotonic()
     for g in gs:
         g.send_round()
@@ -410,7 +426,7 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib
         time.sleep(0.01)
     cpu0 = _redis_cpu(broker.r)
     go.touch()
-    sim = simulate(server.url, run_with, ids, args.heartbeat, epoch, dl)
+    sim = simulate(server.url, run_with, ids, args.heartbeat, epoch, dl, read_back=lib is not None)
     cpu = (_redis_cpu(broker.r) - cpu0) / sim["wall"]
     probe_ms = sorted(json.loads(probe.communicate(timeout=60)[0]))
     problems = check(broker.r, jobs, args.tasks, delivered)
@@ -485,9 +501,11 @@ def main() -> None:
     body += (
         f"\n\nRounds of up to {args.workers:,} workers' next step each ({any_sim['rounds']:,} rounds), two groups "
         "of workers in flight at once so Redis never waits for the harness: dispatch.lua; "
-        + (f"the delivery to the worker's own RQ queue ({', '.join(names)}: RQ's enqueue, replayed), RQ's pop "
-           "(LPOP, HGETALL); " if names else "")
-        + "complete.lua; heartbeat.lua when due. The *delivery* row includes the one RQ enqueue + pop round trip a "
+        + (f"the delivery to the worker's own RQ queue ({', '.join(names)}: RQ's enqueue, replayed) and RQ's pop "
+           "(LPOP), which the worker sends in the same transaction"
+           + (f"; for {args.against}, whose worker read the RQ job back, HGETALL as well" if args.against else "")
+           + "; " if names else "")
+        + "complete.lua; heartbeat.lua when due. The *delivery* row includes the RQ enqueue + pop a "
         "real worker adds per task (Broker.deliver); the *bare* row leaves it out. Neither includes the task itself "
         "or RQ's per-job execution bookkeeping (status, registries, result). Checked at the end of each run: every "
         "task done exactly once (one attempt, one RQ delivery when delivered), the jobs' counters exact, no lease, "

@@ -23,6 +23,7 @@ from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, tra
 
 if TYPE_CHECKING:
     from rq import Queue
+    from rq.job import Job
 
     from gpumesh.signing import Signer
     from gpumesh.store import artifacts
@@ -81,12 +82,12 @@ class Broker:
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
         return self._submitter.submit(source, script_name, payloads, options, idempotency_key, signer, expires_in)
 
-    def queue(self, worker_id: str) -> Queue:
+    def queue(self, worker_id: str, job_class: type[Job] | None = None) -> Queue:
         """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
         from rq import Queue  # only workers use RQ: the CLI's other commands start without importing it
         from rq.serializers import JSONSerializer
 
-        return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer)
+        return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer, job_class=job_class)
 
     @property
     def url_masked(self) -> str:
@@ -149,12 +150,17 @@ class Broker:
         """(server time in ms, live scores), in one round trip."""
         return jobstatus.live(self.r, self.settings.worker_ttl)
 
-    def deliver(self, queue: Queue, lease: scripts.Lease) -> None:
+    def deliver(self, queue: Queue, lease: scripts.Lease, take: bool = False) -> tuple[Job, str | None]:
         """The RQ job that carries a dispatched task to the worker holding its lease (RQ moves every task,
         so rq-dashboard and ``rq info`` see each delivery). Its id names the attempt, so a repeat is harmless.
 
         Its description and meta say, for a person reading rq-dashboard, which task of which job it is
-        (see :func:`delivery_label`); the job's name and requirements are read once per job and kept."""
+        (see :func:`delivery_label`); the job's name and requirements are read once per job and kept.
+
+        ``take``: RQ's pop of that queue rides in the same transaction (the LMOVE to its intermediate queue
+        that RQ's dequeue makes), so a worker delivering to itself saves the pop's two round trips and the
+        read of a job it has just written. Returns the job written (of the queue's job class) and the id
+        that pop took (None without ``take``): the job's own, unless something sat in the queue before it."""
         # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
         name, job_requires = self._job_label(lease.job_id)
@@ -173,8 +179,12 @@ class Broker:
             meta=meta,
         )
         with self.rq.pipeline() as p:
-            queue.enqueue_many([data], pipeline=p)
-            p.execute()
+            job = queue.enqueue_many([data], pipeline=p)[0]
+            if take:
+                p.lmove(queue.key, queue.intermediate_queue_key)
+            replies = p.execute()
+        head = replies[-1] if take else None
+        return job, head.decode() if isinstance(head, bytes) else head
 
     def _job_label(self, job_id: str) -> tuple[str, tuple[requirements.Requirement, ...]]:
         """A job's name and its job-wide requirements (``submit --require``): one read per job, then kept

@@ -171,7 +171,7 @@ class MeshWorker(SimpleWorker):
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
                           verifier, self.dispatched, self.resources)
         )  # fmt: skip
-        self.my_queue = broker.queue(self.worker_id)
+        self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
@@ -235,7 +235,9 @@ class MeshWorker(SimpleWorker):
                     self._hand_back_all("its delivery vanished from the worker's queue")
                 lease = self._next_lease()
                 if lease is not None:
-                    self._deliver(lease)
+                    result = self._deliver(lease)
+                    if result is not None:
+                        return result
                     continue
             except REFUSED as exc:
                 self._revoked(exc)
@@ -263,12 +265,18 @@ class MeshWorker(SimpleWorker):
         self._hand_back_all("the worker is stopping")
         return None
 
-    def _pop_delivery(self) -> Any:
-        """RQ's pop of our queue. An RQ job that cannot be read (a timeout field RQ's parser asserts on, say:
-        anything a credential can write there) makes RQ raise what its loop would quit on: it is dropped
-        here, said, and the worker carries on (its lease, if any, is handed back when its delivery vanishes)."""
+    def _pop_delivery(self, popped: str | None = None) -> Any:
+        """RQ's pop of our queue (``popped``: the id a pop already moved to its intermediate queue, read as RQ's
+        pop reads it). An RQ job that cannot be read (a timeout field RQ's parser asserts on, say: anything a
+        credential can write there) makes RQ raise what its loop would quit on: it is dropped here, said, and
+        the worker carries on (its lease, if any, is handed back when its delivery vanishes)."""
         try:
-            return super().dequeue_job_and_maintain_ttl(None)
+            if popped is None:
+                return super().dequeue_job_and_maintain_ttl(None)
+            return self.queue_class._fetch_dequeued_job(
+                self.connection, self.my_queue.key, popped, job_class=self.job_class, serializer=self.serializer,
+                death_penalty_class=self.death_penalty_class,
+            )  # fmt: skip
         except (StopRequested, redis.RedisError):
             raise
         except Exception as exc:  # noqa: BLE001 - whatever RQ raises on a delivery it cannot read
@@ -325,15 +333,23 @@ class MeshWorker(SimpleWorker):
         self._fleet_now = got
         return self._speculate("idle")
 
-    def _deliver(self, lease: scripts.Lease) -> None:
-        """Put the leased task on our own RQ queue, so RQ pops and runs it like any job."""
+    def _deliver(self, lease: scripts.Lease) -> Any:
+        """Put the leased task on our own RQ queue and pop the queue in the same transaction, as RQ's pop
+        would (LMOVE to its intermediate queue): (RQ job, queue) for RQ to run like any job it popped, or
+        None to pop again. What the pop took is our delivery, written by us a moment ago and not read back;
+        or whatever sat in the queue before it, read and run (or dropped) as RQ's pop would, ours behind it."""
         self.dispatched[lease.task_id] = (lease, time.monotonic())
         try:
-            self.broker.deliver(self.my_queue, lease)
+            job, popped = self.broker.deliver(self.my_queue, lease, take=True)
         except redis.RedisError:
             self.dispatched.pop(lease.task_id, None)
             self.executor.hand_back(lease, "the delivery to this worker's queue failed")
             raise
+        if popped is None:  # cannot be, as it was just pushed in the same transaction: pop again
+            return None
+        if popped == job.id:
+            return job, self.my_queue
+        return self._pop_delivery(popped)
 
     def _hand_back_all(self, why: str) -> None:
         """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
@@ -556,13 +572,38 @@ class MeshWorker(SimpleWorker):
     def handle_job_success(self, job: Job, queue: Any, started_job_registry: Any, execution: Any) -> None:
         with self._unless_refused():
             try:
-                super().handle_job_success(job, queue, started_job_registry, execution)
+                if job.repeats_left is None and not job.has_rate_limit:
+                    self._record_success(job, execution)
+                else:  # not a delivery of ours (those never repeat, nor have a rate limit): RQ's own way
+                    super().handle_job_success(job, queue, started_job_registry, execution)
             except (redis.ConnectionError, redis.TimeoutError):
                 # RQ's loop takes any error here for the job's own and records it failed: the broker is what
                 # failed (the task was reported, or its lease lapses), so handle_execution_ended, which RQ's
                 # failure path calls first, raises it again and execute_job waits for the broker.
                 self._rq_lost = True
                 raise
+
+    def _record_success(self, job: Job, execution: Any) -> None:
+        """RQ's handle_job_success (rq 3.0) for a delivery, in one transaction and one round trip. RQ first
+        WATCHes the job's dependents set and reads it, to enqueue the jobs that waited for this one: two
+        round trips a task here, for a set that Broker.deliver never makes, and which only some credential
+        writing into Redis could fill. Its counts, result, registries and the execution's record are RQ's."""
+        with self.connection.pipeline() as p:
+            self.increment_successful_job_count(pipeline=p)
+            assert job.started_at is not None and job.ended_at is not None  # set by RQ's run, as RQ asserts
+            self.increment_total_working_time(job.ended_at - job.started_at, p)
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(
+                    result_ttl, pipeline=p, worker_name=self.name, execution_id=execution.id,
+                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at,
+                )  # fmt: skip
+            job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
+            self.cleanup_execution(job, pipeline=p, execution=execution)
+            p.execute()
+        job._status = JobStatus.FINISHED
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                      self.name)  # fmt: skip
 
     def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
                            execution: Any = None) -> None:  # fmt: skip
