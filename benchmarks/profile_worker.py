@@ -4,8 +4,9 @@
 
 Runs one `gpumesh worker` under `py-spy record --idle`, drains a job of no-op shards, then sorts every
 sample of the worker's main thread into the part of the task's life it belongs to: dispatch.lua
-picks and leases the next task, the worker delivers it to its own RQ queue (Broker.deliver), RQ pops
-it from there and runs gpumesh's executor, which ends with complete.lua.
+picks and leases the next task, the worker delivers it to its own RQ queue and pops it in the same
+transaction (Broker.deliver), RQ runs gpumesh's executor, which ends with complete.lua, and records the run
+(RQ's bookkeeping: RQ's code, and the worker's own transactions in its place).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ PARTS = [
     ("gpumesh: complete.lua", ["complete (gpumesh"]),
     ("gpumesh: ship the log lines", ["LogShipper"]),
     ("RQ: pop the delivery from the worker's own queue", ["dequeue_any", "dequeue_job_and_maintain_ttl (rq"]),
+    ("RQ: per-job bookkeeping (state, registries, result)", ["_record_success (gpumesh", "prepare_execution (gpumesh"]),
 ]
 # Only when no frame of the stack names one of PARTS: the deliver step runs RQ's enqueue code, and
 # must not count as RQ's bookkeeping because its innermost frames are RQ's.

@@ -12,8 +12,8 @@ task does what `gpumesh worker` does around it:
   2. the delivery to its own RQ queue `gpumesh-w-<id>` (Broker.deliver): RQ's own commands (SADD
      rq:queues, HSET of the RQ job hash, RPUSH), recorded once from a real `Queue.enqueue_many`
      and replayed with each task's id;
-  3. RQ's pop: the LMOVE of its queue (replayed as LPOP), which the worker sends in the same transaction
-     as the delivery and so never reads back the RQ job it has just written; a revision run with
+  3. RQ's pop: the LMOVE of its queue, which the worker sends in the delivery's transaction and so never
+     reads back the RQ job it has just written (replayed as an LPOP in the next round); a revision run with
      --against (every one before that change) read it back with HGETALL (Job.fetch), replayed for it;
   4. complete.lua with the lease token.
 Variant `delivery` does all four (what a real worker asks of Redis); variant `bare` leaves out 2
@@ -502,7 +502,8 @@ def main() -> None:
         f"\n\nRounds of up to {args.workers:,} workers' next step each ({any_sim['rounds']:,} rounds), two groups "
         "of workers in flight at once so Redis never waits for the harness: dispatch.lua; "
         + (f"the delivery to the worker's own RQ queue ({', '.join(names)}: RQ's enqueue, replayed) and RQ's pop "
-           "(LPOP), which the worker sends in the same transaction"
+           "(an LMOVE the worker sends in the delivery's transaction; replayed here as an LPOP in the next round, "
+           "without the intermediate list or the LREM of the run's start)"
            + (f"; for {args.against}, whose worker read the RQ job back, HGETALL as well" if args.against else "")
            + "; " if names else "")
         + "complete.lua; heartbeat.lua when due. The *delivery* row includes the RQ enqueue + pop a "

@@ -114,6 +114,29 @@ def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broke
     assert seen["count"] == 0
 
 
+@pytest.mark.security
+def test_an_unreadable_rq_job_a_credential_planted_is_dropped_and_rq_s_maintenance_survives_one(
+    env, broker, mesh_worker, script
+):
+    """What a worker credential writes into RQ's keys: a job RQ's parser asserts on, at the head of a worker's
+    queue (its pop takes it before the worker's next delivery) and in the queue's intermediate list (where
+    RQ's maintenance reads). The worker drops the first, maintenance passes over the second, and it works on."""
+    w = mesh_worker.start(name="maint")
+    queue, conn = broker.queue(w.worker_id), broker.rq
+    for name in ("planted", "planted-too"):
+        conn.hset(f"rq:job:{name}", mapping={"data": "d", "timeout": "zz", "status": "queued"})
+    conn.rpush(queue.key, "planted")
+    conn.rpush(queue.intermediate_queue_key, "planted-too")
+    with gpumesh.connect() as mesh:
+        assert mesh.submit(script, [{"i": 0}]).wait(timeout=60).status == "done"
+        assert b"planted" not in conn.lrange(queue.intermediate_queue_key, 0, -1), "dropped, and gone from there"
+        w.last_cleaned_at = None  # RQ's maintenance runs at the top of the worker's next turn
+        assert mesh.submit(script, [{"i": 1}]).wait(timeout=60).status == "done"
+        wait_until(lambda: w.last_cleaned_at is not None, what="RQ's maintenance to run")
+        assert mesh.submit(script, [{"i": 2}]).wait(timeout=60).status == "done", "the worker works on"
+    assert mesh_worker.thread is not None and mesh_worker.thread.is_alive()
+
+
 # -- 2. a delivery says what it carries and how it ended ---------------------------------------------
 
 

@@ -64,6 +64,7 @@ REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
 # What a dispatch raises on garbage in Redis (a function's error, an unreadable reply or RQ job): never
 # the worker's end. (REFUSED, a ResponseError too, is caught before it.)
 BAD_DATA: tuple[type[Exception], ...] = (redis.ResponseError, ValueError, KeyError, TypeError, IndexError)
+MAINTENANCE_BAD_DATA: tuple[type[Exception], ...] = (*BAD_DATA, AssertionError)
 
 
 def refusal(job: Job) -> str | None:
@@ -73,6 +74,8 @@ def refusal(job: Job) -> str | None:
     for attr in ("_success_callback_name", "_failure_callback_name", "_stopped_callback_name"):
         if getattr(job, attr, None):
             return "refused: gpumesh jobs carry no callbacks"
+    if getattr(job, "webhooks", None):
+        return "refused: gpumesh jobs carry no webhooks"
     if len(job.args) != 1 or not isinstance(job.args[0], str) or job.kwargs:
         return "refused: a gpumesh job takes exactly one task id"
     return None
@@ -211,7 +214,7 @@ class MeshWorker(SimpleWorker):
         return max(1, math.ceil(self.settings.heartbeat_interval))
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        """Ask the dispatcher for work, deliver it to our own queue and let RQ pop it; idle, sleep until woken.
+        """Ask the dispatcher for work, deliver it to our own queue and pop it there; idle, sleep until woken.
 
         ``timeout`` None is burst mode: return None as soon as there is nothing this worker may run."""
         try:
@@ -282,7 +285,15 @@ class MeshWorker(SimpleWorker):
         except Exception as exc:  # noqa: BLE001 - whatever RQ raises on a delivery it cannot read
             log.warning("dropped an unreadable delivery from this worker's queue (%s: %s)", type(exc).__name__,
                         str(exc)[:200])  # fmt: skip
+            self._forget_popped(popped or getattr(exc, "job_id", None))
             return None
+
+    def _forget_popped(self, job_id: str | None) -> None:
+        """Take a popped id that will not run off the queue's intermediate list, where RQ's pop moved it (RQ's
+        maintenance would read it again, and quit on what it cannot read)."""
+        if job_id:
+            with contextlib.suppress(redis.RedisError):
+                self.connection.lrem(self.my_queue.intermediate_queue_key, 1, job_id)
 
     def _heartbeat_stalled(self) -> bool:
         """Whether no heartbeat has succeeded for a lease TTL: a worker whose heartbeat is stuck cannot renew
@@ -344,6 +355,8 @@ class MeshWorker(SimpleWorker):
         except redis.RedisError:
             self.dispatched.pop(lease.task_id, None)
             self.executor.hand_back(lease, "the delivery to this worker's queue failed")
+            # If the transaction ran and only its reply was lost (or one of its writes failed), its pop did too.
+            self._forget_popped(keys.rq_job_id(lease.task_id, lease.attempt, lease.backup))
             raise
         if popped is None:  # cannot be, as it was just pushed in the same transaction: pop again
             return None
@@ -414,6 +427,8 @@ class MeshWorker(SimpleWorker):
         why = refusal(job)
         if why:
             log.error("RQ job %s from %s %s", job.id, queue.name, why)
+            # Recorded failed, and nothing more: no webhook to a URL its writer chose, no retry.
+            job.webhooks, job.retries_left = [], None
             self.handle_job_failure(job, queue, exc_string=why)
             return
         try:
@@ -557,7 +572,17 @@ class MeshWorker(SimpleWorker):
 
     def run_maintenance_tasks(self) -> None:
         with self._unless_refused(), self._through_outage("maintenance"):
-            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+            try:
+                super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+            except MAINTENANCE_BAD_DATA as exc:  # RQ's parser asserts on a job a credential wrote
+                self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ types it None; it sets a datetime
+                log.warning("RQ's maintenance stopped on an RQ job it cannot read (%s: %s); carrying on",
+                            type(exc).__name__, str(exc)[:200])  # fmt: skip
+
+    def _enqueue_dependents_safely(self, queue: Any, job: Job) -> None:
+        # RQ enqueues a failed job's dependents: a delivery has none, and what a credential lists there is
+        # not a worker's to enqueue (see _record_success).
+        return
 
     def handle_execution_ended(self, job: Job, queue: Any, heartbeat_ttl: int) -> None:
         # RQ writes the job's last heartbeat here, and saves the whole job in the same moment (success or
