@@ -4,10 +4,12 @@ Every test runs against both executors: fresh (a new interpreter per task) and w
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -17,8 +19,10 @@ import redis
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.webhook import Webhook
 
 from gpumesh.store import keys
+from gpumesh.store.broker import EXECUTOR
 
 from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until, written
 
@@ -210,6 +214,48 @@ def test_worker_refuses_an_rq_job_that_is_not_gpumesh_s_executor(env, workers: W
     assert not marker.exists()
     assert Job.fetch(evil.id, connection=conn, serializer=JSONSerializer).get_status() == "failed"
     assert "not gpumesh's executor" in workers.log(0)
+
+
+@pytest.mark.security
+def test_a_refused_rq_job_calls_no_webhook_its_writer_chose(env, workers: Workers, r: redis.Redis, tmp_path):
+    """Whoever can write RQ's keys can give a job webhooks: RQ would call them from the worker's machine
+    (any URL it reaches) when the job fails. A job the worker refuses is recorded failed, and nothing more."""
+    hits: list[str] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            hits.append(self.path)
+            self.send_response(204)
+            self.end_headers()
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        conn = redis.Redis.from_url(env["GPUMESH_URL"])
+        workers.start()
+        (wid,) = r.zrange(keys.WORKERS, 0, -1)
+        q = Queue(keys.queue_name(wid), connection=conn, serializer=JSONSerializer)
+        url = f"http://127.0.0.1:{server.server_port}"
+        evil = [
+            q.enqueue("os.getpid", webhooks=[Webhook(f"{url}/not-ours", "failed")]),
+            q.enqueue(EXECUTOR, "some-task", webhooks=[Webhook(f"{url}/ours-with-a-hook", "failed")]),
+        ]
+        script = write_script(tmp_path, "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n")
+        p = gpumesh("submit", str(script), "--payloads", "-", "--wait", env=env, input='[{"i": 0}]')
+        assert p.returncode == 0, p.stderr
+        for job in evil:
+            assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+        time.sleep(0.5)  # RQ sends a webhook right after it records the failure
+        assert hits == []
+        assert "carry no webhooks" in workers.log(0)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.processes
