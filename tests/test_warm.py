@@ -90,6 +90,42 @@ def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_
         z.close()
 
 
+@pytest.mark.security
+def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_of_the_attempt():
+    """The zygote forks the next attempt's supervisor ahead; one killed while it waits (the OOM killer, an
+    operator) is replaced when the attempt comes, by a fork that must not keep the attempt's reply socket
+    (on which a task could tell the worker its own outcome) or a second copy of its stdio."""
+    import psutil
+
+    z = Zygote()
+    z.start()
+    try:
+        assert run(z, "print('{}')").returncode == 0
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        wait_until(lambda: len(zygote.children()) == 1, what="only the spare left")
+        spare = zygote.children()[0]
+        spare.kill()
+        wait_until(lambda: not zygote.children(), what="the zygote to reap its spare")
+        out = run(
+            z,
+            """
+            import json, os
+            fds = {}
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:  # the directory listdir itself had open
+                    pass
+            print(json.dumps(fds))
+            """,
+        )
+    finally:
+        z.close()
+    assert out.returncode == 0, list(out.stderr_tail)
+    assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
+
+
 @pytest.mark.processes
 def test_bad_preload_is_a_one_line_startup_error_and_joins_nothing(env, r: redis.Redis):
     p = gpumesh("worker", "--score", "5", "--warm", "--preload", "json,no_such_module_xyz", env=env)

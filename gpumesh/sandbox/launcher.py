@@ -717,8 +717,8 @@ class _Forks:
         """Send the request and its descriptors to the waiting spare: the pid of the supervisor that took it."""
         import socket
 
-        for _try in range(2):  # a spare that died meanwhile is replaced once
-            spare_pid, spare_sock = self.spare or _fork_spare(self.own(), self.isolation)
+        for _try in range(2):  # a spare that died meanwhile is replaced once (closing the request's descriptors)
+            spare_pid, spare_sock = self.spare or _fork_spare([*self.own(), *fds], self.isolation)
             self.spare = None
             try:
                 socket.send_fds(spare_sock, [msg], fds)
