@@ -11,6 +11,7 @@ running as ``nobody``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pwd
@@ -48,11 +49,13 @@ def nobody() -> tuple[int, int]:
     return entry.pw_uid, entry.pw_gid
 
 
-def attempt(source: str, mode: Any, **limits: Any) -> tuple[sandbox.Attempt, list[tuple[str, str]]]:
+def attempt(
+    source: str, mode: Any, env: dict[str, str] | None = None, **limits: Any
+) -> tuple[sandbox.Attempt, list[tuple[str, str]]]:
     lines: list[tuple[str, str]] = []
     lim = sandbox.Limits(**{"timeout": 30, "memory_bytes": 0, "grace": 1.0, **limits})
     out = sandbox.run(
-        textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: lines.append((s, line)), lambda: None,
+        textwrap.dedent(source), "task.py", "{}", env or {}, lim, lambda s, line: lines.append((s, line)), lambda: None,
         zygote=mode.get("zygote"), spares=mode.get("spares"),
     )  # fmt: skip
     return out, lines
@@ -124,7 +127,7 @@ def test_a_task_that_kills_its_supervisor_leaves_nothing_running(mode, user, cgr
     if cgroup and tree.cgroup_base() is None:
         pytest.skip("this process may not make cgroups here")
     if not cgroup:  # as where no cgroup is delegated: the worker, as subreaper, must find what escaped
-        monkeypatch.setattr(tree, "new_cgroup", lambda: None)
+        monkeypatch.setattr(tree, "attempt_cgroups", lambda owner=None: (None, None))
     extra: dict[str, Any] = {"user": nobody(), "python": SYSTEM_PYTHON} if user else {}
     if user and "zygote" in mode:  # the zygote must run the interpreter the task user can read
         mode["zygote"].close()
@@ -152,16 +155,82 @@ def test_under_isolation_a_task_cannot_even_signal_its_supervisor(mode):
         assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
 
 
+def _own_cgroups(base: str) -> set[str]:
+    return {n for n in os.listdir(base) if n.startswith(f"{tree.CGROUP_PREFIX}{os.getpid()}-")}
+
+
 @pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")
 def test_where_a_cgroup_is_delegated_each_attempt_runs_in_its_own_and_it_goes_with_it(mode):
-    out, lines = attempt("print(open('/proc/self/cgroup').read().replace(chr(10), ' '))", mode)
-    assert out.returncode == 0, lines
-    (own,) = [row.split(":", 2)[2] for row in (out.last_line or "").split() if tree.CGROUP_PREFIX in row][:1]
+    """One cgroup per attempt, shared with nothing (the next attempt's spare waits in the next one), each
+    removed once its attempt is over, and nothing left once the executor stops."""
     base = tree.cgroup_base()
     assert base is not None
-    gone = os.path.join(base, os.path.basename(own))
-    # removed at once, or (the kernel lets go of an emptied cgroup a few ms late) by the next release
-    wait_until(lambda: (tree.release_cgroups(), not os.path.exists(gone))[1], timeout=5, what="its cgroup to go")
+    before = _own_cgroups(base)
+    source = """
+        import os
+        cg = [row.split(":", 2)[2] for row in open("/proc/self/cgroup").read().split() if "gpumesh-attempt-" in row][0]
+        print(cg + " " + open(f"{os.environ['BASE']}/{cg}/cgroup.procs").read().replace(chr(10), ","))
+        """
+
+    def gone(path: str) -> bool:
+        tree.release_cgroups()  # removed at once, or (the kernel lets go of an emptied cgroup a few ms late) now
+        return not os.path.exists(path)
+
+    seen = []
+    for _ in range(3):
+        out, lines = attempt(source, mode, env={"BASE": base})
+        assert out.returncode == 0, lines
+        own, members = (out.last_line or "").split(" ")
+        seen.append(own)
+        # the supervisor and the script: no spare waiting for another attempt
+        assert len([m for m in members.split(",") if m]) == 2, members
+        wait_until(
+            functools.partial(gone, os.path.join(base, os.path.basename(own))), timeout=5, what="its cgroup to go"
+        )
+    assert len(set(seen)) == 3, seen
+    (mode.get("zygote") or mode.get("spares") or sandbox.Spares()).close()
+    wait_until(lambda: (tree.release_cgroups(), _own_cgroups(base) <= before)[1], timeout=5, what="no cgroup left")
+
+
+@pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")
+def test_attempts_forked_side_by_side_from_one_zygote_each_run_alone_in_a_cgroup_of_their_own():
+    """The cgroup made ahead for a zygote's next attempt is one attempt's: attempts that overlap get their own."""
+    import threading
+
+    base = tree.cgroup_base()
+    assert base is not None
+    source = textwrap.dedent(
+        """
+        import os, time
+        cg = [row.split(":", 2)[2] for row in open("/proc/self/cgroup").read().split() if "gpumesh-attempt-" in row][0]
+        time.sleep(0.3)
+        print(cg + " " + open(f"{os.environ['BASE']}/{cg}/cgroup.procs").read().replace(chr(10), ","))
+        """
+    )
+    z = Zygote()
+    z.start()
+    results: list[sandbox.Attempt] = []
+
+    def one() -> None:
+        lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0)
+        for _ in range(3):
+            results.append(
+                sandbox.run(source, "task.py", "{}", {"BASE": base}, lim, lambda s, line: None, lambda: None, z)
+            )
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        z.close()
+    assert len(results) == 9 and all(out.returncode == 0 for out in results), [r.stderr_tail for r in results]
+    rows = [(out.last_line or "").split(" ") for out in results]
+    assert len({own for own, _ in rows}) == 9, rows
+    for own, members in rows:  # the supervisor and the script, nothing of another attempt, no spare
+        assert len([m for m in members.split(",") if m]) == 2, (own, members)
 
 
 # -- 1. no escalation ---------------------------------------------------------------------------------------
@@ -535,7 +604,7 @@ def test_a_task_that_leaves_its_cgroup_and_kills_its_supervisor_leaves_nothing_r
 
 def test_a_supervisor_that_cannot_join_its_attempt_s_cgroup_runs_nothing(mode, monkeypatch, tmp_path: Path):
     """The worker made the attempt a cgroup: a task that would run outside it does not run at all."""
-    monkeypatch.setattr(tree, "new_cgroup", lambda: str(tmp_path / "not-a-cgroup"))
+    monkeypatch.setattr(tree, "attempt_cgroups", lambda owner=None: (str(tmp_path / "not-a-cgroup"), None))
     marker = tmp_path / "ran"
     out, lines = attempt(f"open({str(marker)!r}, 'w').write('ran')", mode)
     assert out.returncode == 70, (lines, out.describe_exit())

@@ -412,6 +412,23 @@ def remove_dir_of(path: str, prefix: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _in_cgroup(path: str) -> bool:
+    """Whether this process is a member of the cgroup ``path`` itself (not of a child of it)."""
+    with open(os.path.join(path, "cgroup.procs")) as f:
+        return str(os.getpid()) in f.read().split()
+
+
+def _join_ahead(path: str) -> None:
+    """A spare, before its attempt comes: move into ``path``, the cgroup the worker made for the attempt it
+    will most likely be handed (its supervisor joins the right one itself, checking, if that is another)."""
+    if path != "-":
+        try:
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write("0")
+        except OSError:
+            pass
+
+
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
     isolation: str = "-", cgroup: str = "-", *, report: tuple[int, int] | None = None, cwd: str | None = None,
@@ -426,9 +443,10 @@ def supervise(
     ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped."""
     libc = _syscall()[1]
     if cgroup != "-":
-        try:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                f.write("0")  # this process; all it starts is born in the attempt's cgroup
+        try:  # this process; all it starts is born in the attempt's cgroup
+            if not _in_cgroup(cgroup):  # a spare the worker (or it itself) moved there ahead is in it already
+                with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                    f.write("0")
         except OSError as exc:  # the worker said the attempt runs in it: never run it outside
             print(f"gpumesh: could not join the attempt's cgroup ({exc}); the task did not run", file=sys.stderr)
             if report is not None:
@@ -699,9 +717,11 @@ class _Forks:
             os._exit(0)
         reply = socket.socket(fileno=fds[0])
         try:  # the spare forked after this attempt builds its rules ahead (the spare takes other rules too)
-            self.isolation = str(json.loads(msg)["limits"][6])
-        except (ValueError, KeyError, IndexError, TypeError):
-            self.isolation = "-"
+            req = json.loads(msg)
+            self.isolation = str(req["limits"][6])
+            ahead = str(req.get("ahead") or "-")  # and moves into the next attempt's cgroup, made ahead for it
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            self.isolation, ahead = "-", "-"
         pid = self.hand_to_spare(msg, fds)
         for fd in fds[1:]:
             os.close(fd)
@@ -711,7 +731,7 @@ class _Forks:
             self.replies[pid] = reply
         else:
             reply.close()
-        self.spare = _fork_spare(self.own(), self.isolation)  # the next attempt's, forked while this one runs
+        self.spare = _fork_spare(self.own(), self.isolation, ahead)  # the next attempt's, forked while this one runs
 
     def hand_to_spare(self, msg: bytes, fds: list[int]) -> int | None:
         """Send the request and its descriptors to the waiting spare: the pid of the supervisor that took it."""
@@ -823,9 +843,10 @@ def spare(ctrl_fd: int, parent: int, isolation: str = "-") -> int:
     return _become_attempt(json.loads(msg), fds, parent)
 
 
-def _fork_spare(own: list[int], isolation: str = "-") -> tuple[int, socket.socket]:
+def _fork_spare(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple[int, socket.socket]:
     """Fork the next attempt's supervisor ahead of time; it waits for its request on a socket, with the
-    Landlock rule set of ``isolation`` (the last attempt's rules) built already (:func:`prepare_landlock`).
+    Landlock rule set of ``isolation`` (the last attempt's rules) built already (:func:`prepare_landlock`),
+    moved into the cgroup ``ahead`` (the next attempt's, made for it) already.
 
     Forking a process that imported torch costs ~20 ms here: paid while the previous attempt runs,
     not when the next one is asked for. The spare dies with the zygote until it has an attempt."""
@@ -847,6 +868,7 @@ def _fork_spare(own: list[int], isolation: str = "-") -> tuple[int, socket.socke
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if _parent_gone(zygote_pid):
             os._exit(70)
+        _join_ahead(ahead)
         prepare_landlock(isolation)
         msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 4)
         theirs.close()

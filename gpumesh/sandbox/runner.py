@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,36 +118,45 @@ class Spares:
     """
 
     def __init__(self) -> None:
-        self._spare: tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None = None
+        self._spare: _Spare | None = None
 
     def start(
-        self, limits: Limits, script: str, cwd: str, env: Mapping[str, str], rlimits: list[Any], stdin: int
+        self,
+        limits: Limits,
+        script: str,
+        cwd: str,
+        env: Mapping[str, str],
+        rlimits: list[Any],
+        stdin: int,
+        ahead: str | None = None,
     ) -> subprocess.Popen[bytes] | None:
-        """Hand this attempt to the waiting spare and start the next one; None: start this one cold."""
+        """Hand this attempt to the waiting spare and start the next one, moved into ``ahead`` (the next
+        attempt's cgroup) while this one runs; None: start this one cold."""
         if limits.user is not None:  # the launcher must be a copy the task's user can read: cold, always
             return None
         python = limits.python or sys.executable
         spare, self._spare = self._spare, None
         proc = None
         if spare is not None:
-            proc, ctrl, spare_python, spare_env = spare
+            proc = spare.proc
+            spare.moved()  # before anything may reap it
             try:
-                if spare_python != python or spare_env != _startup_env(env) or proc.poll() is not None:
+                if spare.python != python or spare.env != _startup_env(env) or proc.poll() is not None:
                     raise OSError("this spare cannot serve the attempt")
                 req = {"script": script, "cwd": cwd, "env": dict(env), "limits": rlimits}
-                socket.send_fds(ctrl, [json.dumps(req).encode()], [stdin])
+                socket.send_fds(spare.ctrl, [json.dumps(req).encode()], [stdin])
             except OSError:
                 _discard(proc)
                 proc = None
             finally:
-                ctrl.close()
-        self._spare = self._launch(python, str(rlimits[6]))
+                spare.ctrl.close()
+        self._spare = self._launch(python, str(rlimits[6]), ahead)
         return proc
 
-    def _launch(
-        self, python: str, isolation: str = "-"
-    ) -> tuple[subprocess.Popen[bytes], socket.socket, str, dict[str, str]] | None:
-        """Start the next spare; it builds ``isolation`` (the last attempt's Landlock rules) while it waits."""
+    def _launch(self, python: str, isolation: str = "-", ahead: str | None = None) -> _Spare | None:
+        """Start the next spare; it builds ``isolation`` (the last attempt's Landlock rules) while it waits, and
+        this process moves it into the cgroup ``ahead`` meanwhile (from the interpreter's first instant: the move
+        can wait tens of ms for the kernel, more than the spare's own start)."""
         env = clean_env({})
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = launcher_command(python)
@@ -162,14 +172,32 @@ class Spares:
             return None  # the attempt's own cold start will say what is wrong
         finally:
             theirs.close()
-        return proc, mine, python, _startup_env(env)
+        return _Spare(proc, mine, python, _startup_env(env), tree.move_ahead(ahead, proc.pid) if ahead else None)
 
     def close(self) -> None:
         """Stop the waiting spare, if any."""
         spare, self._spare = self._spare, None
         if spare is not None:
-            spare[1].close()
-            _discard(spare[0])
+            spare.ctrl.close()
+            spare.moved()
+            _discard(spare.proc)
+        tree.drop_ahead(self)
+
+
+@dataclass
+class _Spare:
+    proc: subprocess.Popen[bytes]
+    ctrl: socket.socket
+    python: str
+    env: dict[str, str]
+    move: Future[None] | None  # its move into the next attempt's cgroup, under way
+
+    def moved(self) -> None:
+        """Wait for the move (its outcome does not matter: the supervisor checks, and joins if it must). Until
+        then the spare must not be reaped, or the move might take a process that was given its pid."""
+        if self.move is not None:
+            self.move.exception()
+            self.move = None
 
 
 def _discard(proc: subprocess.Popen[bytes]) -> None:
@@ -254,13 +282,16 @@ def run(
     output_dir = os.path.join(workdir, "output")
     proc: AttemptProcess | None = None
     since = None
-    cgroup = None
+    cgroup = ahead = owner = None
     swept = False  # what escaped the attempt was killed already
     try:
         full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
-        cgroup = tree.new_cgroup()
+        # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
+        # a --sandbox-user, whose attempts start cold).
+        owner = zygote if zygote is not None else spares if limits.user is None else None
+        cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup)
+            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         _watch(proc, out, limits, on_line, should_stop, started)
@@ -279,6 +310,8 @@ def run(
         if collect is not None and out.returncode == 0 and not out.killed:
             out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
     finally:
+        if ahead is not None:
+            tree.attempt_ended(owner)
         if cgroup is not None:
             tree.end_cgroup(cgroup)
         if proc is not None and not swept:
@@ -328,9 +361,11 @@ def _start(
     zygote: Zygote | None,
     spares: Spares | None,
     cgroup: str | None = None,
+    ahead: str | None = None,
 ) -> AttemptProcess:
     """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
-    ``cgroup``: the attempt's own, which its supervisor joins."""
+    ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
+    spare moves into."""
     with tempfile.TemporaryFile() as stdin:
         stdin.write(payload.encode())
         stdin.seek(0)
@@ -342,9 +377,9 @@ def _start(
         ]  # fmt: skip
         proc: AttemptProcess | None = None
         if zygote is not None:
-            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno())
+            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead)
         elif spares is not None:
-            proc = spares.start(limits, script, workdir, env, rlimits, stdin.fileno())
+            proc = spares.start(limits, script, workdir, env, rlimits, stdin.fileno(), ahead)
         if proc is None:
             # Started outside the task's directory (the launcher moves there itself), so that nothing the
             # task's files are named (signal.py, gpumesh.py) is found first on the launcher's sys.path.

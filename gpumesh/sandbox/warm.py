@@ -148,8 +148,11 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def spawn(self, script: str, cwd: str, env: Mapping[str, str], limits: Sequence[Any], stdin: int) -> WarmProcess:
-        """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid)."""
+    def spawn(
+        self, script: str, cwd: str, env: Mapping[str, str], limits: Sequence[Any], stdin: int, ahead: str | None = None
+    ) -> WarmProcess:
+        """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid,
+        Landlock rules, cgroup). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into."""
         with self._lock:
             if not self.alive():
                 if self.started:
@@ -161,7 +164,7 @@ class Zygote:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits)}
+                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"}
                 socket.send_fds(self._ctrl, [json.dumps(req).encode()], [theirs.fileno(), stdin, out_w, err_w])
             except OSError as exc:
                 for fd in (out_r, err_r):
@@ -199,3 +202,4 @@ class Zygote:
                 self.proc.wait()
             tree.helper(self.proc.pid, alive=False)
             tree.reap_orphans()  # its spare, which died with it, came to this process if it is a subreaper
+        tree.drop_ahead(self)  # the cgroup its spare had moved into
