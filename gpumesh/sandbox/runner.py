@@ -150,6 +150,7 @@ class Spares:
                 proc = None
             finally:
                 spare.ctrl.close()
+                tree.helper(spare.proc.pid, alive=False)  # the attempt's launcher now (tree.started), or gone
         self._spare = self._launch(python, str(rlimits[6]), ahead)
         return proc
 
@@ -172,6 +173,7 @@ class Spares:
             return None  # the attempt's own cold start will say what is wrong
         finally:
             theirs.close()
+        tree.helper(proc.pid)
         return _Spare(proc, mine, python, _startup_env(env), tree.move_ahead(ahead, proc.pid) if ahead else None)
 
     def close(self) -> None:
@@ -181,6 +183,7 @@ class Spares:
             spare.ctrl.close()
             spare.moved()
             _discard(spare.proc)
+            tree.helper(spare.proc.pid, alive=False)
         tree.drop_ahead(self)
 
 

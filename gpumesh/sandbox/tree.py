@@ -32,7 +32,9 @@ PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.RLock()
 _subreaper = False
 _running: set[int] = set()  # launchers of attempts running in this process now
-_helpers: set[int] = set()  # long-lived children in sessions of their own (the warm zygote), waited for by their owner
+# Children that their owner waits for, never reaped here: the warm zygote, in a session of its own, and fresh
+# spares, in the worker's, until they are handed their attempt.
+_helpers: set[int] = set()
 
 
 def become_subreaper() -> bool:
@@ -76,7 +78,8 @@ class launching:  # noqa: N801 - used as a context manager, like a lock
 
 
 def helper(pid: int, alive: bool = True) -> None:
-    """A child of this process, in a session of its own, that its owner waits for (the zygote): never reaped here."""
+    """A child of this process that its owner waits for (the zygote, a fresh spare): never reaped here, and no
+    orphan of an attempt (an attempt's end then finds nothing to look into: see kill_escaped)."""
     with _lock:
         (_helpers.add if alive else _helpers.discard)(pid)
 
@@ -95,8 +98,10 @@ def reap_orphans() -> None:
     own_session = os.getsid(0)
     with _lock:
         for pid in children():
+            if pid in _running or pid in _helpers:
+                continue
             st = _stat(pid)
-            if pid in _running or pid in _helpers or st is None or st[0] == own_session or _state(pid) != b"Z":
+            if st is None or st[0] == own_session or _state(pid) != b"Z":
                 continue
             try:
                 os.waitpid(pid, os.WNOHANG)
@@ -131,8 +136,10 @@ def kill_escaped(launcher: int, since: int | None) -> int:
         orphans = []
         with _lock:
             for pid in children():
+                if pid in _running or pid in _helpers:
+                    continue
                 st = _stat(pid)
-                if pid in _running or pid in _helpers or st is None:
+                if st is None:
                     continue
                 if st[0] != own_session and st[1] >= since:
                     orphans.append(pid)
@@ -361,13 +368,12 @@ def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, i
             os.close(leaving)
             leaving = None
     try:
-        only_supervisor = _kill_members(
-            path, time.monotonic() + timeout, supervisor[0] if supervisor else None, leaving
-        )
+        ended = _kill_members(path, time.monotonic() + timeout, supervisor[0] if supervisor else None, leaving)
     finally:
         if leaving is not None:
             os.close(leaving)
-    if not only_supervisor:  # what was KILLed here and came to this subreaper (a lone supervisor is not ours)
+    only_supervisor = ended == "supervisor"
+    if ended == "killed":  # what was KILLed here and came to this subreaper (a lone supervisor is not ours)
         reap_orphans()
     try:
         os.rmdir(path)
@@ -389,20 +395,21 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: int | None) -> bool:
-    """KILL the members of ``path`` until none is left (False), or only the ``supervisor`` (True: KILLed, through
-    its pidfd ``leaving``, and not waited for)."""
-    delay = 0.0002
+def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: int | None) -> str:
+    """KILL the members of ``path`` until none is left ("empty": none there at all; "killed": all KILLed and
+    gone), or only the ``supervisor`` ("supervisor": KILLed, through its pidfd ``leaving``, and not waited for)."""
+    delay, killed = 0.0002, False
     while time.monotonic() < deadline:
         members = cgroup_members(path)
         if not members:
-            return False
+            return "killed" if killed else "empty"
         if leaving is not None and members == [supervisor]:
             try:
                 signal.pidfd_send_signal(leaving, signal.SIGKILL)
             except OSError:
                 pass
-            return True
+            return "supervisor"
+        killed = True
         try:
             with open(os.path.join(path, "cgroup.kill"), "w") as f:  # v2, Linux 5.14+: the whole group at once
                 f.write("1")
@@ -415,7 +422,7 @@ def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: i
         reap_orphans()
         time.sleep(delay)
         delay = min(delay * 2, 0.005)
-    return False
+    return "killed"
 
 
 @functools.cache
