@@ -360,3 +360,74 @@ def test_rq_dashboard_as_gpumesh_runs_it_reads_busy_workers_and_unpickles_nothin
                                                      "last_heartbeat": time.time(), "worker_name": "planted"})  # fmt: skip
     client.get("/0/data/workers.json")  # the planted job cannot be read: an error page, nothing more
     assert not marker.exists(), "rq-dashboard ran what a worker credential planted"
+
+
+# -- the worker's success record is RQ's, in one round trip -------------------------------------------------
+
+_TIMES = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z?")
+
+
+def _snapshot(client: redis.Redis) -> dict[str, Any]:
+    """Every key RQ left (name, type, whether it expires and roughly when) and its contents, timestamps
+    and durations masked: what rq-dashboard and `rq info` read."""
+    out: dict[str, Any] = {}
+    for name in sorted(client.keys("*")):
+        kind = client.type(name)
+        ttl = client.ttl(name)
+        if kind == b"hash":
+            body: Any = {
+                f: (b"<time>" if _TIMES.fullmatch(v) else v)
+                for f, v in client.hgetall(name).items()
+                if f
+                not in (b"total_working_time", b"last_heartbeat", b"birth", b"started_at", b"ended_at", b"ip_address")
+            }
+        elif kind == b"zset":
+            body = [m for m, _ in client.zrange(name, 0, -1, withscores=True)]
+        elif kind == b"list":
+            body = client.lrange(name, 0, -1)
+        elif kind == b"set":
+            body = sorted(client.smembers(name))
+        elif kind == b"stream":
+            body = [sorted(fields) for _id, fields in client.xrange(name)]
+        else:
+            body = kind
+        out[name.decode()] = (kind, "persists" if ttl == -1 else round(ttl, -2), body)
+    return out
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("result_ttl", [None, 0, -1], ids=["default", "zero", "forever"])
+def test_a_worker_records_a_finished_run_as_rq_does(redis_server: RedisServer, result_ttl):
+    """MeshWorker._record_success is RQ's handle_job_success without the read of the job's dependents: run
+    one job through each, in two databases of one server, and the keys they leave are the same."""
+    from rq.worker import SimpleWorker
+
+    from gpumesh.worker.worker import MeshWorker
+
+    class Recorded(SimpleWorker):
+        def handle_job_success(self, job, queue, started_job_registry, execution):  # type: ignore[no-untyped-def]
+            MeshWorker._record_success(self, job, execution)  # type: ignore[arg-type]
+
+    dbs = [redis.Redis.from_url(redis_server.url, db=db) for db in (2, 3)]  # RQ's own, ours
+    states = []
+    try:
+        for client, worker_class in zip(dbs, (SimpleWorker, Recorded)):
+            client.flushdb()
+            q = Queue("parity", connection=client, serializer=JSONSerializer)
+            q.enqueue_call("builtins.len", args=([1, 2, 3],), job_id="j1", result_ttl=result_ttl)
+            w = worker_class([q], connection=client, name="w1", serializer=JSONSerializer)
+            assert w.work(burst=True)
+            job = Job.fetch("j1", connection=client, serializer=JSONSerializer) if client.exists("rq:job:j1") else None
+            states.append((_snapshot(client), job.get_status() if job else None, job and job.return_value()))
+    finally:
+        for client in dbs:
+            client.flushdb()
+            client.close()
+    rq_state, ours = states
+    differ = {k: (rq_state[0].get(k), ours[0].get(k)) for k in rq_state[0].keys() | ours[0].keys()
+              if rq_state[0].get(k) != ours[0].get(k)}  # fmt: skip
+    assert not differ and ours[1:] == rq_state[1:], differ
+    if result_ttl == 0:
+        assert rq_state[1] is None, "result_ttl=0: the job is gone once it ran"
+    else:
+        assert rq_state[1] == "finished" and rq_state[2] == 3
