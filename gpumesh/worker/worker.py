@@ -29,16 +29,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 import redis
 from rq.exceptions import StopRequested
-from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
@@ -51,20 +49,13 @@ from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
 from gpumesh.worker import executor, reaper
 from gpumesh.worker.logship import LogShipper
+from gpumesh.worker.rqworker import BAD_DATA, REFUSED, LeanRQWorker
 
 log = logging.getLogger("gpumesh.worker")
 
 SWEEP_INTERVAL = 60.0  # s between sweeps for the task directories of workers that died here
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
-# The broker refuses this worker's credentials: its ACL user was deleted or disabled (`gpumesh access revoke`),
-# or stripped of the commands a worker needs. Nothing it does can succeed any more.
-RQ_BEAT_EVERY = 1.0  # s: RQ's own beat of the worker's record, and its state, at most this often from RQ's loop
-REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
-# What a dispatch raises on garbage in Redis (a function's error, an unreadable reply or RQ job): never
-# the worker's end. (REFUSED, a ResponseError too, is caught before it.)
-BAD_DATA: tuple[type[Exception], ...] = (redis.ResponseError, ValueError, KeyError, TypeError, IndexError)
-MAINTENANCE_BAD_DATA: tuple[type[Exception], ...] = (*BAD_DATA, AssertionError)
 
 
 def refusal(job: Job) -> str | None:
@@ -137,7 +128,7 @@ class MeshJob(Job):
             pipeline.hset(self.key, "meta", self.serializer.dumps(self.meta))
 
 
-class MeshWorker(SimpleWorker):
+class MeshWorker(LeanRQWorker):
     job_class = MeshJob
 
     def __init__(
@@ -187,11 +178,6 @@ class MeshWorker(SimpleWorker):
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
-        self.revoked = False  # the broker refuses our credentials outright: nothing more can be written
-        self._rq_beat_at = 0.0  # when RQ's record of this worker was last beaten (RQ_BEAT_EVERY)
-        self._rq_lost = False  # the broker went away while RQ recorded a run's success
-        self._state_written: str | None = None  # the state last sent to RQ's record
-        self._prepared: str | None = None  # the RQ job whose start prepare_execution wrote already
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self.isolation, self.isolation_said = isolation_of(self.settings)
         root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
@@ -375,7 +361,8 @@ class MeshWorker(SimpleWorker):
     def _sleep_until_woken(self, timeout: int) -> None:
         if self._state_written != WorkerStatus.IDLE and not self.revoked:
             with self._unless_refused(), self._through_outage("idle state"):
-                super().set_state(WorkerStatus.IDLE)  # what rq-dashboard shows while it waits for work
+                # RQ's own write (LeanRQWorker.set_state leaves idle to this moment): what rq-dashboard shows
+                SimpleWorker.set_state(self, WorkerStatus.IDLE)
                 self._state_written = WorkerStatus.IDLE
         self._state = WorkerStatus.IDLE
         try:
@@ -478,194 +465,6 @@ class MeshWorker(SimpleWorker):
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-
-    # -- once the broker refuses our credentials, RQ's bookkeeping is skipped and the worker stops ------
-
-    @contextlib.contextmanager
-    def _unless_refused(self) -> Iterator[None]:
-        """Around RQ's bookkeeping: once the broker refuses this worker, write nothing more and stop (RQ's
-        loop ends on StopRequested); the reaper fails what RQ still shows as started on our queue."""
-        if self.revoked:
-            raise StopRequested
-        try:
-            yield
-        except REFUSED as exc:
-            self._revoked(exc)
-            raise StopRequested from None
-
-    @contextlib.contextmanager
-    def _through_outage(self, what: str) -> Iterator[None]:
-        """Around RQ's bookkeeping between deliveries: RQ's loop quits on any error, and a broker outage or
-        failover must not end the worker. The step is skipped (RQ does it again on its next turn); gpumesh's
-        own heartbeat thread keeps the registration and lease, and says when the broker is gone."""
-        try:
-            yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("RQ's %s skipped: the broker is unreachable (%s)", what, exc)
-            time.sleep(0.5)
-
-    # -- RQ's bookkeeping per delivery, in fewer round trips -------------------------------------------
-    # RQ beats (three commands, one round trip each) before and after every pop, writes the worker's
-    # state twice a delivery (idle after the run, idle again before the pop), prepares a run in two
-    # transactions and stamps the job's heartbeat once more as it ends. gpumesh keeps its own state and
-    # lease per task: here each of those reaches Redis at most once a second, or in the transaction that
-    # follows. rq-dashboard and `rq info` see the same workers, states, registries and results.
-
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        with self._unless_refused(), self._through_outage("heartbeat"):
-            if pipeline is not None:
-                super().heartbeat(timeout, pipeline)
-                return
-            if timeout is None and time.monotonic() - self._rq_beat_at < RQ_BEAT_EVERY:
-                return  # the worker's RQ record lives for worker_ttl + 60 s: a beat a second is plenty
-            with self.connection.pipeline(transaction=False) as p:
-                super().heartbeat(timeout, p)
-                if self._state:
-                    p.hset(self.key, "state", self._state)  # and the state, once a second too
-                p.execute()
-            self._rq_beat_at = time.monotonic()
-            self._state_written = self._state or None
-
-    def set_state(self, state: str, pipeline: Any = None) -> None:
-        if self.revoked:
-            self._state = state
-            return
-        if pipeline is None and (state == self._state_written or state == WorkerStatus.IDLE):
-            # Written already, or idle between two deliveries (RQ says so after each run): written when the
-            # worker sleeps for want of work (_sleep_until_woken), or by the next beat.
-            self._state = state
-            return
-        super().set_state(state, pipeline)
-        self._state_written = state
-
-    def prepare_execution(self, job: Job) -> Any:
-        """RQ's two transactions before a run (the execution's record, then the job's start), as one."""
-        with self._unless_refused(), self.connection.pipeline() as p:
-            ttl = self.get_heartbeat_ttl(job)
-            execution = Execution.create(job, ttl, pipeline=p, worker_name=self.name)
-            self.executions[execution.id] = execution
-            self.set_state(WorkerStatus.BUSY, pipeline=p)
-            super().heartbeat(ttl, pipeline=p)
-            job.heartbeat(now(), ttl, pipeline=p)
-            job.prepare_for_execution(self.name, pipeline=p)
-            p.persist(job.key)
-            if len(self.queues) == 1:  # as RQ's perform_job asks of its prepare_job_execution
-                p.lrem(self.queue_class(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
-            p.execute()
-        self._rq_beat_at = time.monotonic()
-        self._prepared = job.id
-        return execution
-
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        if self._prepared == job.id:  # written with the execution's record
-            self._prepared = None
-            return
-        super().prepare_job_execution(job, remove_from_intermediate_queue)
-
-    def check_for_suspension(self, burst: bool) -> None:
-        # RQ's `rq suspend` (the key rq:suspended) is not a gpumesh feature: RQ would pause every worker
-        # (and end burst ones) for whoever writes that key, and any worker credential may write RQ's keys.
-        # gpumesh stops workers with its own controls (the epoch, revoking a credential, a signal), so
-        # the key is ignored here.
-        if self.revoked:
-            raise StopRequested
-
-    def run_maintenance_tasks(self) -> None:
-        with self._unless_refused(), self._through_outage("maintenance"):
-            try:
-                super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
-            except MAINTENANCE_BAD_DATA as exc:  # RQ's parser asserts on a job a credential wrote
-                self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ types it None; it sets a datetime
-                log.warning("RQ's maintenance stopped on an RQ job it cannot read (%s: %s); carrying on",
-                            type(exc).__name__, str(exc)[:200])  # fmt: skip
-
-    def _enqueue_dependents_safely(self, queue: Any, job: Job) -> None:
-        # RQ enqueues a failed job's dependents: a delivery has none, and what a credential lists there is
-        # not a worker's to enqueue (see _record_success).
-        return
-
-    def handle_execution_ended(self, job: Job, queue: Any, heartbeat_ttl: int) -> None:
-        # RQ writes the job's last heartbeat here, and saves the whole job in the same moment (success or
-        # failure, next): that save carries it. Once revoked, RQ's loop ends here (its failure path too).
-        if self.revoked:
-            raise StopRequested
-        if self._rq_lost:
-            self._rq_lost = False
-            raise redis.ConnectionError("the broker was lost while RQ recorded the run")
-        job.ended_at = job.last_heartbeat = now()
-
-    def handle_job_success(self, job: Job, queue: Any, started_job_registry: Any, execution: Any) -> None:
-        with self._unless_refused():
-            try:
-                if job.repeats_left is None and not job.has_rate_limit:
-                    self._record_success(job, execution)
-                else:  # not a delivery of ours (those never repeat, nor have a rate limit): RQ's own way
-                    super().handle_job_success(job, queue, started_job_registry, execution)
-            except (redis.ConnectionError, redis.TimeoutError):
-                # RQ's loop takes any error here for the job's own and records it failed: the broker is what
-                # failed (the task was reported, or its lease lapses), so handle_execution_ended, which RQ's
-                # failure path calls first, raises it again and execute_job waits for the broker.
-                self._rq_lost = True
-                raise
-
-    def _record_success(self, job: Job, execution: Any) -> None:
-        """RQ's handle_job_success (rq 3.0) for a delivery, in one transaction and one round trip. RQ first
-        WATCHes the job's dependents set and reads it, to enqueue the jobs that waited for this one: two
-        round trips a task here, for a set that Broker.deliver never makes, and which only some credential
-        writing into Redis could fill. Its counts, result, registries and the execution's record are RQ's."""
-        with self.connection.pipeline() as p:
-            self.increment_successful_job_count(pipeline=p)
-            assert job.started_at is not None and job.ended_at is not None  # set by RQ's run, as RQ asserts
-            self.increment_total_working_time(job.ended_at - job.started_at, p)
-            result_ttl = job.get_result_ttl(self.default_result_ttl)
-            if result_ttl != 0:
-                job._handle_success(
-                    result_ttl, pipeline=p, worker_name=self.name, execution_id=execution.id,
-                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at,
-                )  # fmt: skip
-            job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
-            self.cleanup_execution(job, pipeline=p, execution=execution)
-            p.execute()
-        job._status = JobStatus.FINISHED
-        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
-                      self.name)  # fmt: skip
-
-    def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
-                           execution: Any = None) -> None:  # fmt: skip
-        with self._unless_refused():
-            super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
-
-    def set_shutdown_requested_date(self) -> None:
-        # Runs in the signal handler, for display only: it must not raise into the task it interrupts.
-        if not self.revoked:
-            with contextlib.suppress(redis.RedisError):
-                super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
-
-    def register_death(self) -> None:
-        if self.revoked:
-            return
-        try:
-            super().register_death()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
-        except REFUSED as exc:
-            self._revoked(exc)
-
-    def unsubscribe(self) -> None:
-        if self.revoked:  # the channel's connection is gone for good: stop listening, say nothing
-            if self.pubsub_thread:
-                self.pubsub_thread.stop()
-                self.pubsub_thread.join(timeout=1)
-            return
-        super().unsubscribe()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
-
-    def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
-        if isinstance(exc, REFUSED) or self.revoked:
-            self._revoked(exc)
-            pubsub_thread.stop()
-        elif isinstance(exc, redis.ConnectionError):
-            log.debug("RQ's command channel lost the broker (%s); retrying", exc)  # the heartbeat reports it
-            time.sleep(2.0)
-        else:
-            super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         self._work_thread = threading.current_thread()
