@@ -52,6 +52,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (isolation, cgroup) in cases.items():
                 tree._cgroup_base = base if cgroup else None  # cgroup_base() answers from its cache
+                tree.drop_ahead(zygote)  # no cgroup made for the next attempt carries over into another case
                 times[name].append(per_attempt_ms(zygote, isolation, args.attempts))
     finally:
         tree._cgroup_base = base

@@ -16,6 +16,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -190,6 +191,79 @@ def test_where_a_cgroup_is_delegated_each_attempt_runs_in_its_own_and_it_goes_wi
     assert len(set(seen)) == 3, seen
     (mode.get("zygote") or mode.get("spares") or sandbox.Spares()).close()
     wait_until(lambda: (tree.release_cgroups(), _own_cgroups(base) <= before)[1], timeout=5, what="no cgroup left")
+
+
+WHERE = """
+import os
+cg = [row.split(":", 2)[2] for row in open("/proc/self/cgroup").read().split() if "gpumesh-attempt-" in row][0]
+print(f"{os.getppid()} {cg}")
+"""
+
+
+def _waiting_spare(held: dict[str, Any]) -> tuple[int, str]:
+    """The spare waiting for the next attempt (warm: the zygote's only child; fresh: the worker's --spare child),
+    once it is in a cgroup of an attempt: its pid and that cgroup (as /proc/PID/cgroup names it)."""
+    import psutil
+
+    def spare() -> tuple[int, str] | None:
+        z = held.get("zygote")
+        if z is not None:
+            kids = psutil.Process(z.proc.pid).children()
+        else:
+            kids = [p for p in psutil.Process().children() if "--spare" in p.cmdline()]
+        if len(kids) != 1:
+            return None
+        rows = Path(f"/proc/{kids[0].pid}/cgroup").read_text().split()
+        cgs = [row.split(":", 2)[2] for row in rows if tree.CGROUP_PREFIX in row]
+        return (kids[0].pid, cgs[0]) if cgs else None
+
+    wait_until(lambda: spare() is not None, timeout=10, what="the spare to wait in the next attempt's cgroup")
+    found = spare()
+    assert found is not None
+    return found
+
+
+@pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")
+@pytest.mark.parametrize("kind", ["fresh", "warm"])
+def test_the_spare_waits_in_the_next_attempt_s_cgroup_and_runs_that_attempt_there(kind):
+    """The point of making the next attempt's cgroup early: its spare is in it before the attempt comes (the
+    move can wait tens of ms in the kernel), and that spare supervises the attempt there. A zygote restarted
+    in between, or an attempt that failed before anything was handed over, does not undo it."""
+    held: dict[str, Any] = {}
+    if kind == "warm":
+        held["zygote"] = Zygote()
+        held["zygote"].start()
+    else:
+        held["spares"] = sandbox.Spares()
+    try:
+        for step in ("first", "next", "after a failed start", "after a zygote restart", "again"):
+            if step == "after a failed start":
+
+                def no_stdin(*_a: Any, **_k: Any) -> Any:
+                    raise OSError(28, "No space left on device")
+
+                real = sandbox.tempfile.TemporaryFile
+                sandbox.tempfile.TemporaryFile = no_stdin  # type: ignore[assignment]
+                try:
+                    with pytest.raises(OSError):
+                        attempt(WHERE, held)
+                finally:
+                    sandbox.tempfile.TemporaryFile = real  # type: ignore[assignment]
+            if step == "after a zygote restart":
+                if kind != "warm":
+                    continue
+                os.kill(held["zygote"].proc.pid, signal.SIGKILL)
+                wait_until(lambda: not held["zygote"].alive(), what="the zygote to die")
+                out, lines = attempt(WHERE, held)  # restarts it; this attempt joins its cgroup itself
+                assert out.returncode == 0, lines
+            spare = _waiting_spare(held) if step != "first" else None
+            out, lines = attempt(WHERE, held)
+            assert out.returncode == 0, lines
+            supervisor, cgroup = (out.last_line or "").split(" ")
+            if spare is not None:
+                assert (int(supervisor), cgroup) == spare, f"{step}: not run by the spare where it waited"
+    finally:
+        (held.get("zygote") or held["spares"]).close()
 
 
 @pytest.mark.skipif(tree.cgroup_base() is None, reason="this process may not make cgroups here")

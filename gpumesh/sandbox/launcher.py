@@ -613,7 +613,8 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     """Import ``preload`` once, then fork a fresh supervisor for each attempt the worker sends.
 
     The worker talks over ``ctrl_fd``, a SOCK_SEQPACKET socket. Each request is one JSON message
-    {script, cwd, env, limits} with four descriptors: a socket for this attempt's replies, and the
+    {script, cwd, env, limits, ahead} with four descriptors (``ahead``: the next attempt's cgroup, which the
+    spare forked after this request moves into while it waits): a socket for this attempt's replies, and the
     attempt's stdin, stdout and stderr. The zygote hands the request to a spare supervisor it forked
     in advance, answers {"pid"} at once and {"status"} (as from waitpid) when the supervisor ends; the
     supervisor, handed the same reply socket, sends {"pid", "status"} itself first, once the script's tree

@@ -110,7 +110,9 @@ class Spares:
     attempt still gets an interpreter no task has touched; it only stops waiting for one to start
     (20-60 ms on the machines measured, most of a no-op task). A spare starts from the clean
     environment (no broker URL, no credentials), holds stdout and stderr pipes of its own, and waits
-    for its attempt on a socket.
+    for its attempt on a socket. A thread of the worker moves it into the next attempt's cgroup meanwhile
+    (tree.move_ahead), and until it is handed its attempt it is one of the worker's helper children, never
+    taken for an attempt's orphan.
     It dies with the thread that started it (PR_SET_PDEATHSIG): use one ``Spares`` from one thread,
     as the worker does from its main thread. An attempt it cannot serve (another user, an environment
     the spare did not start with, a spare found dead) starts cold, as without it. A spare that dies
@@ -286,6 +288,7 @@ def run(
     proc: AttemptProcess | None = None
     since = None
     cgroup = ahead = owner = None
+    handing: list[bool] = []  # set once the attempt is handed to the zygote, a spare or a new launcher
     swept = False  # what escaped the attempt was killed already
     try:
         full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
@@ -294,7 +297,7 @@ def run(
         owner = zygote if zygote is not None else spares if limits.user is None else None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead)
+            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         _watch(proc, out, limits, on_line, should_stop, started)
@@ -313,7 +316,10 @@ def run(
         if collect is not None and out.returncode == 0 and not out.killed:
             out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
     finally:
-        if ahead is not None:
+        if ahead is not None and cgroup is not None and owner is not None and not handing:
+            tree.attempt_not_started(owner, cgroup, ahead)  # its spare waits in it still: keep it for the next
+            cgroup = None
+        elif ahead is not None:
             tree.attempt_ended(owner)
         if cgroup is not None:
             tree.end_cgroup(cgroup)
@@ -365,10 +371,11 @@ def _start(
     spares: Spares | None,
     cgroup: str | None = None,
     ahead: str | None = None,
+    handing: list[bool] | None = None,
 ) -> AttemptProcess:
     """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
     ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
-    spare moves into."""
+    spare moves into. ``handing`` gets an item once something may run the attempt."""
     with tempfile.TemporaryFile() as stdin:
         stdin.write(payload.encode())
         stdin.seek(0)
@@ -379,6 +386,8 @@ def _start(
             cgroup or "-",
         ]  # fmt: skip
         proc: AttemptProcess | None = None
+        if handing is not None:
+            handing.append(True)
         if zygote is not None:
             proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead)
         elif spares is not None:

@@ -6,8 +6,9 @@ In fresh mode the launcher is the worker's child; in warm mode the zygote (a sub
 for its supervisors (gpumesh.sandbox.launcher._Forks.kill_orphans).
 
 Where this process may manage cgroups (root, or a delegated cgroup v2 subtree), each attempt also gets a
-cgroup of its own, which its supervisor joins before it forks the task: whatever the attempt starts is in it,
-wherever it is reparented, and the worker kills every member when the attempt ends (:func:`end_cgroup`).
+cgroup of its own, which its supervisor is in before it forks the task (moved there while the attempt before
+ran, :func:`attempt_cgroups`, or joining it itself): whatever the attempt starts is in it, wherever it is
+reparented, and the worker kills every member when the attempt ends (:func:`end_cgroup`).
 A task can leave it only by writing to a cgroup.procs file: not as the sandbox user, not under Landlock. One that
 does (--no-isolation, as the worker's user) is still this subreaper's, found by its start time (:func:`kill_escaped`).
 """
@@ -300,16 +301,34 @@ def attempt_cgroups(owner: object | None = None) -> tuple[str | None, str | None
             return new_cgroup(), None
         _busy.add(key)
         path = _ahead.pop(key, None)
-    path = path or new_cgroup()
-    ahead = new_cgroup() if path else None
-    with _lock:
-        if ahead is None:
-            _busy.discard(key)
-        else:
-            _ahead[key] = ahead
+    ahead = None
+    try:
+        path = path or new_cgroup()
+        ahead = new_cgroup() if path else None
+    finally:  # even if interrupted (RQ's job timeout, a cold shutdown): nothing stays reserved or busy
+        with _lock:
+            if ahead is None:
+                _busy.discard(key)
+            else:
+                _ahead[key] = ahead
     if ahead is not None:
         _release_at_exit()
     return path, ahead
+
+
+def attempt_not_started(owner: object, path: str, ahead: str) -> None:
+    """The attempt that :func:`attempt_cgroups` gave ``path`` and ``ahead`` stopped before anything was handed
+    to a spare (its stdin could not be written, say): the spare that waits in ``path`` is the next attempt's
+    again, and ``ahead``, still empty, goes."""
+    key = id(owner)
+    with _lock:
+        mine = _ahead.get(key) == ahead
+        if mine:
+            _ahead[key] = path
+        _busy.discard(key)
+    if not mine:  # the owner was closed meanwhile (drop_ahead): neither is anyone's
+        end_cgroup(path)
+    end_cgroup(ahead)
 
 
 def attempt_ended(owner: object) -> None:
@@ -319,7 +338,8 @@ def attempt_ended(owner: object) -> None:
 
 
 def drop_ahead(owner: object) -> None:
-    """``owner`` stops (its spare is gone): remove the cgroup made ahead for its next attempt."""
+    """``owner`` (a zygote, spares) is closed: remove the cgroup made for its next attempt, KILLing the spare that
+    may still wait there (it holds no task)."""
     with _lock:
         path = _ahead.pop(id(owner), None)
     end_cgroup(path, timeout=1.0)
@@ -433,8 +453,9 @@ def _release_at_exit() -> None:
 
 
 def release_cgroups(wait: bool = False) -> None:
-    """Remove the emptied attempt cgroups the kernel has let go of (see _emptied); with ``wait``, wait a
-    moment for each of the others (a worker that exits), and the one made ahead, whose spare has gone by then."""
+    """Remove the emptied attempt cgroups the kernel has let go of (see _emptied); with ``wait`` (a worker that
+    exits), wait a moment for each of the others, and remove those made for a next attempt, KILLing a spare that
+    still waits in one (it holds no task)."""
     if wait:
         with _lock:
             ahead = list(_ahead.values())

@@ -136,12 +136,12 @@ class Zygote:
         try:
             msg = _recv_json(mine, timeout)
         except TimeoutError:
-            self.close()
+            self._stop()
             raise ZygoteError(f"the warm zygote did not finish importing {self.preload} in {timeout:.0f}s") from None
         finally:
             forget_launcher_command(cmd)  # removed by the zygote as it started, unless it never did
         if msg is None or "error" in msg:
-            self.close()
+            self._stop()
             raise ZygoteError(msg["error"] if msg else "the warm zygote exited at start (see the log above)")
         log.info("warm zygote %d ready%s", self.proc.pid, f", preloaded {', '.join(self.preload)}" * bool(self.preload))
 
@@ -157,7 +157,7 @@ class Zygote:
             if not self.alive():
                 if self.started:
                     log.warning("the warm zygote is gone (exit %s); starting a new one", self.proc and self.proc.poll())
-                self.close()
+                self._stop()
                 self.start()
             assert self._ctrl is not None
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -191,6 +191,12 @@ class Zygote:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the zygote. Attempts still running get TERM from their death signal and end with grace."""
+        self._stop(timeout)
+        tree.drop_ahead(self)  # the cgroup made for its next attempt, where its spare waited
+
+    def _stop(self, timeout: float = 5.0) -> None:
+        """Stop the zygote process (as close does), keeping the cgroup made for the next attempt: a zygote
+        restarted for an attempt whose own and next cgroups were made already forks a spare that joins it."""
         if self._ctrl is not None:
             self._ctrl.close()  # the zygote exits on EOF
             self._ctrl = None
@@ -202,4 +208,3 @@ class Zygote:
                 self.proc.wait()
             tree.helper(self.proc.pid, alive=False)
             tree.reap_orphans()  # its spare, which died with it, came to this process if it is a subreaper
-        tree.drop_ahead(self)  # the cgroup its spare had moved into
