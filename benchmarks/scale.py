@@ -11,7 +11,8 @@ task does what `gpumesh worker` does around it:
      scripts.dispatch sends);
   2. the delivery to its own RQ queue `gpumesh-w-<id>` (Broker.deliver): RQ's own commands (SADD
      rq:queues, HSET of the RQ job hash, RPUSH), recorded once from a real `Queue.enqueue_many`
-     and replayed with each task's id;
+     and replayed with each task's id, after the two LREMs with which this checkout's deliver clears
+     what a resent transaction would have left (not for an --against revision, which had none);
   3. RQ's pop: the LMOVE of its queue, which the worker sends in the delivery's transaction and so never
      reads back the RQ job it has just written (replayed as an LPOP in the next round); a revision run with
      --against (every one before that change) read it back with HGETALL (Job.fetch), replayed for it;
@@ -101,10 +102,13 @@ class Delivery:
 
     WORKER, TASK = b"wTPL", b"tTPL-0"
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, guarded: bool = True) -> None:
         task = self.TASK.decode()
         queue = broker.queue(self.WORKER.decode())
         with broker.rq.pipeline() as p:
+            if guarded:  # this checkout's deliver first removes any copy a resent transaction left
+                p.lrem(queue.key, 0, keys.rq_job_id(task, 1))
+                p.lrem(queue.intermediate_queue_key, 0, keys.rq_job_id(task, 1))
             data = Queue.prepare_data(
                 EXECUTOR,
                 args=(task,),
@@ -404,7 +408,7 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib
     broker.r.flushall()
     ids = [f"sim-{i}" for i in range(args.workers)]
     register(broker.r, [*ids, "probe"])
-    dl = Delivery(broker) if delivered else None
+    dl = Delivery(broker, guarded=lib is None) if delivered else None
     broker.scripts.ensure(force=True)  # the simulation sends FCALL only: the library must be there
     run_with = broker.scripts
     if lib:

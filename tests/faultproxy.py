@@ -1,7 +1,9 @@
 """A small TCP proxy for network faults between one worker and Redis, on loopback only.
 
 ``partition()`` stops moving bytes in both directions (as a cut link does: TCP keeps the connection
-and the bytes, nothing arrives); ``heal()`` lets them flow again. Bounded: it stops with ``close()``.
+and the bytes, nothing arrives); ``heal()`` lets them flow again. ``lose_reply_after(marker)``: the next
+request that contains ``marker`` reaches Redis, but its reply is thrown away and the connection closed,
+as when a link fails after the broker acted. Bounded: it stops with ``close()``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ class FaultProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.partitioned = threading.Event()
+        self._lose: bytes | None = None  # lose the reply to the next request containing this
+        self._doomed: set[socket.socket] = set()  # upstreams whose next reply is lost with the connection
+        self._clients: set[socket.socket] = set()
+        self.lost = 0  # replies lost so far
         self.closed = threading.Event()
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ, None)
@@ -28,6 +34,9 @@ class FaultProxy:
 
     def heal(self) -> None:
         self.partitioned.clear()
+
+    def lose_reply_after(self, marker: bytes) -> None:
+        self._lose = marker
 
     def close(self) -> None:
         self.closed.set()
@@ -51,11 +60,18 @@ class FaultProxy:
                         continue
                     self.sel.register(client, selectors.EVENT_READ, upstream)
                     self.sel.register(upstream, selectors.EVENT_READ, client)
+                    self._clients.add(client)
                     continue
                 src, dst = key.fileobj, key.data
                 try:
                     data = src.recv(65536)  # type: ignore[union-attr]
-                    if data:
+                    if data and src in self._doomed:
+                        self._doomed.discard(src)  # type: ignore[arg-type]
+                        self.lost += 1
+                    elif data:
+                        if src in self._clients and self._lose is not None and self._lose in data:
+                            self._lose = None
+                            self._doomed.add(dst)  # type: ignore[arg-type]
                         dst.sendall(data)
                         continue
                 except OSError:
@@ -65,4 +81,5 @@ class FaultProxy:
                         self.sel.unregister(s)
                     except (KeyError, ValueError):
                         pass
+                    self._clients.discard(s)  # type: ignore[arg-type]
                     s.close()  # type: ignore[union-attr]

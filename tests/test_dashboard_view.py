@@ -88,7 +88,7 @@ def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broke
     queue = broker.queue(w.worker_id)
     with gpumesh.connect() as mesh:
         # A cancelled job whose tasks never ran here: deliveries of them on our queue are stale, and the
-        # first is there twice (a duplicate delivery).
+        # first is there twice (a duplicate: Broker.deliver lists a delivery once, whatever resends it).
         gone = mesh.submit(script, [{"i": i} for i in range(3)], requires=["nowhere=1"])
         assert gone.cancel().status == "cancelled"
         stale = [
@@ -98,6 +98,8 @@ def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broke
         ]  # fmt: skip
         for lease in [stale[0], *stale]:
             broker.deliver(queue, lease)
+        assert registries(broker, w.worker_id)["queued"] == 3
+        broker.rq.rpush(queue.key, keys.rq_job_id(stale[0].task_id, 1))
         assert registries(broker, w.worker_id)["queued"] == 4
 
         job = mesh.submit(script, [{"i": i} for i in range(4)])  # each delivery lands behind the stale ones

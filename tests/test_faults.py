@@ -119,6 +119,26 @@ def proxy(redis_server):
     p.close()
 
 
+@pytest.mark.usefixtures("both_modes")
+def test_a_delivery_whose_reply_was_lost_runs_once_and_leaves_no_stray_in_rq(env, workers: Workers, r, tmp_path, proxy):
+    """The link fails after Redis ran the transaction that delivers a task to its worker and pops it: redis-py
+    sends the transaction again. The task runs once, and RQ's lists hold nothing of it afterwards (a stray id
+    in the worker's intermediate list is what RQ's maintenance later marks failed: 'stuck in intermediate
+    queue', a finished delivery shown failed in rq-dashboard)."""
+    w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0")
+    wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
+    proxy.lose_reply_after(b"LMOVE")  # the delivery's transaction: its pop rides in it
+    job, tid = submit_one(env, script(tmp_path, first=0))
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=30, what="the task to finish")
+    assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
+    assert r.hget(keys.task(tid), "attempts") == "1" and done_events(r, tid) == 1
+    (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
+    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    assert r.lrange(queue, 0, -1) == [] and r.lrange(f"{queue}:intermediate", 0, -1) == []
+    assert r.zcard(f"rq:failed:{keys.queue_name(worker_id)}") == 0
+    assert w.poll() is None
+
+
 def _partition_scenario(env, workers: Workers, tmp_path: Path, proxy: FaultProxy, cut: float, first: float):
     """Worker A reaches Redis through the proxy and holds the task; worker B is direct. Cut A off for `cut` s."""
     ttl = {"GPUMESH_LEASE_TTL": "3", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}

@@ -165,10 +165,11 @@ class Broker:
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
         name, job_requires = self._job_label(lease.job_id)
         description, meta = delivery_label(lease, name, job_requires)
+        job_id = keys.rq_job_id(lease.task_id, lease.attempt, lease.backup)
         data = type(queue).prepare_data(
             EXECUTOR,
             args=(lease.task_id,),
-            job_id=keys.rq_job_id(lease.task_id, lease.attempt, lease.backup),
+            job_id=job_id,
             timeout=backstop,
             result_ttl=RESULT_TTL,
             failure_ttl=FAILURE_TTL,
@@ -179,6 +180,12 @@ class Broker:
             meta=meta,
         )
         with self.rq.pipeline() as p:
+            # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
+            # have run it: whatever a first run pushed and popped goes first, so a delivery is never listed
+            # twice (a stray id in the intermediate list is one RQ's maintenance would later fail as stuck).
+            p.lrem(queue.key, 0, job_id)
+            if take:
+                p.lrem(queue.intermediate_queue_key, 0, job_id)
             job = queue.enqueue_many([data], pipeline=p)[0]
             if take:
                 p.lmove(queue.key, queue.intermediate_queue_key)
