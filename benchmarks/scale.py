@@ -12,10 +12,10 @@ task does what `gpumesh worker` does around it:
   2. the delivery to its own RQ queue `gpumesh-w-<id>` (Broker.deliver): RQ's own commands (SADD
      rq:queues, HSET of the RQ job hash, RPUSH), recorded once from a real `Queue.enqueue_many`
      and replayed with each task's id, after the two LREMs with which this checkout's deliver clears
-     what a resent transaction would have left (not for an --against revision, which had none);
+     what a resent transaction would have left (for an --against revision, only if its deliver had them);
   3. RQ's pop: the LMOVE of its queue, which the worker sends in the delivery's transaction and so never
-     reads back the RQ job it has just written (replayed as an LPOP in the next round); a revision run with
-     --against (every one before that change) read it back with HGETALL (Job.fetch), replayed for it;
+     reads back the RQ job it has just written (replayed as an LPOP in the next round); an --against
+     revision from before that change read it back with HGETALL (Job.fetch), replayed for it;
   4. complete.lua with the lease token.
 Variant `delivery` does all four (what a real worker asks of Redis); variant `bare` leaves out 2
 and 3 (the gpumesh scripts alone). Left out of both: the task itself and RQ's per-job execution
@@ -71,7 +71,7 @@ from gpumesh.store import scripts
 from gpumesh.store.broker import Broker
 from gpumesh.settings import Settings
 url, go, ready, deliver, lib = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
-read_back = bool(lib)  # another revision's worker read each delivery back
+read_back = sys.argv[6] == "1"  # that revision's worker read each delivery back
 b = Broker(Settings(url=url))
 if lib:
     b.scripts = scripts.Scripts(b.redis, lib)
@@ -384,9 +384,15 @@ def _redis_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def library_of(rev: str, tmp: Path) -> tuple[str, str]:
-    """(name, code) of the Lua library as git revision ``rev`` builds it, by its own scripts.library()."""
+def library_of(rev: str, tmp: Path) -> tuple[str, str, bool, bool]:
+    """(name, code) of the Lua library as git revision ``rev`` builds it, by its own scripts.library(), and
+    how its worker delivered: whether it read each delivery back (HGETALL; before its pop rode in the
+    delivery's transaction) and whether its delivery first cleared a resent transaction's copy (two LREMs)."""
     root = first_version(rev, tmp / f"rev-{rev}")
+    broker_py = next((root / p for p in ("gpumesh/store/broker.py", "gpumesh/broker.py") if (root / p).exists()), None)
+    source = broker_py.read_text() if broker_py else ""
+    read_back = "take: bool" not in source
+    guarded = "p.lrem(queue.intermediate_queue_key" in source
     code = (
         "import json, sys\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"  # not this checkout's
@@ -397,18 +403,22 @@ def library_of(rev: str, tmp: Path) -> tuple[str, str]:
     )
     out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True)
     name, lua = json.loads(out.stdout)
-    return name, lua
+    return name, lua, read_back, guarded
 
 
-def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib: tuple[str, str] | None) -> dict:
+def measure(
+    server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib: tuple[str, str, bool, bool] | None
+) -> dict:
     """One run on an emptied Redis: the fleet registered, the jobs submitted, then the clock runs. ``lib``:
-    another version's library (name, code) to run the transitions with instead of this checkout's."""
+    another version's library (name, code) to run the transitions with instead of this checkout's, and how
+    its worker delivered (see library_of)."""
+    read_back, guarded = (lib[2], lib[3]) if lib else (False, True)
     tmp = server.tmp
     broker = Broker(Settings(url=server.url))
     broker.r.flushall()
     ids = [f"sim-{i}" for i in range(args.workers)]
     register(broker.r, [*ids, "probe"])
-    dl = Delivery(broker, guarded=lib is None) if delivered else None
+    dl = Delivery(broker, guarded=guarded) if delivered else None
     broker.scripts.ensure(force=True)  # the simulation sends FCALL only: the library must be there
     run_with = broker.scripts
     if lib:
@@ -423,14 +433,15 @@ def measure(server: PrivateRedis, args: argparse.Namespace, delivered: bool, lib
     epoch = broker.r.get(keys.EPOCH) or ""
     go, ready = tmp / f"go-{delivered}", tmp / f"ready-{delivered}"
     probe = subprocess.Popen(
-        [sys.executable, "-c", PROBE, server.url, str(go), str(ready), str(int(delivered)), lib[0] if lib else ""],
+        [sys.executable, "-c", PROBE, server.url, str(go), str(ready), str(int(delivered)), lib[0] if lib else "",
+         str(int(read_back))],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     while not ready.exists():
         time.sleep(0.01)
     cpu0 = _redis_cpu(broker.r)
     go.touch()
-    sim = simulate(server.url, run_with, ids, args.heartbeat, epoch, dl, read_back=lib is not None)
+    sim = simulate(server.url, run_with, ids, args.heartbeat, epoch, dl, read_back=read_back)
     cpu = (_redis_cpu(broker.r) - cpu0) / sim["wall"]
     probe_ms = sorted(json.loads(probe.communicate(timeout=60)[0]))
     problems = check(broker.r, jobs, args.tasks, delivered)
@@ -466,7 +477,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant (and per version with --against)")
     args = ap.parse_args()
     server = PrivateRedis()
-    versions: dict[str, tuple[str, str] | None] = {"this checkout": None}
+    versions: dict[str, tuple[str, str, bool, bool] | None] = {"this checkout": None}
     results: dict[tuple[str, str], list[dict]] = {}
     try:
         if args.against:
@@ -508,7 +519,10 @@ def main() -> None:
         + (f"the delivery to the worker's own RQ queue ({', '.join(names)}: RQ's enqueue, replayed) and RQ's pop "
            "(an LMOVE the worker sends in the delivery's transaction; replayed here as an LPOP in the next round, "
            "without the intermediate list or the LREM of the run's start)"
-           + (f"; for {args.against}, whose worker read the RQ job back, HGETALL as well" if args.against else "")
+           + (f"; for {args.against}, whose worker read the RQ job back, HGETALL as well"
+              if args.against and (versions[args.against] or ("", "", False))[2] else "")
+           + (f"; {args.against}'s delivery without the two LREMs"
+              if args.against and not (versions[args.against] or ("", "", False, True))[3] else "")
            + "; " if names else "")
         + "complete.lua; heartbeat.lua when due. The *delivery* row includes the RQ enqueue + pop a "
         "real worker adds per task (Broker.deliver); the *bare* row leaves it out. Neither includes the task itself "
