@@ -406,14 +406,18 @@ def test_a_worker_records_a_finished_run_as_rq_does(redis_server: RedisServer, r
 
     from gpumesh.worker.worker import MeshWorker
 
-    class Recorded(SimpleWorker):
+    class RQs(SimpleWorker):
+        def _install_signal_handlers(self) -> None:
+            pass  # RQ's SIGINT and SIGTERM handlers would outlive the test in pytest's own process
+
+    class Recorded(RQs):
         def handle_job_success(self, job, queue, started_job_registry, execution):  # type: ignore[no-untyped-def]
             MeshWorker._record_success(self, job, execution)  # type: ignore[arg-type]
 
     dbs = [redis.Redis.from_url(redis_server.url, db=db) for db in (2, 3)]  # RQ's own, ours
     states = []
     try:
-        for client, worker_class in zip(dbs, (SimpleWorker, Recorded)):
+        for client, worker_class in zip(dbs, (RQs, Recorded)):
             client.flushdb()
             q = Queue("parity", connection=client, serializer=JSONSerializer)
             q.enqueue_call("builtins.len", args=([1, 2, 3],), job_id="j1", result_ttl=result_ttl)
