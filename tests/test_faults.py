@@ -139,6 +139,25 @@ def test_a_delivery_whose_reply_was_lost_runs_once_and_leaves_no_stray_in_rq(env
     assert w.poll() is None
 
 
+def test_a_dispatch_whose_reply_was_lost_leases_one_task_not_two(env, workers: Workers, r, tmp_path, proxy):
+    """The link fails after dispatch leased a task to the worker: redis-py sends the call again. The answer is
+    the task leased the first time (same token), not a second one, so no task sits leased to a worker that
+    never heard of it until its lease lapses and the reaper requeues it."""
+    w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0", GPUMESH_LEASE_TTL="30")
+    wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
+    time.sleep(0.5)  # past its first dispatch, which found nothing: it waits on its wake list
+    proxy.lose_reply_after(b"dispatch")
+    p = gpumesh("submit", str(script(tmp_path, first=0)), "--payloads", "-", env=env, input='[{"n": 1}, {"n": 2}]')
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    tids = [keys.task_id(job, i) for i in range(2)]
+    wait_until(lambda: all(r.hget(keys.task(t), "status") == "done" for t in tids), timeout=20,
+               what="both tasks to finish, neither waiting out a lease")  # fmt: skip
+    assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
+    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
+    assert w.poll() is None
+
+
 def _partition_scenario(env, workers: Workers, tmp_path: Path, proxy: FaultProxy, cut: float, first: float):
     """Worker A reaches Redis through the proxy and holds the task; worker B is direct. Cut A off for `cut` s."""
     ttl = {"GPUMESH_LEASE_TTL": "3", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}

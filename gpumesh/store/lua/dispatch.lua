@@ -44,6 +44,27 @@ local token = ARGV[4]
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
 
+-- The same call again (redis-py sends a command again when the link failed before its reply came, though
+-- this script may have run): the task this worker holds under this very token, made for this call, is the
+-- answer again, not a second task left leased to a worker that never heard of it.
+do
+  local held = redis.pcall('HGET', worker_key, 'current_task')
+  if type(held) == 'string' and held ~= '' then
+    local t = redis.pcall('HMGET', PREFIX .. 'task:' .. held, 'status', 'lease', 'worker', 'attempts', 'index',
+      'payload', 'sig')
+    if type(t) == 'table' and not t.err and t[1] == 'running' and t[2] == digest(token) and t[3] == worker_id then
+      local job = redis.pcall('HMGET', PREFIX .. 'job:' .. (job_of(held) or ''), unpack(TAKE_JOB))
+      if type(job) == 'table' and not job.err and job[2] then
+        return lease_reply({
+          task_id = held, attempt = tonumber(t[4]) or 1, job_id = job[2], index = t[5], payload = t[6],
+          script_sha = job[3], script_name = job[4], timeout = job[5], key_id = job[6], expires_at = job[7],
+          max_attempts = job[8], signature = t[7], server_ms = now_ms(), fleet_version = version,
+        })
+      end
+    end
+  end
+end
+
 -- Nothing it may run: the worker joins the idle set (woken when work arrives), and its registration names
 -- no task any more. A worker asks only when it runs nothing, and a cancelled task's worker never completes
 -- or fails it, so this is where that task leaves its `current_task` (what `workers` and the dashboard show).
