@@ -369,6 +369,15 @@ def test_rq_dashboard_as_gpumesh_runs_it_reads_busy_workers_and_unpickles_nothin
 _TIMES = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z?")
 
 
+def _masked(field: bytes, value: bytes) -> bytes:
+    """A result entry's value, but for its times and the execution's random id (kept: whether it is one)."""
+    if _TIMES.fullmatch(value) or field.endswith(b"_at"):
+        return b"<time>"
+    if field == b"execution_id":
+        return b"<an execution id>" if re.fullmatch(rb"[0-9a-f]{32}", value) else value
+    return value
+
+
 def _snapshot(client: redis.Redis) -> dict[str, Any]:
     """Every key RQ left (name, type, whether it expires and roughly when) and its contents, timestamps
     and durations masked: what rq-dashboard and `rq info` read."""
@@ -377,20 +386,26 @@ def _snapshot(client: redis.Redis) -> dict[str, Any]:
         kind = client.type(name)
         ttl = client.ttl(name)
         if kind == b"hash":
+            varying = (b"last_heartbeat", b"birth", b"started_at", b"ended_at", b"ip_address")
+            fields = client.hgetall(name)
             body: Any = {
-                f: (b"<time>" if _TIMES.fullmatch(v) else v)
-                for f, v in client.hgetall(name).items()
-                if f
-                not in (b"total_working_time", b"last_heartbeat", b"birth", b"started_at", b"ended_at", b"ip_address")
+                f: (b"<varies>" if f in varying else b"<time>" if _TIMES.fullmatch(v) else v)
+                for f, v in fields.items()
+                if f != b"total_working_time"
             }
-        elif kind == b"zset":
-            body = [m for m, _ in client.zrange(name, 0, -1, withscores=True)]
+            if b"total_working_time" in fields:  # a duration: there, and more than nothing
+                body[b"total_working_time"] = float(fields[b"total_working_time"]) > 0
+        elif kind == b"zset":  # members, and whether each expires (RQ scores an entry by when it does, or +inf)
+            body = [
+                (m, "forever" if s == float("inf") else "expires")
+                for m, s in client.zrange(name, 0, -1, withscores=True)
+            ]
         elif kind == b"list":
             body = client.lrange(name, 0, -1)
         elif kind == b"set":
             body = sorted(client.smembers(name))
         elif kind == b"stream":
-            body = [sorted(fields) for _id, fields in client.xrange(name)]
+            body = [sorted((f, _masked(f, v)) for f, v in entry.items()) for _id, entry in client.xrange(name)]
         else:
             body = kind
         out[name.decode()] = (kind, "persists" if ttl == -1 else round(ttl, -2), body)

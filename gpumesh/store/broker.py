@@ -181,8 +181,10 @@ class Broker:
         )
         with self.rq.pipeline() as p:
             # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
-            # have run it: whatever a first run pushed and popped goes first, so a delivery is never listed
-            # twice (a stray id in the intermediate list is one RQ's maintenance would later fail as stuck).
+            # have run it: what a first run pushed and popped of this delivery goes first, so it is never
+            # listed twice (a stray id in the intermediate list is one RQ's maintenance would later fail as
+            # stuck). Not covered: a stale job that sat at the head of the queue, which the first run popped
+            # and the second run's reply does not name (it stays in the intermediate list until RQ's clean-up).
             p.lrem(queue.key, 0, job_id)
             if take:
                 p.lrem(queue.intermediate_queue_key, 0, job_id)
