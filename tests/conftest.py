@@ -371,6 +371,19 @@ def gpumesh(
     )
 
 
+# A task that prints, as JSON, every descriptor it holds (number: what it points at).
+OPEN_FDS_SCRIPT = """
+import json, os
+fds = {}
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the directory listdir itself had open
+        pass
+print(json.dumps(fds))
+"""
+
+
 def wait_until(predicate, timeout: float = 20, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while True:

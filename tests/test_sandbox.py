@@ -22,7 +22,7 @@ import pytest
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.warm import Zygote
 
-from .conftest import pid_alive, wait_until
+from .conftest import OPEN_FDS_SCRIPT, pid_alive, wait_until
 
 MODE: dict[str, Any] = {"zygote": None, "spares": None}
 
@@ -88,18 +88,7 @@ def test_payload_on_stdin_result_is_last_line_and_env_is_clean(monkeypatch):
 @pytest.mark.security
 def test_the_task_holds_no_descriptor_of_the_worker_s():
     """Only its stdin, stdout and stderr: no broker connection, control socket or worker log."""
-    out, _ = run(
-        """
-        import json, os
-        fds = {}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:  # the directory listdir itself had open
-                pass
-        print(json.dumps(fds))
-        """
-    )
+    out, _ = run(OPEN_FDS_SCRIPT)
     fds = json.loads(out.last_line)
     assert sorted(fds) == ["0", "1", "2"], fds
     assert fds["1"].startswith("pipe:") and fds["2"].startswith("pipe:")

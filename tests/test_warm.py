@@ -18,7 +18,7 @@ import redis
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote, ZygoteError
 
-from .conftest import gpumesh, pid_alive, wait_until
+from .conftest import OPEN_FDS_SCRIPT, gpumesh, pid_alive, wait_until
 
 
 def run(zygote: Zygote, source: str, **limits):
@@ -107,19 +107,7 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_o
         spare = zygote.children()[0]
         spare.kill()
         wait_until(lambda: not zygote.children(), what="the zygote to reap its spare")
-        out = run(
-            z,
-            """
-            import json, os
-            fds = {}
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
-                except OSError:  # the directory listdir itself had open
-                    pass
-            print(json.dumps(fds))
-            """,
-        )
+        out = run(z, OPEN_FDS_SCRIPT)
     finally:
         z.close()
     assert out.returncode == 0, list(out.stderr_tail)
