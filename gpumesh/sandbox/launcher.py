@@ -418,13 +418,18 @@ def _in_cgroup(path: str) -> bool:
         return str(os.getpid()) in f.read().split()
 
 
+def _join(path: str) -> None:
+    """Move this process into the cgroup ``path``; OSError where the kernel refuses."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write("0")
+
+
 def _join_ahead(path: str) -> None:
     """A spare, before its attempt comes: move into ``path``, the cgroup the worker made for the attempt it
     will most likely be handed (its supervisor joins the right one itself, checking, if that is another)."""
     if path != "-":
         try:
-            with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write("0")
+            _join(path)
         except OSError:
             pass
 
@@ -445,8 +450,7 @@ def supervise(
     if cgroup != "-":
         try:  # this process; all it starts is born in the attempt's cgroup
             if not _in_cgroup(cgroup):  # a spare the worker (or it itself) moved there ahead is in it already
-                with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-                    f.write("0")
+                _join(cgroup)
         except OSError as exc:  # the worker said the attempt runs in it: never run it outside
             print(f"gpumesh: could not join the attempt's cgroup ({exc}); the task did not run", file=sys.stderr)
             if report is not None:
