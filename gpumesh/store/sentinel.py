@@ -161,8 +161,9 @@ def client(parsed: SentinelURL, **connection: Any) -> redis.Redis:
     }
     if parsed.sentinel_auth:
         sentinel_kwargs.update(username=parsed.username, password=parsed.password)
-    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    primary: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+    # redis-py before 8 leaves Sentinel untyped; 8 types it: the ignore holds for both
+    manager = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
+    primary: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call,unused-ignore]
         parsed.service,
         db=parsed.db,
         username=parsed.username,
