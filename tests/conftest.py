@@ -252,13 +252,6 @@ class MeshWorkers:
             def procline(self, message: str) -> None:
                 pass  # leave the test process's title alone
 
-            def unsubscribe(self) -> None:
-                # RQ joins its pubsub thread for up to 1 s, and the thread waits for a message: told to stop
-                # first, the unsubscribe reply ends its wait at once.
-                if self.pubsub_thread:
-                    self.pubsub_thread.stop()
-                super().unsubscribe()
-
         self.worker = InProcessMeshWorker(Broker(Settings.load()), cap, name=name, zygote=self.zygote,
                                           resources=resources)  # fmt: skip
         return self.worker

@@ -218,12 +218,19 @@ class LeanRQWorker(SimpleWorker):
             self._revoked(exc)
 
     def unsubscribe(self) -> None:
-        if self.revoked:  # the channel's connection is gone for good: stop listening, say nothing
-            if self.pubsub_thread:
-                self.pubsub_thread.stop()
-                self.pubsub_thread.join(timeout=1)
+        """RQ's, in the order that lets its pubsub thread end at once. The thread waits up to 60 s for a
+        message: told to stop before the UNSUBSCRIBE, it ends as the reply arrives; told after (RQ's order),
+        it may wait again, and redis-py 8's ``stop()`` joins it: a stopping worker could hang that minute."""
+        thread = self.pubsub_thread
+        if not thread:
             return
-        super().unsubscribe()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+        _stop_without_waiting(thread)
+        if not self.revoked:  # revoked: the channel's connection is gone for good, say nothing
+            with contextlib.suppress(redis.RedisError):
+                self.pubsub.unsubscribe()
+        thread.join(timeout=1)
+        if not self.revoked:
+            self.pubsub.close()
 
     def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
         if isinstance(exc, REFUSED) or self.revoked:
@@ -234,3 +241,12 @@ class LeanRQWorker(SimpleWorker):
             time.sleep(2.0)
         else:
             super()._pubsub_exception_handler(exc, pubsub, pubsub_thread)
+
+
+def _stop_without_waiting(thread: Any) -> None:
+    """Tell redis-py's pubsub thread to stop at its next wake-up, without waiting for it: redis-py 8's
+    ``stop`` joins the thread unless given a timeout; older ones take no timeout and never wait."""
+    try:
+        thread.stop(timeout=0)
+    except TypeError:
+        thread.stop()
