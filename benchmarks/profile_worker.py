@@ -70,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=1000)
     ap.add_argument("--mode", choices=["warm", "fresh"], default="warm")
+    ap.add_argument("--raw", type=Path, help="also keep py-spy's raw samples (folded stacks) in this file")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.path.exists(spy):
@@ -95,6 +96,8 @@ def main() -> None:
         rate = args.tasks / (time.perf_counter() - t0)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
+        if args.raw:
+            shutil.copyfile(raw, args.raw)
         parts: collections.Counter[str] = collections.Counter()
         for line in raw.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
