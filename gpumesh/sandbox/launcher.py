@@ -126,18 +126,38 @@ class _Ruleset(ctypes.Structure):
                 ("scoped", ctypes.c_uint64)]  # fmt: skip
 
 
+# What this interpreter reads to run, each with its real path, and the sys.path they were read from:
+# resolved once (~150 stat calls) in the zygote, whose spares inherit it, not again for every attempt.
+_INTERPRETER: tuple[tuple[str, ...], list[tuple[str, str]], list[tuple[str, str]]] | None = None
+
+
+def _interpreter_paths() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(path, real path) of this interpreter's executable and installation, and of its sys.path's entries."""
+    global _INTERPRETER
+    key = (sys.executable, *sys.path)
+    if _INTERPRETER is None or _INTERPRETER[0] != key:
+        exe = os.path.realpath(sys.executable)
+        base = [exe, os.path.dirname(exe), sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+        if __package__ == "gpumesh.sandbox":  # run as a module: gpumesh itself (an editable checkout's package too)
+            base.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        entries = [(e, os.path.realpath(e)) for e in sys.path if e and os.path.isabs(e)]
+        _INTERPRETER = (key, [(p, os.path.realpath(p)) for p in base], entries)
+    return _INTERPRETER[1], _INTERPRETER[2]
+
+
 def _python_paths(script_dir: str | None) -> list[str]:
     """What this interpreter reads to run: its executable, its installation, the entries of its sys.path
     (never the script's own directory, ``script_dir``, which the rules grant as the attempt's)."""
-    paths = [os.path.realpath(sys.executable), os.path.dirname(os.path.realpath(sys.executable))]
-    paths += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    if __package__ == "gpumesh.sandbox":  # run as a module: gpumesh itself (an editable checkout's package too)
-        paths.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base, entries = _interpreter_paths()
     skip = ("/", os.path.realpath(script_dir) if script_dir else "/")
-    for entry in sys.path:  # site-packages, an editable checkout; never "/" (python -m puts the cwd there)
-        if entry and os.path.isabs(entry) and os.path.realpath(entry) not in skip:
-            paths.append(entry)
-    return paths
+    # site-packages, an editable checkout; never "/" (python -m puts the cwd there)
+    return [p for p, _ in base] + [e for e, real in entries if real not in skip]
+
+
+def _python_real_paths() -> frozenset[str]:
+    """The real paths of :func:`_python_paths` (None): what a script's directory must be none of."""
+    base, entries = _interpreter_paths()
+    return frozenset(real for _, real in base + [(e, r) for e, r in entries if r != "/"])
 
 
 class _CapHeader(ctypes.Structure):
@@ -298,7 +318,7 @@ def prepare_landlock(isolation: str) -> None:
         rules = json.loads(isolation)
         for attempts_own in ("attempt", "owner_read", "owner_write"):
             rules.pop(attempts_own, None)
-        python = frozenset(map(os.path.realpath, _python_paths(None)))
+        python = _python_real_paths()
         _PREPARED = (rules, build_ruleset(rules, None), python)
     except (OSError, ValueError, KeyError, TypeError):
         _PREPARED = None  # built at the attempt instead, where an error stops it
@@ -660,6 +680,7 @@ def _preload(ctrl: socket.socket, preload: list[str]) -> None:
     # The first compile() in a process pays a one-time set-up (~3.5 ms here); pay it once, not per task.
     compile(_WARM_UP, "<warm-up>", "exec")
     _syscall()  # libc through ctypes, for each attempt's Landlock and capabilities: loaded once, inherited
+    _interpreter_paths()  # resolved once, inherited by every spare that builds an attempt's rules
     # traceback: a task's error path needs it; loaded here, it works even for a --sandbox-user who
     # cannot read the standard library the zygote was started from.
     import gc
