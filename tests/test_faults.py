@@ -158,6 +158,30 @@ def test_a_dispatch_whose_reply_was_lost_leases_one_task_not_two(env, workers: W
     assert w.poll() is None
 
 
+def test_a_backup_whose_reply_was_lost_runs_on_the_worker_that_started_it(env, workers: Workers, r, tmp_path, proxy):
+    """The link fails after speculate started a backup copy: redis-py sends the call again. The answer is the
+    backup that call started, so the strong worker runs it. Before, the resend answered 'has a backup', and a
+    copy that never ran held the task's backup slot for a whole lease (30 s here)."""
+    from .test_speculation import SLEEPER
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(SLEEPER.format(tmp=str(tmp_path)))
+    workers.start(score=1)
+    p = gpumesh("submit", str(sleeper), "--payloads", "-", "--speculate", env=env, input='[{"work": 60}]')
+    assert p.returncode == 0, p.stderr
+    tid = keys.task_id(p.stdout.strip(), 0)
+    wait_until(lambda: any(tmp_path.glob("pid-*")), what="the weak worker to start the script")
+    proxy.lose_reply_after(b"_speculate")  # the function's name in the FCALL, not a job field's
+    workers.start(score=10, GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0", GPUMESH_LEASE_TTL="30")
+    # 60 work units: 6 s on the strong worker, 60 s on the weak one
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=25, what="the backup copy to win")
+    assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
+    task = r.hgetall(keys.task(tid))
+    strong = [w for w, score in r.zrange(keys.SCORES, 0, -1, withscores=True) if score == 10]
+    assert json.loads(task["result"])["worker"] == strong[0], "the strong worker's backup produced the result"
+    assert r.hget(keys.STATS, "speculated") == "1", "one backup started, not two"
+
+
 def _partition_scenario(env, workers: Workers, tmp_path: Path, proxy: FaultProxy, cut: float, first: float):
     """Worker A reaches Redis through the proxy and holds the task; worker B is direct. Cut A off for `cut` s."""
     ttl = {"GPUMESH_LEASE_TTL": "3", "GPUMESH_HEARTBEAT_INTERVAL": "0.5"}

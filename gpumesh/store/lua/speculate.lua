@@ -31,9 +31,9 @@ local mode = ARGV[6]
 local token = ARGV[7]
 
 local t = redis.call('HMGET', task_key, 'status', 'worker', 'backup', 'backup_until', 'attempts', 'index',
-  'payload', 'sig', 'class')
+  'payload', 'sig', 'class', 'backup_worker')
 local status, primary_worker, backup, backup_until, attempts = t[1], t[2], t[3], t[4], t[5]
-local index, payload, signature, klass = t[6], t[7], t[8], t[9]
+local index, payload, signature, klass, backup_worker = t[6], t[7], t[8], t[9], t[10]
 if status ~= 'running' then
   return {0, status or 'missing'}
 end
@@ -41,13 +41,28 @@ if primary_worker == worker_id then
   return {0, 'own task'}
 end
 local ms = now_ms()
-if backup and backup ~= '' and tonumber(backup_until or 0) > ms then
+-- The same call again (redis-py sends a command again when the link failed before its reply came, though
+-- this script may have run): the backup this very call started (its token, this worker) is the answer again,
+-- not 'has a backup' while a copy that never runs holds the task's backup for a lease.
+local resent = type(backup) == 'string' and backup ~= '' and backup_worker == worker_id and backup == digest(token)
+if not resent and backup and backup ~= '' and tonumber(backup_until or 0) > ms then
   return {0, 'has a backup'}
 end
 local job = redis.call('HMGET', job_key, 'speculate', 'queued', 'id', 'script_sha', 'script_name', 'timeout',
   'key_id', 'expires_at', 'max_attempts', 'classes')
 local speculative, queued, job_id, script_sha, script_name = job[1], job[2], job[3], job[4], job[5]
 local timeout, key_id, expires_at, max_attempts, classes = job[6], job[7], job[8], job[9], job[10]
+local function reply()
+  return lease_reply({
+    task_id = task_id, attempt = tonumber(attempts), job_id = job_id, index = index,
+    payload = payload, script_sha = script_sha, script_name = script_name, timeout = timeout,
+    max_attempts = max_attempts, signature = signature, key_id = key_id, expires_at = expires_at,
+    server_ms = ms, backup = true, backup_mode = mode,
+  })
+end
+if resent then
+  return reply()  -- started already, by this call: nothing is written twice
+end
 if speculative ~= '1' then
   return {0, 'not speculative'}
 end
@@ -74,9 +89,4 @@ incr(stats_key, 'speculated', 1)
 if redis.call('EXISTS', worker_key) == 1 then
   redis.call('HSET', worker_key, 'current_task', task_id)
 end
-return lease_reply({
-  task_id = task_id, attempt = tonumber(attempts), job_id = job_id, index = index,
-  payload = payload, script_sha = script_sha, script_name = script_name, timeout = timeout,
-  max_attempts = max_attempts, signature = signature, key_id = key_id, expires_at = expires_at,
-  server_ms = ms, backup = true, backup_mode = mode,
-})
+return reply()
