@@ -229,7 +229,9 @@ class LeanRQWorker(SimpleWorker):
             with contextlib.suppress(redis.RedisError):
                 self.pubsub.unsubscribe()
         thread.join(timeout=1)
-        if not self.revoked:
+        if not self.revoked and not thread.is_alive():
+            # A thread still reading (a stalled broker) closes the pubsub itself as it ends: closed here, its
+            # connection would go back to the pool while the thread still reads from it.
             self.pubsub.close()
 
     def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:

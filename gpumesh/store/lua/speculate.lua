@@ -31,20 +31,23 @@ local mode = ARGV[6]
 local token = ARGV[7]
 
 local t = redis.call('HMGET', task_key, 'status', 'worker', 'backup', 'backup_until', 'attempts', 'index',
-  'payload', 'sig', 'class', 'backup_worker')
+  'payload', 'sig', 'class', 'backup_worker', 'lease', 'promoted')
 local status, primary_worker, backup, backup_until, attempts = t[1], t[2], t[3], t[4], t[5]
 local index, payload, signature, klass, backup_worker = t[6], t[7], t[8], t[9], t[10]
 if status ~= 'running' then
   return {0, status or 'missing'}
 end
-if primary_worker == worker_id then
+-- The same call again (redis-py sends a command again when the link failed before its reply came, though
+-- this script may have run): the backup this very call started (its token, this worker) is the answer again,
+-- not 'has a backup' while a copy that never runs holds the task's backup for a lease; nor 'own task' when
+-- the primary failed or lapsed in between and the backup was promoted (its token is the task's lease now).
+local mine = digest(token)
+local resent = (backup_worker == worker_id and backup == mine) or
+  (primary_worker == worker_id and t[11] == mine and t[12] == '1')
+if primary_worker == worker_id and not resent then
   return {0, 'own task'}
 end
 local ms = now_ms()
--- The same call again (redis-py sends a command again when the link failed before its reply came, though
--- this script may have run): the backup this very call started (its token, this worker) is the answer again,
--- not 'has a backup' while a copy that never runs holds the task's backup for a lease.
-local resent = type(backup) == 'string' and backup ~= '' and backup_worker == worker_id and backup == digest(token)
 if not resent and backup and backup ~= '' and tonumber(backup_until or 0) > ms then
   return {0, 'has a backup'}
 end
@@ -60,7 +63,7 @@ local function reply()
     server_ms = ms, backup = true, backup_mode = mode,
   })
 end
-if resent then
+if resent and job_id then
   return reply()  -- started already, by this call: nothing is written twice
 end
 if speculative ~= '1' then
