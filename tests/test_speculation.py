@@ -72,7 +72,7 @@ def test_the_first_completion_wins_and_the_other_copy_learns_it_lost(broker: Bro
 
 @pytest.mark.core
 def test_a_primary_that_fails_or_lapses_hands_the_task_to_its_live_backup(broker: Broker, r: redis.Redis):
-    job, (t1, t2), (_p1, p2) = started(broker, r, n=2)
+    job, (t1, t2), (p1, p2) = started(broker, r, n=2)
     b1, b2 = backup(broker, r, t1), backup(broker, r, t2, "fast2", 9.0)
     out = scripts.fail(broker.scripts, r, p1, "slow", "exit code 1", 3.0)
     assert out == scripts.Outcome(True, "running", 0)
