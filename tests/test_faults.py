@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from gpumesh.store import keys
 
@@ -443,7 +445,8 @@ def test_rq_s_bookkeeping_during_a_broker_outage_does_not_end_the_worker(mesh_wo
     from gpumesh.server.broker_server import free_port
 
     worker = mesh_worker.build()
-    worker.connection = redis.Redis(port=free_port(), socket_connect_timeout=0.2)  # nobody listens there
+    # nobody listens there; no retries of its own (redis-py 7's default ones alone take over 10 s)
+    worker.connection = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     t0 = time.monotonic()
     worker.heartbeat()
     worker.run_maintenance_tasks()
