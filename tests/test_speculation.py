@@ -104,35 +104,31 @@ def test_a_failed_backup_is_dropped_and_the_primary_runs_on(broker: Broker, r: r
     assert_counters_match_tasks(r, job)
 
 
-def speculate_with(broker: Broker, r: redis.Redis, tid: str, token: str, worker: str = "fast", score: float = 8.0):
-    """One speculate call with a given token: what redis-py sends again when the reply to it was lost."""
-    reply = broker.scripts["speculate"](
-        keys=[keys.task(tid), keys.job(keys.job_of_task(tid)), keys.worker(worker), keys.SCORES, keys.STATS],
-        args=[tid, worker, LEASE_MS, score, 2.0, "idle", token],
-        client=r,
-    )
-    return scripts._lease(reply, token)
+def speculate_with(monkeypatch: pytest.MonkeyPatch, broker: Broker, r: redis.Redis, tid: str, token: str):
+    """One speculate call by 'fast' with a given token: what redis-py sends again when the reply to it was lost."""
+    monkeypatch.setattr(scripts, "new_token", lambda: token)
+    return backup(broker, r, tid)
 
 
 @pytest.mark.core
-def test_a_resent_speculate_answers_with_the_backup_it_started(broker: Broker, r: redis.Redis):
+def test_a_resent_speculate_answers_with_the_backup_it_started(broker: Broker, r: redis.Redis, monkeypatch):
     """redis-py sends a call again when its reply was lost, though the function ran: the same token gets the
     same backup back, also once it was promoted in between; nothing is counted twice; another token is refused."""
     job, (t1, t2), (_p1, p2) = started(broker, r, n=2)
-    first = speculate_with(broker, r, t1, "token-one")
-    again = speculate_with(broker, r, t1, "token-one")
+    first = speculate_with(monkeypatch, broker, r, t1, "token-one")
+    again = speculate_with(monkeypatch, broker, r, t1, "token-one")
     assert isinstance(first, scripts.Lease) and isinstance(again, scripts.Lease) and again.backup
     assert (again.task_id, again.attempt, again.payload, again.token) == (first.task_id, first.attempt, first.payload,
                                                                           first.token)  # fmt: skip
-    assert speculate_with(broker, r, t1, "token-two") == "has a backup"
+    assert speculate_with(monkeypatch, broker, r, t1, "token-two") == "has a backup"
     assert r.hget(keys.STATS, "speculated") == "1"
     # the primary fails between the call and its resend: the backup is promoted, and is still the answer
-    assert isinstance(speculate_with(broker, r, t2, "token-three"), scripts.Lease)
+    assert isinstance(speculate_with(monkeypatch, broker, r, t2, "token-three"), scripts.Lease)
     assert scripts.fail(broker.scripts, r, p2, "slow", "exit code 1", 1.0).status == "running"
     assert r.hget(keys.task(t2), "worker") == "fast" and r.hget(keys.task(t2), "promoted") == "1"
-    promoted = speculate_with(broker, r, t2, "token-three")
+    promoted = speculate_with(monkeypatch, broker, r, t2, "token-three")
     assert isinstance(promoted, scripts.Lease), f"the promoted backup's resend was refused: {promoted}"
-    assert speculate_with(broker, r, t2, "token-four") == "own task"
+    assert speculate_with(monkeypatch, broker, r, t2, "token-four") == "own task"
     assert r.hget(keys.STATS, "speculated") == "2"
     assert scripts.complete(broker.scripts, r, first, "fast", "{}", 0.1).accepted
     assert scripts.complete(broker.scripts, r, promoted, "fast", "{}", 0.1).accepted

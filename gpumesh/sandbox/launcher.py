@@ -157,7 +157,7 @@ def _python_paths(script_dir: str | None) -> list[str]:
 def _python_real_paths() -> frozenset[str]:
     """The real paths of :func:`_python_paths` (None): what a script's directory must be none of."""
     base, entries = _interpreter_paths()
-    return frozenset(real for _, real in base + [(e, r) for e, r in entries if r != "/"])
+    return frozenset([real for _, real in base] + [real for _, real in entries if real != "/"])
 
 
 class _CapHeader(ctypes.Structure):
