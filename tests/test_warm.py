@@ -21,6 +21,20 @@ from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote, ZygoteError
 from .conftest import OPEN_FDS_SCRIPT, gpumesh, pid_alive, wait_until
 
 
+def zygote_children(zygote) -> tuple[int, int]:
+    """(spares, supervisors) among a zygote's children (a psutil.Process): a spare waits in the zygote's
+    session, a supervisor has taken one of its own for its attempt."""
+    spares = supervisors = 0
+    for child in zygote.children():
+        try:
+            own = os.getsid(child.pid) != os.getsid(zygote.pid)
+        except ProcessLookupError:  # reaped meanwhile
+            continue
+        supervisors += own
+        spares += not own
+    return spares, supervisors
+
+
 def run(zygote: Zygote, source: str, **limits):
     lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
     return sandbox.run(textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, zygote)
@@ -103,7 +117,7 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_o
         assert run(z, "print('{}')").returncode == 0
         assert z.proc is not None
         zygote = psutil.Process(z.proc.pid)
-        wait_until(lambda: len(zygote.children()) == 1, what="only the spare left")
+        wait_until(lambda: zygote_children(zygote) == (1, 0), what="only the spare left")
         spare = zygote.children()[0]
         spare.kill()
         wait_until(lambda: not zygote.children(), what="the zygote to reap its spare")
@@ -112,6 +126,37 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_o
         z.close()
     assert out.returncode == 0, list(out.stderr_tail)
     assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
+
+
+@pytest.mark.core
+def test_the_next_attempt_s_spare_is_forked_as_an_attempt_ends_or_while_a_long_one_runs(tmp_path: Path):
+    """The zygote forks the next attempt's spare as an attempt ends (so that a short attempt keeps both cores;
+    benchmarks/core.py shows the gain), and while it runs once it has run a few ms: a long attempt's successor
+    does not wait for a fork (tens of ms with torch imported). The next attempt runs in that spare."""
+    import psutil
+
+    pidfile = tmp_path / "pid"
+    z = Zygote()
+    z.start()
+    try:
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        assert run(z, "print('{}')").returncode == 0
+        wait_until(lambda: zygote_children(zygote) == (1, 0), what="the spare forked as the attempt ended")
+        src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\ntime.sleep(1.5)\nprint('{{}}')"
+        t = threading.Thread(target=run, args=(z, src))
+        t.start()
+        try:
+            wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the long attempt to start")
+            wait_until(lambda: zygote_children(zygote) == (1, 1), timeout=1, what="a spare while the attempt runs")
+            (spare,) = (c for c in zygote.children() if os.getsid(c.pid) == os.getsid(zygote.pid))
+        finally:
+            t.join(timeout=15)
+        pidfile.unlink()
+        assert run(z, src.replace("time.sleep(1.5)", "")).returncode == 0
+        assert int(pidfile.read_text()) == spare.pid, "the attempt ran in the spare forked ahead of it"
+    finally:
+        z.close()
 
 
 @pytest.mark.processes

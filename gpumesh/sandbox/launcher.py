@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+SPARE_DELAY = 0.005  # s: a warm attempt still running this long after it started gets its successor's spare now
 TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
 COPY_DIR_PREFIX = "gpumesh-launcher-"  # a private copy of this file, for a helper in another interpreter
 
@@ -711,6 +712,8 @@ class _Forks:
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         self.isolation = "-"  # the last attempt's Landlock rules, which the next spare builds ahead
         self.spare: tuple[int, socket.socket] | None = _fork_spare(self.own(), self.isolation)
+        self.ahead = "-"  # the cgroup made for the next attempt, which the next spare moves into
+        self.spare_due: float | None = None  # when the next spare is forked, at the latest (SPARE_DELAY)
 
     def own(self) -> list[int]:
         """The zygote's descriptors, which a forked supervisor closes."""
@@ -723,17 +726,29 @@ class _Forks:
         ]
 
     def serve(self) -> None:
+        import time
+
         while True:
-            for key, _ in self.sel.select():
+            due = self.spare_due
+            for key, _ in self.sel.select(None if due is None else max(0.0, due - time.monotonic())):
                 if key.fileobj is self.ctrl:
                     self.take_request()
                 else:
                     self.reap()
+            if self.spare_due is not None and time.monotonic() >= self.spare_due:
+                self.fork_spare()
+
+    def fork_spare(self) -> None:
+        """Fork the next attempt's spare: as the attempt ends, or SPARE_DELAY into it if it runs longer."""
+        self.spare_due = None
+        if self.spare is None:
+            self.spare = _fork_spare(self.own(), self.isolation, self.ahead)
 
     def take_request(self) -> None:
-        """Hand the worker's next request to a spare, tell the worker its pid, and fork the next spare."""
+        """Hand the worker's next request to a spare, tell the worker its pid, and plan the next spare."""
         import json
         import socket
+        import time
 
         try:
             msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 4)
@@ -757,7 +772,11 @@ class _Forks:
             self.replies[pid] = reply
         else:
             reply.close()
-        self.spare = _fork_spare(self.own(), self.isolation, ahead)  # the next attempt's, forked while this one runs
+        # The next attempt's spare: forked as this attempt ends (while the worker reports it and asks for the next
+        # task, with a core to spare), or SPARE_DELAY into it when it runs longer (a torch zygote's fork takes ~20 ms).
+        # Forked at once, it took a core from the attempt it came with.
+        self.ahead = ahead
+        self.spare_due = time.monotonic() + SPARE_DELAY
 
     def hand_to_spare(self, msg: bytes, fds: list[int]) -> int | None:
         """Send the request and its descriptors to the waiting spare: the pid of the supervisor that took it."""
@@ -801,6 +820,8 @@ class _Forks:
             reply = self.replies.pop(pid)
             _reply(reply.fileno(), {"pid": pid, "status": status})
             reply.close()
+        if ended and self.spare_due is not None:
+            self.fork_spare()
 
     def kill_orphans(self) -> None:
         """KILL and reap every child that is neither a running supervisor nor the spare: as a subreaper the
