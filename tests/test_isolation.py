@@ -11,6 +11,7 @@ running as ``nobody``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from gpumesh.sandbox import landlock, tree
+from gpumesh.sandbox import landlock, taskdir, tree
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.warm import Zygote
 
@@ -512,6 +513,56 @@ def _peek(env: dict[str, str], workers: Workers, host: dict[str, Any], tmp_path:
     (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
     assert row["status"] == "done", (row, workers.log(len(workers.procs) - 1))
     return dict(row["result"])
+
+
+# A task that leaves a file in its output directory and says where; the next one tries to read it.
+LEAVE = """
+import json, os
+path = os.path.join(os.environ["GPUMESH_OUTPUT_DIR"], "secret.txt")
+open(path, "w").write("another job's output")
+print(json.dumps({"path": path}))
+"""
+PRY = """
+import json, sys
+path = json.load(sys.stdin)["path"]
+try:
+    seen = open(path).read()
+except OSError as exc:
+    seen = type(exc).__name__
+print(json.dumps({"seen": seen}))
+"""
+
+
+@needs_landlock
+def test_a_confined_attempt_cannot_read_the_directory_of_the_attempt_before_and_it_goes_as_this_one_runs(mode):
+    """A worker removes an ended attempt's directory while the next attempt runs (off the path between the
+    two), and only where Landlock confines that next attempt to its own directory: it must not read the
+    output files of the attempt before it (another job's, perhaps). Unconfined, the directory goes at once."""
+    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation())
+
+    def run(source: str, payload: str, later: taskdir.Later, limits: sandbox.Limits = lim) -> sandbox.Attempt:
+        out = sandbox.run(textwrap.dedent(source), "task.py", payload, {}, limits, lambda s, line: None,
+                          lambda: None, zygote=mode.get("zygote"), spares=mode.get("spares"), later=later)  # fmt: skip
+        assert out.returncode == 0, list(out.stderr_tail)
+        return out
+
+    held, other = taskdir.Later(), taskdir.Later()
+    left = Path(json.loads(run(LEAVE, "{}", held).last_line or "")["path"])
+    assert left.exists(), "left for later"
+    # Another attempt while it is still there (held by another Later: nothing removes it meanwhile).
+    pried = run(PRY, json.dumps({"path": str(left)}), other)
+    assert json.loads(pried.last_line or "")["seen"] == "PermissionError"
+    assert left.exists()
+    run(PRY, json.dumps({"path": str(left)}), held)  # the next attempt of the same worker: it goes meanwhile
+    assert not left.parent.parent.exists(), "removed while the next attempt ran"
+    for later in (held, other):
+        later.remove_all()  # what the worker does when it has no task: nothing of any attempt is left
+    assert not list(Path(tempfile.gettempdir()).glob(f"gpumesh-task-*.{os.getpid()}-*"))
+
+    unconfined = Path(
+        json.loads(run(LEAVE, "{}", held, dataclasses.replace(lim, isolation=None)).last_line or "")["path"]
+    )
+    assert not unconfined.parent.parent.exists(), "an unconfined attempt's directory goes at once"
 
 
 @needs_landlock

@@ -270,13 +270,16 @@ def run(
     zygote: Zygote | None = None,
     spares: Spares | None = None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
+    later: taskdir.Later | None = None,
 ) -> Attempt:
     """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
     ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown).
     With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
     with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran.
     ``collect`` gets the files of the output dir (sandbox.outputs.walk) after a clean exit, once the
-    attempt's whole tree is gone and before its directory is removed; its answer is ``collected``."""
+    attempt's whole tree is gone and before its directory is removed; its answer is ``collected``.
+    With ``later`` (a worker's), a confined attempt that ended as it should leaves its directory to it, and the
+    directories it holds from earlier attempts are removed while this one runs."""
     out = Attempt()
     tree.become_subreaper()  # what outlives its supervisor comes back to us, to be killed with its attempt
     workdir = taskdir.make()
@@ -300,6 +303,8 @@ def run(
             proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
+        if later is not None:
+            later.remove_all()  # the earlier attempts' directories, while this attempt runs
         _watch(proc, out, limits, on_line, should_stop, started)
         # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
@@ -327,10 +332,15 @@ def run(
             tree.kill_escaped(proc.pid, since)
         if not out.duration:
             out.duration = time.monotonic() - started
-        try:
-            taskdir.remove(workdir, script, output_dir, dir_fd=workdir_fd)
-        finally:
-            os.close(workdir_fd)
+        # Left for later only when it ended as it should and the next attempt cannot read it (Landlock gives each
+        # its own directory alone): an unconfined task could read the last one's output files meanwhile.
+        if later is not None and swept and limits.isolation is not None:
+            later.add(workdir, script, output_dir, workdir_fd)
+        else:
+            try:
+                taskdir.remove(workdir, script, output_dir, dir_fd=workdir_fd)
+            finally:
+                os.close(workdir_fd)
     return out
 
 

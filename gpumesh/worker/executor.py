@@ -21,6 +21,7 @@ import redis
 
 from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox import taskdir
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
@@ -100,6 +101,8 @@ class Executor:
         self.current: Running | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
         self.spares = sandbox.Spares() if host.zygote is None else None
+        # Ended attempts' directories, removed while the next attempt runs, or when the worker idles or stops.
+        self.later = taskdir.Later()
         # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
         self.artifacts = artifacts.backend(self.settings, self.broker.rq)
         self.artifact_caps = artifacts.Caps.of(self.settings)
@@ -107,8 +110,13 @@ class Executor:
         self.result_signer = ResultSigner.of_url(self.broker.url)
 
     def close(self) -> None:
+        self.tidy()
         if self.spares is not None:
             self.spares.close()
+
+    def tidy(self) -> None:
+        """Remove what ended attempts left to remove later (their directories): the worker has no task now."""
+        self.later.remove_all()
 
     def _script(self, sha: str) -> str:
         src = self._scripts_cache.get(sha)
@@ -198,6 +206,7 @@ class Executor:
         out = sandbox.run(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
+            later=self.later,
         )  # fmt: skip
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
         return out

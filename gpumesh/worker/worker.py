@@ -246,6 +246,7 @@ class MeshWorker(LeanRQWorker):
                 self._sleep_after_error(errors)
                 continue
             errors = 0
+            self.executor.tidy()  # nothing to run here now: what the last attempts left goes at once
             if timeout is None:
                 return None
             if max_idle_time is not None and time.monotonic() - idle_since >= max_idle_time:
