@@ -47,7 +47,10 @@ PARTS = [
     ("gpumesh: complete.lua", ["complete (gpumesh"]),
     ("gpumesh: ship the log lines", ["LogShipper"]),
     ("RQ: pop the delivery from the worker's own queue", ["dequeue_any", "dequeue_job_and_maintain_ttl (rq"]),
-    ("RQ: per-job bookkeeping (state, registries, result)", ["_record_success (gpumesh", "prepare_execution (gpumesh"]),
+    (
+        "RQ: per-job bookkeeping (state, registries, result)",
+        ["_record_success (gpumesh", "prepare_execution (gpumesh", "send_records (gpumesh"],
+    ),
 ]
 # Only when no frame of the stack names one of PARTS: the deliver step runs RQ's enqueue code, and
 # must not count as RQ's bookkeeping because its innermost frames are RQ's.

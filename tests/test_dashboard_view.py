@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -212,6 +213,25 @@ def test_rq_shows_the_worker_busy_while_it_runs_and_idle_once_it_waits_with_a_fr
     beat = Worker.find_by_key(w.key, connection=broker.rq, serializer=JSONSerializer).last_heartbeat
     assert beat is not None and abs(time.time() - beat.timestamp()) < 5, beat
     assert registries(broker, w.worker_id)["finished"] == 31
+
+
+@pytest.mark.processes
+def test_a_worker_stopped_during_its_last_task_leaves_rq_s_record_of_the_run_whole(env, r, broker, workers, script):
+    """RQ's records of a run (its start, its success) are sent while the next attempt runs, or when the worker
+    finds nothing to run. A worker told to stop (SIGTERM) during a task finishes it and sends them before RQ
+    deletes its own record: rq-dashboard shows the run finished, and nothing left started."""
+    proc = workers.start("--name", "last")
+    (wid,) = r.zrange(keys.WORKERS, 0, -1)
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(script, [{"sleep": 1.5}])
+        wait_until(lambda: registries(broker, wid)["started"] == 1, what="RQ to show the run started")
+        proc.send_signal(signal.SIGTERM)  # a warm shutdown: the task is finished first
+        assert proc.wait(timeout=30) == 0, workers.log(0)
+        assert job.status().status == "done"
+    assert registries(broker, wid) == {"queued": 0, "started": 0, "finished": 1, "failed": 0}
+    assert rq_job(broker, keys.task_id(job.id, 0)).get_status() == "finished"
+    (record,) = r.keys("rq:worker:*")  # RQ keeps a dead worker's record a minute, marked with its death
+    assert r.hget(record, "death") and r.hget(record, "successful_job_count") == "1" and r.ttl(record) > 0
 
 
 @pytest.mark.core
@@ -427,7 +447,9 @@ def test_a_worker_records_a_finished_run_as_rq_does(redis_server: RedisServer, r
 
     class Recorded(RQs):
         def handle_job_success(self, job, queue, started_job_registry, execution):  # type: ignore[no-untyped-def]
-            MeshWorker._record_success(self, job, execution)  # type: ignore[arg-type]
+            with self.connection.pipeline() as p:  # the worker sends it later, as it is: here at once
+                MeshWorker._record_success(self, job, execution, p)  # type: ignore[arg-type]
+                p.execute()
 
     dbs = [redis.Redis.from_url(redis_server.url, db=db) for db in (2, 3)]  # RQ's own, ours
     states = []

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from gpumesh.sandbox import landlock, taskdir, tree
+from gpumesh.sandbox import landlock, tree
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.warm import Zygote
 
@@ -540,23 +540,23 @@ def test_a_confined_attempt_cannot_read_the_directory_of_the_attempt_before_and_
     output files of the attempt before it (another job's, perhaps). Unconfined, the directory goes at once."""
     lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation())
 
-    def run(source: str, payload: str, later: taskdir.Later, limits: sandbox.Limits = lim) -> sandbox.Attempt:
+    def run(source: str, payload: str, later: sandbox.Meanwhile, limits: sandbox.Limits = lim) -> sandbox.Attempt:
         out = sandbox.run(textwrap.dedent(source), "task.py", payload, {}, limits, lambda s, line: None,
-                          lambda: None, zygote=mode.get("zygote"), spares=mode.get("spares"), later=later)  # fmt: skip
+                          lambda: None, zygote=mode.get("zygote"), spares=mode.get("spares"), meanwhile=later)  # fmt: skip
         assert out.returncode == 0, list(out.stderr_tail)
         return out
 
-    held, other = taskdir.Later(), taskdir.Later()
+    held, other = sandbox.Meanwhile(), sandbox.Meanwhile()
     left = Path(json.loads(run(LEAVE, "{}", held).last_line or "")["path"])
     assert left.exists(), "left for later"
-    # Another attempt while it is still there (held by another Later: nothing removes it meanwhile).
+    # Another attempt while it is still there (another worker's, say: nothing removes it meanwhile).
     pried = run(PRY, json.dumps({"path": str(left)}), other)
     assert json.loads(pried.last_line or "")["seen"] == "PermissionError"
     assert left.exists()
     run(PRY, json.dumps({"path": str(left)}), held)  # the next attempt of the same worker: it goes meanwhile
     assert not left.parent.parent.exists(), "removed while the next attempt ran"
     for later in (held, other):
-        later.remove_all()  # what the worker does when it has no task: nothing of any attempt is left
+        later.run()  # what the worker does when it has no task: nothing of any attempt is left
     assert not list(Path(tempfile.gettempdir()).glob(f"gpumesh-task-*.{os.getpid()}-*"))
 
     unconfined = Path(

@@ -96,29 +96,5 @@ def remove(workdir: str, script: str, output_dir: str, dir_fd: int | None = None
         pass
 
 
-class Later:
-    """Ended attempts' directories, removed later: while the next attempt runs (:meth:`remove_all` right after
-    it was handed over), or when the worker goes idle or stops. Removing a directory takes a few syscalls and
-    an ext4 journal update (0.2-0.5 ms here): off the path between one task and the next, they overlap the
-    next attempt instead of delaying it. Each is removed exactly as :func:`remove` would, through the
-    descriptor opened before its attempt ran; a worker killed meanwhile leaves it to the sweep of dead
-    workers' directories (:func:`sweep_dead_workers_dirs`)."""
-
-    def __init__(self) -> None:
-        self._dirs: list[tuple[str, str, str, int]] = []
-
-    def add(self, workdir: str, script: str, output_dir: str, dir_fd: int) -> None:
-        """Remove ``workdir`` later; ``dir_fd`` is now this object's to close."""
-        self._dirs.append((workdir, script, output_dir, dir_fd))
-
-    def remove_all(self) -> None:
-        while self._dirs:
-            workdir, script, output_dir, dir_fd = self._dirs.pop()
-            try:
-                remove(workdir, script, output_dir, dir_fd=dir_fd)
-            finally:
-                os.close(dir_fd)
-
-
 def _is_dir(name: str, dir_fd: int) -> bool:
     return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)

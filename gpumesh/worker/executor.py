@@ -21,7 +21,6 @@ import redis
 
 from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
-from gpumesh.sandbox import taskdir
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
@@ -72,6 +71,7 @@ class Host:
     # task id -> (lease delivered to the worker's own queue, when it was leased); run() takes from it
     dispatched: dict[str, tuple[scripts.Lease, float]] = field(default_factory=dict)
     resources: dict[str, Any] = field(default_factory=dict)  # as registered: what a memory failure ran out of
+    send_records: Callable[[], None] = lambda: None  # RQ's records of the runs, sent while the next attempt runs
 
 
 _executor: Executor | None = None
@@ -101,8 +101,9 @@ class Executor:
         self.current: Running | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
         self.spares = sandbox.Spares() if host.zygote is None else None
-        # Ended attempts' directories, removed while the next attempt runs, or when the worker idles or stops.
-        self.later = taskdir.Later()
+        # Done while the next attempt runs, or when the worker idles or stops: ended attempts' directories go,
+        # and RQ's records of the runs are sent.
+        self.meanwhile = sandbox.Meanwhile(also=host.send_records)
         # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
         self.artifacts = artifacts.backend(self.settings, self.broker.rq)
         self.artifact_caps = artifacts.Caps.of(self.settings)
@@ -115,8 +116,8 @@ class Executor:
             self.spares.close()
 
     def tidy(self) -> None:
-        """Remove what ended attempts left to remove later (their directories): the worker has no task now."""
-        self.later.remove_all()
+        """Do at once what waits for the next attempt to run (sandbox.Meanwhile): the worker has no task now."""
+        self.meanwhile.run()
 
     def _script(self, sha: str) -> str:
         src = self._scripts_cache.get(sha)
@@ -206,7 +207,7 @@ class Executor:
         out = sandbox.run(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
-            later=self.later,
+            meanwhile=self.meanwhile,
         )  # fmt: skip
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
         return out

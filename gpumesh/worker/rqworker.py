@@ -5,8 +5,10 @@ RQ beats (three commands, one round trip each) before and after every pop, write
 twice a delivery (idle after the run, idle again before the pop), prepares a run in two transactions,
 stamps the job's heartbeat once more as it ends and reads a finished job's dependents before recording
 it. gpumesh keeps its own state and lease per task: here each of those reaches Redis at most once a
-second, or in the transaction that follows. rq-dashboard and ``rq info`` see the same workers, states,
-registries and results (tests/test_dashboard_view.py compares a recorded success key by key with RQ's).
+second, or in the transaction that follows. A run's start and the last run's success then wait, in one
+transaction, until the next attempt runs, and go in the round trip it overlaps (send_records).
+rq-dashboard and ``rq info`` see the same workers, states, registries and results, a few milliseconds
+later (tests/test_dashboard_view.py compares a recorded success key by key with RQ's).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class LeanRQWorker(SimpleWorker):
         self._rq_lost = False  # the broker went away while RQ recorded a run's success
         self._state_written: str | None = None  # the state last sent to RQ's record
         self._prepared: str | None = None  # the RQ job whose start prepare_execution wrote already
+        # RQ's records of runs (the last one's success, the next one's start), gathered in one transaction that
+        # send_records sends while the next attempt runs, and before anything else of RQ's is written.
+        self._unsent: Any = None
         super().__init__(*args, **kwargs)
 
     def _revoked(self, exc: Exception) -> None:
@@ -107,22 +112,53 @@ class LeanRQWorker(SimpleWorker):
         self._state_written = state
 
     def prepare_execution(self, job: Job) -> Any:
-        """RQ's two transactions before a run (the execution's record, then the job's start), as one."""
-        with self._unless_refused(), self.connection.pipeline() as p:
-            ttl = self.get_heartbeat_ttl(job)
-            execution = Execution.create(job, ttl, pipeline=p, worker_name=self.name)
-            self.executions[execution.id] = execution
-            self.set_state(WorkerStatus.BUSY, pipeline=p)
-            super().heartbeat(ttl, pipeline=p)
-            job.heartbeat(now(), ttl, pipeline=p)
-            job.prepare_for_execution(self.name, pipeline=p)
-            p.persist(job.key)
-            if len(self.queues) == 1:  # as RQ's perform_job asks of its prepare_job_execution
-                p.lrem(self.queue_class(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
-            p.execute()
+        """RQ's two transactions before a run (the execution's record, then the job's start), as one, sent with
+        the next records (send_records: once the attempt runs, after the last run's success)."""
+        if self.revoked:
+            raise StopRequested
+        p = self._records()
+        ttl = self.get_heartbeat_ttl(job)
+        execution = Execution.create(job, ttl, pipeline=p, worker_name=self.name)
+        self.executions[execution.id] = execution
+        self.set_state(WorkerStatus.BUSY, pipeline=p)
+        super().heartbeat(ttl, pipeline=p)
+        job.heartbeat(now(), ttl, pipeline=p)
+        job.prepare_for_execution(self.name, pipeline=p)
+        p.persist(job.key)
+        if len(self.queues) == 1:  # as RQ's perform_job asks of its prepare_job_execution
+            p.lrem(self.queue_class(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
         self._rq_beat_at = time.monotonic()
         self._prepared = job.id
         return execution
+
+    def _records(self) -> Any:
+        """The transaction that RQ's records of runs wait in, oldest first, until send_records sends it."""
+        if self._unsent is None:
+            self._unsent = self.connection.pipeline()
+        return self._unsent
+
+    def send_records(self) -> None:
+        """Send RQ's records of the runs that wait (the last run's success, the next run's start) in one round trip.
+
+        They wait so that it overlaps the next attempt instead of sitting between two: sandbox.Meanwhile runs
+        this once the attempt was handed over. Sent too when the worker has nothing to run, before RQ's own
+        writes (a failure, its maintenance) and before the worker's record goes (teardown). Never raises, as it
+        runs beside an attempt: refused credentials stop the worker as any refusal does; an unreachable broker
+        loses these records, which rq-dashboard alone reads (RQ's maintenance fails a run it shows started for
+        too long; gpumesh's own state, the task's lease and result, is written by its own scripts)."""
+        p, self._unsent = self._unsent, None
+        if p is None or self.revoked:
+            return
+        try:
+            p.execute()
+        except REFUSED as exc:
+            self._revoked(exc)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("RQ's record of a run was not written: the broker is unreachable (%s)", exc)
+        except redis.RedisError as exc:  # what some credential wrote where RQ writes
+            log.warning("RQ's record of a run failed (%s: %s); carrying on", type(exc).__name__, str(exc)[:200])
+        finally:
+            p.reset()
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         if self._prepared == job.id:  # written with the execution's record
@@ -139,6 +175,7 @@ class LeanRQWorker(SimpleWorker):
             raise StopRequested
 
     def run_maintenance_tasks(self) -> None:
+        self.send_records()  # RQ's clean-up reads what they write (the intermediate queue, the registries)
         with self._unless_refused(), self._through_outage("maintenance"):
             try:
                 super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
@@ -166,8 +203,9 @@ class LeanRQWorker(SimpleWorker):
         with self._unless_refused():
             try:
                 if job.repeats_left is None and not job.has_rate_limit:
-                    self._record_success(job, execution)
+                    self._record_success(job, execution, self._records())  # sent while the next attempt runs
                 else:  # not a delivery of ours (those never repeat, nor have a rate limit): RQ's own way
+                    self.send_records()
                     super().handle_job_success(job, queue, started_job_registry, execution)
             except (redis.ConnectionError, redis.TimeoutError):
                 # RQ's loop takes any error here for the job's own and records it failed: the broker is what
@@ -176,32 +214,36 @@ class LeanRQWorker(SimpleWorker):
                 self._rq_lost = True
                 raise
 
-    def _record_success(self, job: Job, execution: Any) -> None:
+    def _record_success(self, job: Job, execution: Any, p: Any) -> None:
         """RQ's handle_job_success (rq 3.0) for a delivery, in one transaction and one round trip. RQ first
         WATCHes the job's dependents set and reads it, to enqueue the jobs that waited for this one: two
         round trips a task here, for a set that Broker.deliver never makes, and which only some credential
-        writing into Redis could fill. Its counts, result, registries and the execution's record are RQ's."""
-        with self.connection.pipeline() as p:
-            self.increment_successful_job_count(pipeline=p)
-            assert job.started_at is not None and job.ended_at is not None  # set by RQ's run, as RQ asserts
-            self.increment_total_working_time(job.ended_at - job.started_at, p)
-            result_ttl = job.get_result_ttl(self.default_result_ttl)
-            if result_ttl != 0:
-                job._handle_success(
-                    result_ttl, pipeline=p, worker_name=self.name, execution_id=execution.id,
-                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at,
-                )  # fmt: skip
-            job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
-            self.cleanup_execution(job, pipeline=p, execution=execution)
-            p.execute()
+        writing into Redis could fill. Its counts, result, registries and the execution's record are RQ's, written
+        into the transaction ``p``."""
+        self.increment_successful_job_count(pipeline=p)
+        assert job.started_at is not None and job.ended_at is not None  # set by RQ's run, as RQ asserts
+        self.increment_total_working_time(job.ended_at - job.started_at, p)
+        result_ttl = job.get_result_ttl(self.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(
+                result_ttl, pipeline=p, worker_name=self.name, execution_id=execution.id,
+                execution_started_at=execution.created_at, execution_ended_at=job.ended_at,
+            )  # fmt: skip
+        job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
+        self.cleanup_execution(job, pipeline=p, execution=execution)
         job._status = JobStatus.FINISHED
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)  # fmt: skip
 
     def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
                            execution: Any = None) -> None:  # fmt: skip
+        self.send_records()  # the run's start first, where it waits still
         with self._unless_refused():
             super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+
+    def teardown(self) -> None:
+        self.send_records()  # before RQ marks the worker dead: its record then says all it ran
+        super().teardown()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
 
     def set_shutdown_requested_date(self) -> None:
         # Runs in the signal handler, for display only: it must not raise into the task it interrupts.

@@ -163,7 +163,7 @@ class MeshWorker(LeanRQWorker):
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
-                          verifier, self.dispatched, self.resources)
+                          verifier, self.dispatched, self.resources, self.send_records)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
@@ -246,7 +246,7 @@ class MeshWorker(LeanRQWorker):
                 self._sleep_after_error(errors)
                 continue
             errors = 0
-            self.executor.tidy()  # nothing to run here now: what the last attempts left goes at once
+            self.executor.tidy()  # nothing to run here now: what waited for the next attempt is done at once
             if timeout is None:
                 return None
             if max_idle_time is not None and time.monotonic() - idle_since >= max_idle_time:
