@@ -4,6 +4,7 @@ worker dies during the attempt)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import stat
@@ -17,8 +18,10 @@ def make() -> str:
     return tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{_owner()}-")
 
 
+@functools.cache
 def _pid_namespace() -> str:
-    """This process's pid namespace (containers sharing a /tmp have different ones), or "" if unknown."""
+    """This process's pid namespace (containers sharing a /tmp have different ones), or "" if unknown. A
+    process never changes its own (unshare and setns move only the children it makes after): read once."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:

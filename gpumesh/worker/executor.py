@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -182,7 +183,8 @@ class Executor:
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
         out = self._run_in_sandbox(running, source, limits)
-        out.kernel_oom = kernel_oom_kills() > oom_kills >= 0
+        # Read again only for what it can explain: an attempt that died by SIGKILL (failure_of).
+        out.kernel_oom = out.returncode == -signal.SIGKILL and kernel_oom_kills() > oom_kills >= 0
         return self._report(running, out, limits)
 
     def _run_in_sandbox(self, running: Running, source: str, limits: sandbox.Limits) -> sandbox.Attempt:
