@@ -6,7 +6,9 @@ Runs one `gpumesh worker` under `py-spy record --idle`, drains a job of no-op sh
 sample of the worker's main thread into the part of the task's life it belongs to: dispatch.lua
 picks and leases the next task, the worker delivers it to its own RQ queue and pops it in the same
 transaction (Broker.deliver), RQ runs gpumesh's executor, which ends with complete.lua, and records the run
-(RQ's bookkeeping: RQ's code, and the worker's own transactions in its place).
+(RQ's bookkeeping: RQ's code, and the worker's own transactions in its place). What the worker does beside a
+running attempt (sandbox.Meanwhile: RQ's records of the runs, the last attempt's directory) is its own row:
+that time overlaps the attempt's processes, which run on the other core.
 """
 
 from __future__ import annotations
@@ -60,7 +62,14 @@ GENERIC = [
 ]
 
 
+# Done once the next attempt was handed over, beside it (sandbox.Meanwhile): RQ's records of the runs and the last
+# attempt's directory. Counted apart, whatever runs inside: it overlaps the attempt instead of preceding it.
+MEANWHILE = "sandbox: beside the running attempt (RQ's records, the last attempt's directory)"
+
+
 def classify(frames: list[str]) -> str:
+    if any("Meanwhile.run" in f for f in frames):
+        return MEANWHILE
     for parts in (PARTS, GENERIC):
         for frame in reversed(frames):
             for part, needles in parts:
