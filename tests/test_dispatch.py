@@ -150,6 +150,36 @@ def status_counts(broker: Broker, job: str) -> dict:
 
 
 @pytest.mark.core
+def test_a_completion_leases_the_worker_s_next_task_in_the_same_round_trip_and_a_resend_no_second(
+    broker: Broker, r: redis.Redis
+):
+    """complete(then=...) also dispatches the worker's next task (one round trip where the worker would ask
+    right after): placed against the fleet as it is at that moment, like any dispatch. Sent again (redis-py
+    resends a call whose reply was lost), it answers with the same next task and leases no other."""
+    job = broker.submit("print(1)", "t.py", [{"i": i} for i in range(3)], JobOptions()).job_id
+    register(r, "w", 5.0)
+    first = take(broker, r, "w", 5.0)
+    assert isinstance(first, scripts.Lease)
+    then = scripts.Next(60_000, 5.0, scripts.new_token())
+    done = scripts.complete(broker.scripts, r, first, "w", '{"ok": 1}', 0.1, 5.0, then=then)
+    assert done.accepted and done.status == "done"
+    following = done.next
+    assert isinstance(following, scripts.Lease) and following.index != first.index
+    again = scripts.complete(broker.scripts, r, first, "w", '{"ok": 1}', 0.1, 5.0, then=then)
+    assert isinstance(again.next, scripts.Lease) and again.next.task_id == following.task_id
+    assert again.next.token == following.token
+    counts = status_counts(broker, job)
+    assert (counts["done"], counts["running"], counts["queued"]) == (1, 1, 1), counts
+    last = scripts.complete(broker.scripts, r, following, "w", "{}", 0.1, 5.0, then=scripts.Next(60_000, 5.0, "t2"))
+    assert isinstance(last.next, scripts.Lease)
+    none_left = scripts.complete(
+        broker.scripts, r, last.next, "w", "{}", 0.1, 5.0, then=scripts.Next(60_000, 5.0, "t3")
+    )
+    assert none_left.accepted and isinstance(none_left.next, str), "nothing left: the fleet version, as dispatch says"
+    assert broker.job_status(job).status == "done"
+
+
+@pytest.mark.core
 def test_equal_workers_never_idle_while_work_waits(broker: Broker, r: redis.Redis):
     broker.submit("print(1)", "t.py", [{"i": i} for i in range(3)], JobOptions())
     for w in ("a", "b", "c"):
@@ -245,6 +275,25 @@ def test_the_heaviest_shard_goes_to_the_strongest_when_workers_start_and_submit_
             first.setdefault(t["worker"].split("-")[0], p["cost"])
         assert first == {"strong": 8, "weak": 1}, first
         stop(workers)
+
+
+@pytest.mark.processes
+def test_a_worker_told_to_stop_during_a_task_finishes_it_and_leaves_the_next_one_queued(
+    env, workers: Workers, r: redis.Redis, tmp_path: Path
+):
+    """A completion may lease the worker's next task in the same round trip; a worker that is stopping must
+    not keep one: the next task stays queued (or is handed back), its attempts unspent, for another worker."""
+    proc = workers.start(score=1)
+    job = submit(env, sleep_script(tmp_path), [{"sleep": 1.5, "i": 0}, {"sleep": 1.5, "i": 1}])
+    first = wait_until(lambda: [i for i in (0, 1) if r.hget(keys.task(keys.task_id(job, i)), "status") == "running"],
+                       what="a task to start")  # fmt: skip
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)  # a warm shutdown: the running task is finished first
+    assert proc.wait(timeout=30) == 0, workers.log(0)
+    ran, other = keys.task_id(job, first[0]), keys.task_id(job, 1 - first[0])
+    assert r.hget(keys.task(ran), "status") == "done"
+    assert r.hmget(keys.task(other), "status", "attempts") in (["queued", "0"], ["queued", None]), workers.log(0)
+    assert not r.exists(keys.lease(other))
 
 
 @pytest.mark.processes

@@ -27,10 +27,11 @@ another credential act as the holder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -227,6 +228,7 @@ class Outcome:
     kind: str = ""  # when requeued or failed: the failure kind recorded (models.FAILURE_KINDS)
     not_retried: bool = False  # failed while attempts remained: the job does not retry this kind
     bigger: tuple[str, float] | None = None  # requeued for a worker with more memory: its id and how much
+    next: Lease | str | None = None  # complete with ``then``: the worker's next task, or the fleet version (none)
 
 
 def _task_keys(task_id: str, *extra: str) -> list[str]:
@@ -260,14 +262,31 @@ def _fields(r: list[Any]) -> dict[str, Any]:
 def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | str:
     """The task this worker should run now (dispatch.lua), leased to it; else the fleet version as a string."""
     token = new_token()
-    r = s["dispatch"](
+    return _dispatched(_dispatch_call(s, client, worker_id, lease_ms, score, token), token)
+
+
+def _dispatch_call(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float, token: str) -> Any:
+    return s["dispatch"](
         keys=[keys.READY, keys.SCORES, keys.FLEET, keys.worker(worker_id), keys.LEASES, keys.EVENTS, keys.IDLE],
         args=[worker_id, lease_ms, score, token],
         client=client,
     )
+
+
+def _dispatched(r: list[Any], token: str) -> Lease | str:
     if int(r[0]) != 1:
         return str(_fields(r)["fleet_version"])
     return _lease(r, token)
+
+
+@dataclass(frozen=True)
+class Next:
+    """What ``complete`` asks dispatch.lua for in the same round trip: this worker's next task. ``token`` is made
+    by the caller once (new_token), so that a call sent again is answered with the task it leased, not a second."""
+
+    lease_ms: int
+    score: float
+    token: str
 
 
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
@@ -373,11 +392,13 @@ def _outcome(r: list[Any]) -> Outcome:
 def complete(
     s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0,
     staged: artifacts.Staged | None = None, spent: str = "", stored: tuple[tuple[str, str], ...] = (),
+    then: Next | None = None,
 ) -> Outcome:  # fmt: skip
     """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes. With
     ``staged`` output files, the same step keeps them (and records their index) if this copy wins.
     ``spent``: the task's member to add to its job's spent set (a signed task); ``stored``: field/value
-    pairs kept with the result (the worker's result proof)."""
+    pairs kept with the result (the worker's result proof). ``then``: dispatch this worker's next task in the
+    same round trip (a pipeline: each function is atomic on its own); the answer is the outcome's ``next``."""
     staging, final, index, total, store = "", "", "", 0, ""
     if staged is not None:
         from gpumesh.store import artifacts
@@ -385,15 +406,25 @@ def complete(
         staging, final = staged.store.promote(staged.index)
         index, total = artifacts.dumps(staged.index), staged.total
         store = "" if staged.index["store"] == "broker" else staged.index["store"]
-    r = s["complete"](
-        keys=_task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION)
-        + [staging or keys.task_files(lease.task_id), final or keys.task_files(lease.task_id),
-           keys.spent(keys.job_of_task(lease.task_id))],
-        args=[lease.task_id, lease.token, result_json, f"{duration:.3f}", score, index, total, store,
-              1 if staging else 0, spent, *[v for pair in stored for v in pair]],
-        client=client,
-    )  # fmt: skip
-    return _outcome(r)
+    call_keys = _task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION) + [
+        staging or keys.task_files(lease.task_id), final or keys.task_files(lease.task_id),
+        keys.spent(keys.job_of_task(lease.task_id)),
+    ]  # fmt: skip
+    call_args = [lease.task_id, lease.token, result_json, f"{duration:.3f}", score, index, total, store,
+                 1 if staging else 0, spent, *[v for pair in stored for v in pair]]  # fmt: skip
+    if then is None:
+        return _outcome(s["complete"](keys=call_keys, args=call_args, client=client))
+    with client.pipeline(transaction=False) as p:
+        s["complete"](keys=call_keys, args=call_args, client=p)
+        _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token)
+        done, got = p.execute(raise_on_error=False)
+    following = None if isinstance(got, Exception) else _dispatched(got, then.token)
+    if isinstance(done, Exception):
+        if isinstance(following, Lease):  # not taken up by a caller that gets this error: back to queued, unspent
+            with contextlib.suppress(redis.RedisError):
+                fail(s, client, following, worker_id, "handed back: the completion before it failed", 0.0, release=True)
+        raise done
+    return replace(_outcome(done), next=following)  # None: the dispatch failed; the worker asks again
 
 
 def fail(

@@ -73,6 +73,10 @@ class Host:
     dispatched: dict[str, tuple[scripts.Lease, float]] = field(default_factory=dict)
     resources: dict[str, Any] = field(default_factory=dict)  # as registered: what a memory failure ran out of
     send_records: Callable[[], None] = lambda: None  # RQ's records of the runs, sent while the next attempt runs
+    # Whether a completion should also dispatch this worker's next task (scripts.Next), and who takes that task
+    # (with when it was leased): one round trip, where the worker would ask for it right after anyway.
+    wants_next: Callable[[], scripts.Next | None] = lambda: None
+    got_next: Callable[[scripts.Lease, float], None] = lambda lease, leased_at: None
 
 
 _executor: Executor | None = None
@@ -295,12 +299,16 @@ class Executor:
             index = artifacts.dumps(staged.index) if staged is not None else ""
             proof = self.result_signer.proof(lease.task_id, lease.attempt, result, self.w.worker_id, index)
             stored = ((PROOF_FIELD, proof),)
+        then = self.w.wants_next()  # its token made once: a call sent again leases the same next task
+        asked = time.monotonic()
         res = self._patiently(
             lambda: scripts.complete(
                 self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
-                self.w.capability.score_gflops, staged, spent=spent, stored=stored,
+                self.w.capability.score_gflops, staged, spent=spent, stored=stored, then=then,
             )
         )  # fmt: skip
+        if isinstance(res.next, scripts.Lease):
+            self.w.got_next(res.next, asked)
         if not res.accepted:
             log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"

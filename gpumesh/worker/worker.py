@@ -163,11 +163,14 @@ class MeshWorker(LeanRQWorker):
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
-                          verifier, self.dispatched, self.resources, self.send_records)
+                          verifier, self.dispatched, self.resources, self.send_records, self._wants_next,
+                          self._got_next)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
+        # the next task, leased in the round trip of the last one's completion, and when: delivered next
+        self._next: tuple[scripts.Lease, float] | None = None
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
         self._hb_stop = threading.Event()
@@ -222,9 +225,9 @@ class MeshWorker(LeanRQWorker):
                     if result is not None:
                         return result
                     self._hand_back_all("its delivery vanished from the worker's queue")
-                lease = self._next_lease()
+                lease, leased_at = self._take_next() or (self._next_lease(), None)
                 if lease is not None:
-                    result = self._deliver(lease)
+                    result = self._deliver(lease, leased_at)
                     if result is not None:
                         return result
                     continue
@@ -313,6 +316,34 @@ class MeshWorker(LeanRQWorker):
         while not (self._stop_requested or self.fatal) and time.monotonic() < deadline:
             time.sleep(0.1)
 
+    def _wants_next(self) -> scripts.Next | None:
+        """The next task, asked for with this completion (Executor._complete), unless the worker is about to do
+        something else: stop, wait for its heartbeat, look for a straggler to back up (the fleet changed), or
+        deliver what it holds already."""
+        if self._stop_requested or self.fatal or self.revoked or self.dispatched or self._next is not None:
+            return None
+        if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
+            return None
+        return scripts.Next(int(self.settings.lease_ttl * 1000), self.capability.score_gflops, scripts.new_token())
+
+    def _got_next(self, lease: scripts.Lease, leased_at: float) -> None:
+        self._fleet_now = lease.fleet_version
+        self._next = (lease, leased_at)
+
+    def _take_next(self) -> tuple[scripts.Lease, float | None] | None:
+        """The task leased with the last completion, if any; a straggler's backup first when that dispatch saw
+        the fleet change (the worker would have looked for one before asking), the task handed back then."""
+        held, self._next = self._next, None
+        if held is None:
+            return None
+        if self._fleet_seen != self._fleet_now:
+            self._fleet_seen = self._fleet_now
+            backup = self._speculate("straggler")
+            if backup is not None:
+                self.executor.hand_back(held[0], "a backup copy of a straggler comes first")
+                return backup, None
+        return held
+
     def _next_lease(self) -> scripts.Lease | None:
         """The next thing to run: a straggler's backup when the fleet changed, else a dispatched task,
         else (nothing dispatchable) a backup of a straggler at the end of its job."""
@@ -331,12 +362,12 @@ class MeshWorker(LeanRQWorker):
         self._fleet_now = got
         return self._speculate("idle")
 
-    def _deliver(self, lease: scripts.Lease) -> Any:
+    def _deliver(self, lease: scripts.Lease, leased_at: float | None = None) -> Any:
         """Put the leased task on our own RQ queue and pop the queue in the same transaction, as RQ's pop
         would (LMOVE to its intermediate queue): (RQ job, queue) for RQ to run like any job it popped, or
         None to pop again. What the pop took is our delivery, written by us a moment ago and not read back;
         or whatever sat in the queue before it, read and run (or dropped) as RQ's pop would, ours behind it."""
-        self.dispatched[lease.task_id] = (lease, time.monotonic())
+        self.dispatched[lease.task_id] = (lease, time.monotonic() if leased_at is None else leased_at)
         try:
             job, popped = self.broker.deliver(self.my_queue, lease, take=True)
         except redis.RedisError:
@@ -353,6 +384,9 @@ class MeshWorker(LeanRQWorker):
 
     def _hand_back_all(self, why: str) -> None:
         """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
+        held, self._next = self._next, None
+        if held is not None and not self.revoked:
+            self.executor.hand_back(held[0], why)
         if self.revoked:  # nothing can be handed back: their leases lapse and the reaper requeues them
             self.dispatched.clear()
         while self.dispatched:
