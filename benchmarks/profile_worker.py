@@ -40,13 +40,13 @@ PARTS = [
     ),
     ("sandbox: fork from the zygote / start the interpreter", ["Zygote.spawn", "Popen.__init__", "_execute_child"]),
     ("sandbox: temp dir, script file, clean-up", ["mkdtemp", "taskdir.py", "TemporaryFile", "clean_env"]),
-    ("gpumesh: dispatch.lua (pick and lease the next task)", ["dispatch (gpumesh"]),
+    ("gpumesh: dispatch.lua alone (the worker had no completion to send it with)", ["dispatch (gpumesh"]),
     (
         "gpumesh: deliver it to the worker's own RQ queue and pop it (one transaction)",
         ["deliver (gpumesh", "_deliver (gpumesh"],
     ),
     ("gpumesh: backup-copy scan (speculate)", ["_speculate (gpumesh", "speculate (gpumesh"]),
-    ("gpumesh: complete.lua", ["complete (gpumesh"]),
+    ("gpumesh: complete.lua (with dispatch.lua for the next task: one round trip)", ["complete (gpumesh"]),
     ("gpumesh: ship the log lines", ["LogShipper"]),
     ("RQ: pop the delivery from the worker's own queue", ["dequeue_any", "dequeue_job_and_maintain_ttl (rq"]),
     (
