@@ -218,6 +218,7 @@ class MeshWorker(LeanRQWorker):
         while not (self._stop_requested or self.fatal):
             try:
                 if not self.dispatched and self._heartbeat_stalled():
+                    self._hand_back_next("no heartbeat gets through: its lease would lapse here")
                     self._sleep_after_error(1)  # no new work until a heartbeat gets through again
                     continue
                 if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
@@ -337,8 +338,12 @@ class MeshWorker(LeanRQWorker):
         if held is None:
             return None
         if self._fleet_seen != self._fleet_now:
+            try:
+                backup = self._speculate("straggler")
+            except BaseException:
+                self._next = held  # still ours: delivered, or handed back, once the worker gets past this
+                raise
             self._fleet_seen = self._fleet_now
-            backup = self._speculate("straggler")
             if backup is not None:
                 self.executor.hand_back(held[0], "a backup copy of a straggler comes first")
                 return backup, None
@@ -382,11 +387,15 @@ class MeshWorker(LeanRQWorker):
             return job, self.my_queue
         return self._pop_delivery(popped)
 
-    def _hand_back_all(self, why: str) -> None:
-        """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
+    def _hand_back_next(self, why: str) -> None:
+        """The task leased with the last completion (if any) goes back to queued, attempts unspent."""
         held, self._next = self._next, None
         if held is not None and not self.revoked:
             self.executor.hand_back(held[0], why)
+
+    def _hand_back_all(self, why: str) -> None:
+        """Leased tasks whose delivery will not run here go back to queued at once, attempts unspent."""
+        self._hand_back_next(why)
         if self.revoked:  # nothing can be handed back: their leases lapse and the reaper requeues them
             self.dispatched.clear()
         while self.dispatched:
