@@ -398,13 +398,20 @@ def _masked(field: bytes, value: bytes) -> bytes:
     return value
 
 
-def _snapshot(client: redis.Redis) -> dict[str, Any]:
-    """Every key RQ left (name, type, whether it expires and roughly when) and its contents, timestamps
-    and durations masked: what rq-dashboard and `rq info` read."""
+def _server_ms(client: redis.Redis) -> int:
+    sec, usec = client.time()
+    return sec * 1000 + usec // 1000
+
+
+def _snapshot(client: redis.Redis, since_ms: int) -> dict[str, Any]:
+    """Every key RQ left (name, type, whether it expires and roughly when, counted from ``since_ms``, the server's
+    time as the run began, not from this read: on a loaded machine a read may come a minute later) and its
+    contents, timestamps and durations masked: what rq-dashboard and `rq info` read."""
     out: dict[str, Any] = {}
     for name in sorted(client.keys("*")):
         kind = client.type(name)
-        ttl = client.ttl(name)
+        expires_at = client.pexpiretime(name)
+        ttl = -1 if expires_at < 0 else (expires_at - since_ms) / 1000
         if kind == b"hash":
             varying = (b"last_heartbeat", b"birth", b"started_at", b"ended_at", b"ip_address")
             fields = client.hgetall(name)
@@ -459,9 +466,10 @@ def test_a_worker_records_a_finished_run_as_rq_does(redis_server: RedisServer, r
             q = Queue("parity", connection=client, serializer=JSONSerializer)
             q.enqueue_call("builtins.len", args=([1, 2, 3],), job_id="j1", result_ttl=result_ttl)
             w = worker_class([q], connection=client, name="w1", serializer=JSONSerializer)
+            began = _server_ms(client)
             assert w.work(burst=True)
             job = Job.fetch("j1", connection=client, serializer=JSONSerializer) if client.exists("rq:job:j1") else None
-            states.append((_snapshot(client), job.get_status() if job else None, job and job.return_value()))
+            states.append((_snapshot(client, began), job.get_status() if job else None, job and job.return_value()))
     finally:
         for client in dbs:
             client.flushdb()
