@@ -19,7 +19,8 @@ Starts its own redis-server on a free port and measures, alternating the contend
   * plain RQ: one RQ SimpleWorker (JSON serializer) whose jobs each run the same script in a fresh
              `python -c` subprocess (benchmarks/rq_noop.py), enqueue to last result;
   * RQ's ceiling: the same RQ worker running a function that returns at once (RQ's own cost per job).
---versions-only measures the two versions alone (fresh and warm), nothing else.
+--versions-only measures the two versions alone (fresh and warm), nothing else. --first-version takes any git
+revision: `--first-version REV --versions-only` compares this checkout with REV, fresh and warm.
 Every gpumesh round, either version's, is driven the same way: a driver process of that version
 (PYTHONPATH, working directory outside the checkout) submits the job and polls it to the end, timing
 inside itself. Each contender has its own Redis database, so idle workers never take another's work.
@@ -152,9 +153,11 @@ def main() -> None:
         if not args.versions_only:
             dbs[("current", "pinned")] = 3
         versions = {"current": current, "v1": v1}
+        # The first version ran fresh by default and knows no --fresh; a later revision (--first-version REV, to
+        # compare with any) runs warm by default, and is told --fresh as this one is.
+        knows_fresh = {"current": True, "v1": any("--fresh" in f.read_text() for f in v1.root.rglob("*.py"))}
         for (ver, mode), db in dbs.items():
-            # the first version ran fresh by default and knows no --fresh; this one runs warm by default
-            extra = ("--warm",) if mode == "warm" else () if ver == "v1" else ("--fresh",)
+            extra = ("--warm",) if mode == "warm" else ("--fresh",) if knows_fresh[ver] else ()
             prefix = ("taskset", "-c", "0") if mode == "pinned" else ()
             procs.append(versions[ver].worker(server.db(db), *extra, prefix=prefix))
         for db in dbs.values():
