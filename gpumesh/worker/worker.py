@@ -337,26 +337,29 @@ class MeshWorker(LeanRQWorker):
         held, self._next = self._next, None
         if held is None:
             return None
-        if self._fleet_seen != self._fleet_now:
-            try:
-                backup = self._speculate("straggler")
-            except BaseException:
-                self._next = held  # still ours: delivered, or handed back, once the worker gets past this
-                raise
-            self._fleet_seen = self._fleet_now
-            if backup is not None:
-                self.executor.hand_back(held[0], "a backup copy of a straggler comes first")
-                return backup, None
+        try:
+            backup = self._straggler_backup()
+        except BaseException:
+            self._next = held  # still ours: delivered, or handed back, once the worker gets past this
+            raise
+        if backup is not None:
+            self.executor.hand_back(held[0], "a backup copy of a straggler comes first")
+            return backup, None
         return held
+
+    def _straggler_backup(self) -> scripts.Lease | None:
+        """Once per change of the fleet: a backup copy of a straggler that this worker should rescue, if any."""
+        if self._fleet_seen == self._fleet_now:
+            return None
+        self._fleet_seen = self._fleet_now
+        return self._speculate("straggler")
 
     def _next_lease(self) -> scripts.Lease | None:
         """The next thing to run: a straggler's backup when the fleet changed, else a dispatched task,
         else (nothing dispatchable) a backup of a straggler at the end of its job."""
-        if self._fleet_seen != self._fleet_now:
-            self._fleet_seen = self._fleet_now
-            backup = self._speculate("straggler")
-            if backup is not None:
-                return backup
+        backup = self._straggler_backup()
+        if backup is not None:
+            return backup
         got = scripts.dispatch(
             self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
             self.capability.score_gflops,
