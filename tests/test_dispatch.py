@@ -19,7 +19,7 @@ from gpumesh.models import JobOptions
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
 
-from .conftest import ROOT, Workers, gpumesh, wait_until
+from .conftest import ROOT, Workers, gpumesh, pid_alive, wait_until
 
 SLEEP = """import json, os, sys, time
 p = json.load(sys.stdin)
@@ -294,6 +294,51 @@ def test_a_worker_told_to_stop_during_a_task_finishes_it_and_leaves_the_next_one
     assert r.hget(keys.task(ran), "status") == "done"
     assert r.hmget(keys.task(other), "status", "attempts") in (["queued", "0"], ["queued", None]), workers.log(0)
     assert not r.exists(keys.lease(other))
+
+
+MARKS = """import json, os, sys, time
+p = json.load(sys.stdin)
+tag = "%d-%d" % (p["i"], os.getpid())
+open(os.path.join({tmp!r}, "start-" + tag), "w").close()
+time.sleep(p["sleep"])
+open(os.path.join({tmp!r}, "end-" + tag), "w").close()
+print(json.dumps({{"i": p["i"]}}))
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.usefixtures("both_modes")
+def test_a_next_task_started_ahead_of_its_delivery_is_killed_and_handed_back_when_the_delivery_fails(
+    env, workers: Workers, r: redis.Redis, tmp_path: Path
+):
+    """The task leased with a completion starts at once, before RQ's delivery of it is written: a delivery that
+    then fails (here: what a credential wrote where RQ keeps the worker's queue) kills that attempt with its
+    tree and hands the task back, its attempt unspent. Once the queue can be written again, the task runs to
+    its end once."""
+    path = tmp_path / "marks.py"
+    path.write_text(MARKS.format(tmp=str(tmp_path)))
+    proc = workers.start()
+    job = submit(env, path, [{"i": 0, "sleep": 1.0}, {"i": 1, "sleep": 1.0}])
+    started = wait_until(lambda: list(tmp_path.glob("start-*")), what="the first task to start")
+    other = 1 - int(started[0].name.split("-")[1])
+    (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
+    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    r.set(queue, "not a list")  # every delivery to this worker fails from now on
+    ahead = wait_until(
+        lambda: list(tmp_path.glob(f"start-{other}-*")), what="the next task to start ahead of its delivery"
+    )
+    pid = int(ahead[0].name.rsplit("-", 1)[1])
+    wait_until(lambda: not pid_alive(pid), timeout=10, what="the attempt whose delivery failed to be killed")
+    assert r.type(queue) == "string", "killed while its delivery could not be written"
+    assert not (tmp_path / f"end-{other}-{pid}").exists()
+    tid = keys.task_id(job, other)
+    logs = gpumesh("logs", tid, env=env)
+    assert "stopped before its delivery and handed back" in logs.stdout + logs.stderr, logs
+    r.delete(queue)
+    assert wait_done(env, job)["status"] == "done"
+    assert len(list(tmp_path.glob(f"end-{other}-*"))) == 1, "it ran to its end once"
+    assert r.hget(keys.task(tid), "attempts") == "1", "the attempt stopped ahead of its delivery was not spent"
+    assert proc.poll() is None, workers.log(0)
 
 
 @pytest.mark.processes

@@ -141,6 +141,39 @@ def test_a_delivery_whose_reply_was_lost_runs_once_and_leaves_no_stray_in_rq(env
     assert w.poll() is None
 
 
+@pytest.mark.usefixtures("both_modes")
+def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env, workers: Workers, r, tmp_path, proxy):
+    """As above for a task leased with the last one's completion, whose attempt starts before its delivery is
+    written: the delivery sent again finds that attempt running, which runs once, to its end."""
+    path = tmp_path / "task.py"
+    path.write_text(
+        "import json, os, sys, time\n"
+        "p = json.load(sys.stdin)\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'ran-%d-%d' % (p['n'], os.getpid())), 'w').close()\n"
+        "time.sleep(0.5)\n"
+        "print(json.dumps(p))\n"
+    )
+    w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0")
+    wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
+    p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 0}, {"n": 1}]')
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    wait_until(lambda: list(tmp_path.glob("ran-*")), what="the first task to start")
+    proxy.lose_reply_after(b"LMOVE")  # the next delivery: the one of the task leased with this one's completion
+    tids = [keys.task_id(job, i) for i in range(2)]
+    wait_until(lambda: all(r.hget(keys.task(t), "status") == "done" for t in tids), timeout=30,
+               what="both tasks to finish")  # fmt: skip
+    assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
+    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
+    assert sorted(f.name.split("-")[1] for f in tmp_path.glob("ran-*")) == ["0", "1"], "each ran once"
+    assert sum(done_events(r, t) for t in tids) == 2
+    (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
+    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    assert r.lrange(queue, 0, -1) == [] and r.lrange(f"{queue}:intermediate", 0, -1) == []
+    assert r.zcard(f"rq:failed:{keys.queue_name(worker_id)}") == 0
+    assert w.poll() is None
+
+
 def test_a_dispatch_whose_reply_was_lost_leases_one_task_not_two(env, workers: Workers, r, tmp_path, proxy):
     """The link fails after dispatch leased a task to the worker: redis-py sends the call again. The answer is
     the task leased the first time (same token), not a second one, so no task sits leased to a worker that
@@ -476,6 +509,9 @@ def test_status_watch_logs_follow_and_top_ride_out_a_broker_restart(env, workers
         drain = threading.Thread(target=lambda: _drain(main_fd), daemon=True)
         drain.start()
         wait_until(lambda: int(r2.hget(keys.job(job_id), "done") or 0) >= 3, what="the job to be under way")
+        # Each one reached the broker before it goes (on a slow machine the job may be under way sooner)
+        wait_until(lambda: all(_connected(p.pid, server.port) for p in followers.values()),
+                   what="status, logs and top to reach the broker")  # fmt: skip
         r2.close()
         server.stop()
         time.sleep(2.0)
@@ -492,6 +528,15 @@ def test_status_watch_logs_follow_and_top_ride_out_a_broker_restart(env, workers
         r2.close()
     finally:
         server.stop()
+
+
+def _connected(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds an open TCP connection to ``port`` on loopback."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED for c in conns)
 
 
 def _drain(fd: int) -> None:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -307,6 +307,63 @@ def run(
     attempt's whole tree is gone and before its directory is removed; its answer is ``collected``.
     With ``meanwhile`` (a worker's), what it holds is done as soon as this attempt runs, and a confined attempt
     that ended as it should leaves its directory to it."""
+    return start(
+        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile
+    ).finish()
+
+
+class Started:
+    """An attempt handed over to what runs it (the zygote, a spare, a new launcher), not yet supervised: what
+    the worker does between handing it over and :meth:`finish` runs beside it (the pipes buffer its output).
+    ``finish`` must follow, even for an attempt that will not be reported: with ``should_stop`` saying why,
+    it is killed and cleaned up as any stopped attempt is."""
+
+    def __init__(self, steps: Generator[None, None, Attempt]) -> None:
+        self._steps = steps
+
+    def finish(self) -> Attempt:
+        """Supervise the attempt to its end (see :func:`run`) and clean up after it."""
+        try:
+            next(self._steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        raise RuntimeError("an attempt's steps went on past their end")
+
+
+def start(
+    source: str,
+    script_name: str,
+    payload: str,
+    env: Mapping[str, str],
+    limits: Limits,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+    zygote: Zygote | None = None,
+    spares: Spares | None = None,
+    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
+    meanwhile: Meanwhile | None = None,
+) -> Started:
+    """Hand the attempt over to what runs it and return at once (see :class:`Started`): nothing of it is left
+    behind when this raises."""
+    steps = _steps(source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile)
+    next(steps)  # to the hand-over; an error before it has cleaned up already
+    return Started(steps)
+
+
+def _steps(
+    source: str,
+    script_name: str,
+    payload: str,
+    env: Mapping[str, str],
+    limits: Limits,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+    zygote: Zygote | None,
+    spares: Spares | None,
+    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
+    meanwhile: Meanwhile | None,
+) -> Generator[None, None, Attempt]:
+    """:func:`run`, in two steps: up to the hand-over (a ``yield``), then the rest."""
     out = Attempt()
     tree.become_subreaper()  # what outlives its supervisor comes back to us, to be killed with its attempt
     workdir = taskdir.make()
@@ -330,6 +387,13 @@ def run(
             proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
+        try:
+            yield  # handed over: start() returns, and finish() goes on from here
+        except BaseException:  # never finished (a bug, or the interpreter going down): it dies with its tree
+            _kill_hard(proc)
+            proc.wait()
+            close_pipes(proc)
+            raise
         if meanwhile is not None:
             meanwhile.run()  # off the path between the last attempt and this one
         _watch(proc, out, limits, on_line, should_stop, started)

@@ -58,6 +58,16 @@ class Running:
 
 
 @dataclass
+class Begun:
+    """An attempt started before RQ's delivery of its task reached the executor (:meth:`Executor.begin`)."""
+
+    running: Running
+    limits: sandbox.Limits
+    oom_kills: int
+    started: sandbox.Started
+
+
+@dataclass
 class Host:
     """What the executor needs of the worker it runs in, and nothing more."""
 
@@ -77,6 +87,8 @@ class Host:
     # (with when it was leased): one round trip, where the worker would ask for it right after anyway.
     wants_next: Callable[[], scripts.Next | None] = lambda: None
     got_next: Callable[[scripts.Lease, float], None] = lambda lease, leased_at: None
+    # Start that task at once, if the worker means to run it next (Executor.begin), once the last one is reported.
+    begin_next: Callable[[], None] = lambda: None
 
 
 _executor: Executor | None = None
@@ -104,6 +116,9 @@ class Executor:
         self.settings = host.broker.settings
         self._scripts_cache: dict[str, str] = {}
         self.current: Running | None = None
+        # The task leased with the last completion, started at once (begin): its delivery through RQ, and RQ's
+        # bookkeeping of the run before, happen while it runs.
+        self.begun: Begun | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
         self.spares = sandbox.Spares() if host.zygote is None else None
         # Done while the next attempt runs, or when the worker idles or stops: ended attempts' directories go,
@@ -116,6 +131,9 @@ class Executor:
         self.result_signer = ResultSigner.of_url(self.broker.url)
 
     def close(self) -> None:
+        begun = self.begun
+        if begun is not None:  # the worker stops without running it (a revoked one cannot hand it back)
+            self._abandon(begun, "the worker is stopping")
         self.tidy()
         if self.spares is not None:
             self.spares.close()
@@ -150,21 +168,75 @@ class Executor:
         # Nothing renewed the lease between dispatch and now (a broker outage may have held RQ's pop):
         # counted from the dispatch, a lease older than its TTL may be someone else's task by now.
         summary = self.run_lease(lease, leased_at)
+        self.w.begin_next()
         return {**summary, **outcome(summary["status"], self.last_error)}
 
     def hand_back(self, lease: scripts.Lease, why: str) -> None:
-        """Return a leased task that never started, without spending its attempt."""
+        """Return a leased task that never started, or that began and is stopped here, without spending its
+        attempt."""
         log.warning("%s: handing it back: %s", lease.task_id, why)
+        begun = self.begun
+        if begun is not None and begun.running.lease == lease:
+            self._abandon(begun, why)
         self._finish_quietly(Running(lease), why, release=True)
+
+    def begin(self, lease: scripts.Lease, leased_at: float) -> None:
+        """Start the attempt of a task leased with the last completion now, ahead of RQ's delivery of it: the
+        worker's RQ bookkeeping of the last run, the delivery and RQ's pop of it then run beside the attempt
+        instead of between two. :meth:`run` takes it over when RQ runs that delivery; a task that does not get
+        there is stopped and handed back (:meth:`hand_back`). A task that cannot start at once (its script not
+        read yet, or refused here) is left to :meth:`run`, which says why."""
+        if self.begun is not None:
+            return
+        source = self._scripts_cache.get(lease.script_sha)
+        if source is None or self._refusal(lease, source):
+            return
+        running = Running(lease, last_renewal=leased_at)
+        limits = self.w.limits(lease.timeout)
+        oom_kills = kernel_oom_kills()
+        self.current = running  # renewed by the heartbeat from now on
+        try:
+            started = self._start_in_sandbox(running, source, limits)
+        except Exception as exc:  # noqa: BLE001 - run() starts it again, and reports what fails then
+            log.debug("%s: could not start ahead of its delivery (%s)", lease.task_id, exc)
+            self.current = None
+            return
+        except BaseException:
+            self.current = None
+            raise
+        self.begun = Begun(running, limits, oom_kills, started)
+
+    def _abandon(self, begun: Begun, why: str) -> None:
+        """Stop an attempt started ahead of its delivery (it will not be reported) and clean up after it."""
+        self.begun = None
+        lease = begun.running.lease
+        begun.running.stop(f"handed back: {why}")
+        try:
+            begun.started.finish()
+        finally:
+            if self.current is begun.running:
+                self.current = None
+        copy = "backup copy of attempt" if lease.backup else "attempt"
+        self.w.logs.put(
+            lease.task_id, "gpumesh", f"{copy} {lease.attempt} stopped before its delivery and handed back: {why}"
+        )
 
     def run_lease(self, lease: scripts.Lease, leased_at: float | None = None) -> dict[str, Any]:
         """Run an acquired task, or a backup copy of a straggler (``lease.backup``), to its reported end."""
         task_id = lease.task_id
-        running = Running(lease) if leased_at is None else Running(lease, last_renewal=leased_at)
+        begun, self.begun = self.begun, None
+        if begun is not None and begun.running.lease != lease:  # cannot be: a delivery runs in the order leased
+            self._abandon(begun, "another task's delivery came first")
+            self._finish_quietly(Running(begun.running.lease), "another task's delivery came first", release=True)
+            begun = None
+        if begun is not None:
+            running = begun.running
+        else:
+            running = Running(lease) if leased_at is None else Running(lease, last_renewal=leased_at)
         self.current = running
         log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
         try:
-            status = self._attempt(running)
+            status = self._attempt(running, begun)
         except BaseException:
             # Cold shutdown (SystemExit), RQ's backstop timeout or a bug: hand the task back, never strand it.
             self._finish_quietly(running, "worker stopped during the attempt", release=True)
@@ -173,8 +245,13 @@ class Executor:
             self.current = None
         return {"task_id": task_id, "attempt": lease.attempt, "status": status}
 
-    def _attempt(self, running: Running) -> str:
-        """One attempt, in three steps: check the task may run here, run it in the sandbox, report it."""
+    def _attempt(self, running: Running, begun: Begun | None = None) -> str:
+        """One attempt, in three steps: check the task may run here, run it in the sandbox, report it.
+        ``begun``: started already (checked then), supervised from here."""
+        if begun is not None:
+            out = self._finish_in_sandbox(begun.started)
+            out.kernel_oom = out.returncode == -signal.SIGKILL and kernel_oom_kills() > begun.oom_kills >= 0
+            return self._report(running, out, begun.limits)
         lease = running.lease
         try:
             source = self._script(lease.script_sha)
@@ -186,13 +263,13 @@ class Executor:
             return self._fail(running, refusal, 0.0, reject=True, kind="refused")
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
-        out = self._run_in_sandbox(running, source, limits)
+        out = self._finish_in_sandbox(self._start_in_sandbox(running, source, limits))
         # Read again only for what it can explain: an attempt that died by SIGKILL (failure_of).
         out.kernel_oom = out.returncode == -signal.SIGKILL and kernel_oom_kills() > oom_kills >= 0
         return self._report(running, out, limits)
 
-    def _run_in_sandbox(self, running: Running, source: str, limits: sandbox.Limits) -> sandbox.Attempt:
-        """Run the script with its output shipped line by line; stop it when the heartbeat thread says so
+    def _start_in_sandbox(self, running: Running, source: str, limits: sandbox.Limits) -> sandbox.Started:
+        """Start the script with its output shipped line by line; it is stopped when the heartbeat thread says so
         or when no renewal reached the broker for a whole lease."""
         lease = running.lease
         ship = self.w.logs.put
@@ -210,11 +287,14 @@ class Executor:
                 return "lease lost: no heartbeat reached the broker within the lease TTL"
             return None
 
-        out = sandbox.run(
+        return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
             meanwhile=self.meanwhile,
         )  # fmt: skip
+
+    def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
+        out = started.finish()
         self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
         return out
 

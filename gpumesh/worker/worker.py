@@ -164,7 +164,7 @@ class MeshWorker(LeanRQWorker):
         self.executor = executor.Executor(
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
                           verifier, self.dispatched, self.resources, self.send_records, self._wants_next,
-                          self._got_next)
+                          self._got_next, self._begin_next)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
@@ -330,6 +330,17 @@ class MeshWorker(LeanRQWorker):
     def _got_next(self, lease: scripts.Lease, leased_at: float) -> None:
         self._fleet_now = lease.fleet_version
         self._next = (lease, leased_at)
+
+    def _begin_next(self) -> None:
+        """Start the task leased with the last completion before RQ's bookkeeping of that run and the task's
+        delivery (Executor.begin), when nothing will come before it: no stop, no straggler scan (the fleet
+        is as the last scan saw it), a heartbeat that gets through."""
+        held = self._next
+        if held is None or self._stop_requested or self.fatal or self.revoked or self.dispatched:
+            return
+        if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
+            return
+        self.executor.begin(*held)
 
     def _take_next(self) -> tuple[scripts.Lease, float | None] | None:
         """The task leased with the last completion, if any; a straggler's backup first when that dispatch saw
