@@ -176,9 +176,11 @@ class Executor:
         attempt."""
         log.warning("%s: handing it back: %s", lease.task_id, why)
         begun = self.begun
-        if begun is not None and begun.running.lease == lease:
-            self._abandon(begun, why)
-        self._finish_quietly(Running(lease), why, release=True)
+        try:
+            if begun is not None and begun.running.lease == lease:
+                self._abandon(begun, why)
+        finally:
+            self._finish_quietly(Running(lease), why, release=True)
 
     def begin(self, lease: scripts.Lease, leased_at: float) -> None:
         """Start the attempt of a task leased with the last completion now, ahead of RQ's delivery of it: the
