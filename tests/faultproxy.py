@@ -3,7 +3,9 @@
 ``partition()`` stops moving bytes in both directions (as a cut link does: TCP keeps the connection
 and the bytes, nothing arrives); ``heal()`` lets them flow again. ``lose_reply_after(marker)``: the next
 request that contains ``marker`` reaches Redis, but its reply is thrown away and the connection closed,
-as when a link fails after the broker acted. Bounded: it stops with ``close()``.
+as when a link fails after the broker acted; ``then_refuse_for`` seconds more, every new connection is closed
+as soon as it is made (the worker's retries fail, as against a broker that is down; connections made before
+carry on). Bounded: it stops with ``close()``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
 
 
 class FaultProxy:
@@ -23,6 +26,8 @@ class FaultProxy:
         self._doomed: set[socket.socket] = set()  # upstreams whose next reply is lost with the connection
         self._clients: set[socket.socket] = set()
         self.lost = 0  # replies lost so far
+        self._refuse_for = 0.0  # after the lost reply: how long new connections are refused
+        self._refuse_until = 0.0
         self.closed = threading.Event()
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ, None)
@@ -35,8 +40,8 @@ class FaultProxy:
     def heal(self) -> None:
         self.partitioned.clear()
 
-    def lose_reply_after(self, marker: bytes) -> None:
-        self._lose = marker
+    def lose_reply_after(self, marker: bytes, then_refuse_for: float = 0.0) -> None:
+        self._lose, self._refuse_for = marker, then_refuse_for
 
     def close(self) -> None:
         self.closed.set()
@@ -53,6 +58,9 @@ class FaultProxy:
             for key, _ in self.sel.select(timeout=0.05):
                 if key.data is None:
                     client, _ = self.listener.accept()
+                    if time.monotonic() < self._refuse_until:
+                        client.close()
+                        continue
                     try:
                         upstream = socket.create_connection(self.target, timeout=2)
                     except OSError:
@@ -68,6 +76,7 @@ class FaultProxy:
                     if data and src in self._doomed:
                         self._doomed.discard(src)  # type: ignore[arg-type]
                         self.lost += 1
+                        self._refuse_until = time.monotonic() + self._refuse_for
                     elif data:
                         if src in self._clients and self._lose is not None and self._lose in data:
                             self._lose = None

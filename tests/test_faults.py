@@ -174,6 +174,38 @@ def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env
     assert w.poll() is None
 
 
+@pytest.mark.usefixtures("both_modes")
+def test_a_next_task_whose_delivery_an_outage_cuts_off_runs_on_and_runs_once(env, workers: Workers, r, tmp_path, proxy):
+    """The broker becomes unreachable after the completion that leased the next task and before that task's
+    delivery through RQ got through: the task, started already, is the worker's still (its lease was
+    acknowledged). It runs on without RQ's record of it and is reported once the broker is back, once;
+    never killed and run again elsewhere after its lease lapses."""
+    path = tmp_path / "task.py"
+    path.write_text(
+        "import json, os, sys, time\n"
+        "p = json.load(sys.stdin)\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'ran-%d-%d' % (p['n'], os.getpid())), 'w').close()\n"
+        "time.sleep(0.5)\n"
+        "print(json.dumps(p))\n"
+    )
+    w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0")
+    wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
+    p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 0}, {"n": 1}]')
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    wait_until(lambda: list(tmp_path.glob("ran-*")), what="the first task to start")
+    proxy.lose_reply_after(b"LMOVE", then_refuse_for=2.0)  # the next delivery fails, and its retries with it
+    tids = [keys.task_id(job, i) for i in range(2)]
+    wait_until(lambda: all(r.hget(keys.task(t), "status") == "done" for t in tids), timeout=30,
+               what="both tasks to finish")  # fmt: skip
+    assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
+    assert "runs on without RQ's record of it" in workers.log(0), workers.log(0)
+    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
+    assert sorted(f.name.split("-")[1] for f in tmp_path.glob("ran-*")) == ["0", "1"], "each ran once"
+    assert sum(done_events(r, t) for t in tids) == 2
+    assert w.poll() is None
+
+
 def test_a_dispatch_whose_reply_was_lost_leases_one_task_not_two(env, workers: Workers, r, tmp_path, proxy):
     """The link fails after dispatch leased a task to the worker: redis-py sends the call again. The answer is
     the task leased the first time (same token), not a second one, so no task sits leased to a worker that

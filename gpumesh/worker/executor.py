@@ -177,7 +177,7 @@ class Executor:
         log.warning("%s: handing it back: %s", lease.task_id, why)
         begun = self.begun
         try:
-            if begun is not None and begun.running.lease == lease:
+            if begun is not None and self.has_begun(lease):
                 self._abandon(begun, why)
         finally:
             self._finish_quietly(Running(lease), why, release=True)
@@ -207,6 +207,10 @@ class Executor:
             self.current = None
             raise
         self.begun = Begun(running, limits, oom_kills, started)
+
+    def has_begun(self, lease: scripts.Lease) -> bool:
+        """Whether ``lease``'s attempt was started ahead of its delivery (:meth:`begin`) and runs."""
+        return self.begun is not None and self.begun.running.lease == lease
 
     def _abandon(self, begun: Begun, why: str) -> None:
         """Stop an attempt started ahead of its delivery (it will not be reported) and clean up after it."""

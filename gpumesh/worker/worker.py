@@ -389,11 +389,20 @@ class MeshWorker(LeanRQWorker):
         self.dispatched[lease.task_id] = (lease, time.monotonic() if leased_at is None else leased_at)
         try:
             job, popped = self.broker.deliver(self.my_queue, lease, take=True)
-        except redis.RedisError:
+        except redis.RedisError as exc:
             self.dispatched.pop(lease.task_id, None)
-            self.executor.hand_back(lease, "the delivery to this worker's queue failed")
             # If the transaction ran and only its reply was lost (or one of its writes failed), its pop did too.
-            self._forget_popped(keys.rq_job_id(lease.task_id, lease.attempt, lease.backup))
+            job_id = keys.rq_job_id(lease.task_id, lease.attempt, lease.backup)
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and self.executor.has_begun(lease):
+                # The broker went away with the task started: it is ours still (its lease was acknowledged),
+                # and runs on as a running task rides out an outage. RQ does not record this one delivery.
+                log.warning("%s: its delivery through RQ failed (%s); it runs on without RQ's record of it",
+                            lease.task_id, exc)  # fmt: skip
+                self.executor.run_lease(lease, leased_at)
+                self._forget_popped(job_id)
+                return None
+            self.executor.hand_back(lease, "the delivery to this worker's queue failed")
+            self._forget_popped(job_id)
             raise
         if popped is None:  # cannot be, as it was just pushed in the same transaction: pop again
             return None
