@@ -452,6 +452,14 @@ def test_a_worker_records_a_finished_run_as_rq_does(redis_server: RedisServer, r
         def _install_signal_handlers(self) -> None:
             pass  # RQ's SIGINT and SIGTERM handlers would outlive the test in pytest's own process
 
+        # Nor RQ's command channel (pub/sub: it writes no key): its thread, stopped with a join of a second,
+        # could leave the connection to a minute-long read (under pytest-xdist it did, and every TTL moved).
+        def subscribe(self) -> None:
+            pass
+
+        def unsubscribe(self) -> None:
+            pass
+
     class Recorded(RQs):
         def handle_job_success(self, job, queue, started_job_registry, execution):  # type: ignore[no-untyped-def]
             with self.connection.pipeline() as p:  # the worker sends it later, as it is: here at once
