@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from .conftest import MeshWorkers, Workers, gpumesh
+from .conftest import MeshWorkers, Workers, gpumesh, wait_until
 from .test_dispatch import sleep_script, submit, wait_done
 
 pytestmark = pytest.mark.faults
@@ -68,8 +68,9 @@ def test_after_a_failed_attempt_another_live_worker_gets_the_task(
     script.write_text(SICK)
     workers.start("--name", "healthy", "--resource", "role=healthy", score=1)
     workers.start("--name", "sick", score=50)
-    busy = submit(env, script, [{"sleep": 1.2}], "--require", "role=healthy")  # occupies the healthy worker
-    time.sleep(0.3)
+    busy = submit(env, script, [{"sleep": 2.5}], "--require", "role=healthy")  # occupies the healthy worker
+    wait_until(lambda: json.loads(gpumesh("status", busy, "--json", env=env).stdout)["tasks"]["running"] == 1,
+               what="the healthy worker to be busy")  # fmt: skip
     job = submit(env, script, [{}], "--max-attempts", "3", "--retry-on", "script")  # only the sick worker is free
     assert wait_done(env, job)["status"] == "done", gpumesh("results", job, env=env).stdout
     (row,) = json.loads(gpumesh("results", job, "--format", "json", env=env).stdout)
