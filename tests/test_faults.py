@@ -141,10 +141,9 @@ def test_a_delivery_whose_reply_was_lost_runs_once_and_leaves_no_stray_in_rq(env
     assert w.poll() is None
 
 
-@pytest.mark.usefixtures("both_modes")
-def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env, workers: Workers, r, tmp_path, proxy):
-    """As above for a task leased with the last one's completion, whose attempt starts before its delivery is
-    written: the delivery sent again finds that attempt running, which runs once, to its end."""
+def _two_tasks_through(proxy: FaultProxy, env, workers: Workers, r, tmp_path: Path):
+    """A worker reaching Redis through ``proxy``, running the first of two 0.5 s tasks (each leaves a mark as it
+    starts): the second is leased with the first one's completion and starts ahead of its delivery."""
     path = tmp_path / "task.py"
     path.write_text(
         "import json, os, sys, time\n"
@@ -157,16 +156,27 @@ def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env
     wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
     p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 0}, {"n": 1}]')
     assert p.returncode == 0, p.stderr
-    job = p.stdout.strip()
     wait_until(lambda: list(tmp_path.glob("ran-*")), what="the first task to start")
+    return w, p.stdout.strip()
+
+
+def _each_ran_once(r, tmp_path: Path, tids: list[str]) -> None:
+    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
+    assert sorted(f.name.split("-")[1] for f in tmp_path.glob("ran-*")) == ["0", "1"], "each ran once"
+    assert sum(done_events(r, t) for t in tids) == 2
+
+
+@pytest.mark.usefixtures("both_modes")
+def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env, workers: Workers, r, tmp_path, proxy):
+    """As above for a task leased with the last one's completion, whose attempt starts before its delivery is
+    written: the delivery sent again finds that attempt running, which runs once, to its end."""
+    w, job = _two_tasks_through(proxy, env, workers, r, tmp_path)
     proxy.lose_reply_after(b"LMOVE")  # the next delivery: the one of the task leased with this one's completion
     tids = [keys.task_id(job, i) for i in range(2)]
     wait_until(lambda: all(r.hget(keys.task(t), "status") == "done" for t in tids), timeout=30,
                what="both tasks to finish")  # fmt: skip
     assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
-    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
-    assert sorted(f.name.split("-")[1] for f in tmp_path.glob("ran-*")) == ["0", "1"], "each ran once"
-    assert sum(done_events(r, t) for t in tids) == 2
+    _each_ran_once(r, tmp_path, tids)
     (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
     queue = f"rq:queue:{keys.queue_name(worker_id)}"
     assert r.lrange(queue, 0, -1) == [] and r.lrange(f"{queue}:intermediate", 0, -1) == []
@@ -180,29 +190,14 @@ def test_a_next_task_whose_delivery_an_outage_cuts_off_runs_on_and_runs_once(env
     delivery through RQ got through: the task, started already, is the worker's still (its lease was
     acknowledged). It runs on without RQ's record of it and is reported once the broker is back, once;
     never killed and run again elsewhere after its lease lapses."""
-    path = tmp_path / "task.py"
-    path.write_text(
-        "import json, os, sys, time\n"
-        "p = json.load(sys.stdin)\n"
-        f"open(os.path.join({str(tmp_path)!r}, 'ran-%d-%d' % (p['n'], os.getpid())), 'w').close()\n"
-        "time.sleep(0.5)\n"
-        "print(json.dumps(p))\n"
-    )
-    w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0")
-    wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
-    p = gpumesh("submit", str(path), "--payloads", "-", env=env, input='[{"n": 0}, {"n": 1}]')
-    assert p.returncode == 0, p.stderr
-    job = p.stdout.strip()
-    wait_until(lambda: list(tmp_path.glob("ran-*")), what="the first task to start")
+    w, job = _two_tasks_through(proxy, env, workers, r, tmp_path)
     proxy.lose_reply_after(b"LMOVE", then_refuse_for=2.0)  # the next delivery fails, and its retries with it
     tids = [keys.task_id(job, i) for i in range(2)]
     wait_until(lambda: all(r.hget(keys.task(t), "status") == "done" for t in tids), timeout=30,
                what="both tasks to finish")  # fmt: skip
     assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
     assert "runs on without RQ's record of it" in workers.log(0), workers.log(0)
-    assert [r.hget(keys.task(t), "attempts") for t in tids] == ["1", "1"]
-    assert sorted(f.name.split("-")[1] for f in tmp_path.glob("ran-*")) == ["0", "1"], "each ran once"
-    assert sum(done_events(r, t) for t in tids) == 2
+    _each_ran_once(r, tmp_path, tids)
     assert w.poll() is None
 
 
