@@ -177,7 +177,7 @@ class Executor:
         log.warning("%s: handing it back: %s", lease.task_id, why)
         begun = self.begun
         try:
-            if begun is not None and self.has_begun(lease):
+            if begun is not None and begun.running.lease == lease:
                 self._abandon(begun, why)
         finally:
             self._finish_quietly(Running(lease), why, release=True)
@@ -230,11 +230,9 @@ class Executor:
     def run_lease(self, lease: scripts.Lease, leased_at: float | None = None) -> dict[str, Any]:
         """Run an acquired task, or a backup copy of a straggler (``lease.backup``), to its reported end."""
         task_id = lease.task_id
+        if self.begun is not None and not self.has_begun(lease):  # cannot be: deliveries run in the order leased
+            self.hand_back(self.begun.running.lease, "another task's delivery came first")
         begun, self.begun = self.begun, None
-        if begun is not None and begun.running.lease != lease:  # cannot be: a delivery runs in the order leased
-            self._abandon(begun, "another task's delivery came first")
-            self._finish_quietly(Running(begun.running.lease), "another task's delivery came first", release=True)
-            begun = None
         if begun is not None:
             running = begun.running
         else:
