@@ -313,8 +313,11 @@ def test_attempts_forked_side_by_side_from_one_zygote_each_run_alone_in_a_cgroup
 ATTACKER = r"""
 # Runs as the sandbox user for as long as it is let, as a daemon a task left behind would (or another worker's
 # task, as the same user, on the same machine): it tries to get code run by root, and a root-owned file handed over.
+# It attacks the attempts of the test process that started it (their directories name its pid), not those of tests
+# running beside it, which it would only make fail.
 import os, sys, time, site
 marks, victim = sys.argv[1], sys.argv[2]
+ours = f".{sys.argv[4]}-"
 pth = "import os; open(os.path.join(%r, 'ran-as-%%d' %% os.getuid()), 'w')\n" % marks
 userdir = os.path.relpath(site.getusersitepackages(), os.path.expanduser("~"))
 hits = set()
@@ -327,7 +330,7 @@ while time.monotonic() < deadline:
                 with open(os.path.join(path, "_gpumesh_launcher.py"), "w") as f:
                     f.write("import os; open(os.path.join(%r, 'ran-as-%%d' %% os.getuid()), 'w')\n" % marks)
                 hits.add("launcher")
-            elif name.startswith("gpumesh-task-") and os.access(path, os.W_OK):
+            elif name.startswith("gpumesh-task-") and ours in name and os.access(path, os.W_OK):
                 if (path, "pth") not in hits:  # user site-packages: a .pth file runs as the interpreter starts
                     os.makedirs(os.path.join(path, userdir), exist_ok=True)
                     with open(os.path.join(path, userdir, "zz.pth"), "w") as f:
@@ -388,7 +391,7 @@ def trap() -> Iterator[dict[str, Path]]:
 def _attack(trap: dict[str, Path], seconds: float) -> subprocess.Popen[bytes]:
     uid, gid = nobody()
     return subprocess.Popen(
-        [SYSTEM_PYTHON, str(trap["attacker"]), str(trap["marks"]), str(trap["victim"]), str(seconds)],
+        [SYSTEM_PYTHON, str(trap["attacker"]), str(trap["marks"]), str(trap["victim"]), str(seconds), str(os.getpid())],
         user=uid, group=gid, extra_groups=[], cwd="/", env={"HOME": "/nonexistent", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
 
@@ -415,7 +418,7 @@ def test_nothing_the_task_user_can_write_is_run_or_followed_by_root(trap, warm):
         left = f"""
             import os, subprocess, sys
             p = subprocess.Popen([sys.executable, {str(trap["attacker"])!r}, {str(trap["marks"])!r},
-                                  {str(trap["victim"])!r}, "60"], start_new_session=True,
+                                  {str(trap["victim"])!r}, "60", {str(os.getpid())!r}], start_new_session=True,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(p.pid)
         """
