@@ -10,8 +10,10 @@ import os
 import signal
 import textwrap
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 
@@ -22,17 +24,17 @@ from .conftest import OPEN_FDS_SCRIPT, gpumesh, pid_alive, wait_until
 
 
 def zygote_children(zygote) -> tuple[int, int]:
-    """(spares, supervisors) among a zygote's children (a psutil.Process): a spare waits in the zygote's
-    session, a supervisor has taken one of its own for its attempt."""
-    spares = supervisors = 0
+    """(idle, busy) supervisors among a zygote's children (a psutil.Process): a busy one has a child, the
+    process running its attempt's script."""
+    idle = busy = 0
     for child in zygote.children():
         try:
-            own = os.getsid(child.pid) != os.getsid(zygote.pid)
-        except ProcessLookupError:  # reaped meanwhile
+            running = bool(child.children())
+        except psutil.NoSuchProcess:  # reaped meanwhile
             continue
-        supervisors += own
-        spares += not own
-    return spares, supervisors
+        busy += running
+        idle += not running
+    return idle, busy
 
 
 def run(zygote: Zygote, source: str, **limits):
@@ -105,22 +107,20 @@ def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_
 
 
 @pytest.mark.security
-def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_of_the_attempt():
-    """The zygote forks the next attempt's supervisor ahead; one killed while it waits (the OOM killer, an
-    operator) is replaced when the attempt comes, by a fork that must not keep the attempt's reply socket
-    (on which a task could tell the worker its own outcome) or a second copy of its stdio."""
-    import psutil
-
+def test_a_supervisor_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_of_the_attempt():
+    """The zygote forks its supervisors ahead; those killed while they wait (the OOM killer, an operator) are
+    replaced when the attempt comes, by a fork that must not keep the attempt's reply socket (on which a task
+    could tell the worker its own outcome) or a second copy of its stdio."""
     z = Zygote()
     z.start()
     try:
         assert run(z, "print('{}')").returncode == 0
         assert z.proc is not None
         zygote = psutil.Process(z.proc.pid)
-        wait_until(lambda: zygote_children(zygote) == (1, 0), what="only the spare left")
-        spare = zygote.children()[0]
-        spare.kill()
-        wait_until(lambda: not zygote.children(), what="the zygote to reap its spare")
+        wait_until(lambda: zygote_children(zygote)[1] == 0 and zygote.children(), what="only idle supervisors left")
+        for idle in zygote.children():
+            idle.kill()
+        wait_until(lambda: not zygote.children(), what="the zygote to reap them")
         out = run(z, OPEN_FDS_SCRIPT)
     finally:
         z.close()
@@ -128,33 +128,89 @@ def test_a_spare_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_o
     assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
 
 
-@pytest.mark.core
-def test_the_next_attempt_s_spare_is_forked_as_an_attempt_ends_or_while_a_long_one_runs(tmp_path: Path):
-    """The zygote forks the next attempt's spare as an attempt ends (so that a short attempt keeps both cores;
-    benchmarks/core.py shows the gain), and while it runs once it has run a few ms: a long attempt's successor
-    does not wait for a fork (tens of ms with torch imported). The next attempt runs in that spare."""
-    import psutil
+@pytest.mark.security
+def test_the_zygote_rides_out_its_supervisors_killed_at_any_moment():
+    """Supervisors SIGKILLed at random moments, waiting or running an attempt (the OOM killer, an operator): each
+    attempt runs to its end or ends killed with its supervisor, none is taken for the zygote's death, and the zygote
+    itself is never restarted."""
+    import random
 
+    z = Zygote()
+    z.start()
+    done = threading.Event()
+    kills = 0
+    killed: list[int] = []
+
+    def kill_one_now_and_then() -> None:
+        nonlocal kills
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        while not done.is_set():
+            time.sleep(random.uniform(0.001, 0.02))
+            try:
+                children = zygote.children()
+            except psutil.Error:
+                continue
+            for child in random.sample(children, random.randint(0, len(children))):  # one, several or all at once
+                try:
+                    child.kill()
+                    kills += 1
+                    killed.append(child.pid)
+                except psutil.Error:
+                    pass
+
+    killer = threading.Thread(target=kill_one_now_and_then)
+    killer.start()
+    try:
+        outcomes = [run(z, "print('{\"ok\": 1}')") for _ in range(150)]
+    finally:
+        done.set()
+        killer.join()
+    wait_until(lambda: not any(pid_alive(pid) for pid in killed), what="the last one killed to be gone")
+    try:
+        after = run(z, "print('{\"ok\": 1}')")
+    finally:
+        z.close()
+    assert kills >= 20, f"only {kills} supervisors were killed: the test did not test much"
+    for out in outcomes:
+        assert (out.returncode, out.killed) in ((0, None), (-signal.SIGKILL, None)), out.describe_exit()
+        assert out.returncode != 0 or out.last_line == '{"ok": 1}'
+    assert any(out.returncode == 0 for out in outcomes)
+    assert z.started == 1, "the zygote died"
+    assert after.returncode == 0 and after.last_line == '{"ok": 1}'
+
+
+@pytest.mark.core
+def test_supervisors_serve_attempt_after_attempt_and_one_is_ready_while_a_long_attempt_runs(tmp_path: Path):
+    """No process but the script's is forked between two attempts: a supervisor serves attempt after attempt
+    (a fork of a zygote that imported torch takes tens of ms), and while one runs an attempt the zygote keeps a
+    second one ready for the next attempt, prepared for it (its cgroup joined, its rules built). A long attempt's
+    successor runs in that one."""
     pidfile = tmp_path / "pid"
+    src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\ntime.sleep(1.5)\nprint('{{}}')"
+    short = src.replace("time.sleep(1.5)", "")
     z = Zygote()
     z.start()
     try:
         assert z.proc is not None
         zygote = psutil.Process(z.proc.pid)
-        assert run(z, "print('{}')").returncode == 0
-        wait_until(lambda: zygote_children(zygote) == (1, 0), what="the spare forked as the attempt ended")
-        src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\ntime.sleep(1.5)\nprint('{{}}')"
+        supervisors = []
+        for _ in range(6):
+            assert run(z, short).returncode == 0
+            supervisors.append(int(pidfile.read_text()))
+        assert len(set(supervisors)) <= 2, f"a supervisor forked for each attempt: {supervisors}"
+        pidfile.unlink()
         t = threading.Thread(target=run, args=(z, src))
         t.start()
         try:
             wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the long attempt to start")
-            wait_until(lambda: zygote_children(zygote) == (1, 1), timeout=1, what="a spare while the attempt runs")
-            (spare,) = (c for c in zygote.children() if os.getsid(c.pid) == os.getsid(zygote.pid))
+            wait_until(lambda: zygote_children(zygote) == (1, 1), timeout=1, what="one ready while the attempt runs")
+            (ready,) = (c for c in zygote.children() if not c.children())
         finally:
             t.join(timeout=15)
         pidfile.unlink()
-        assert run(z, src.replace("time.sleep(1.5)", "")).returncode == 0
-        assert int(pidfile.read_text()) == spare.pid, "the attempt ran in the spare forked ahead of it"
+        assert run(z, short).returncode == 0
+        assert int(pidfile.read_text()) == ready.pid, "the attempt ran in the supervisor made ready for it"
     finally:
         z.close()
 

@@ -4,7 +4,8 @@ Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE
 Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
 Warm: ``python -m gpumesh.sandbox.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
-forks one supervisor per attempt that the worker asks for (see :func:`zygote`).
+runs the attempts the worker asks for in supervisors it forks ahead, each serving attempt after attempt (see
+:func:`zygote`); there the script's process takes its own cgroup, rlimits, user and directory (:func:`_serve_attempts`).
 
 The supervisor makes the task die with its parent (PR_SET_PDEATHSIG), adopts every orphan of the task
 (PR_SET_CHILD_SUBREAPER, so a grandchild that called setsid is still found), sets the rlimits, then
@@ -29,6 +30,7 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Sequence
     from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -445,51 +447,40 @@ def _join(path: str) -> None:
         f.write("0")
 
 
-def _join_ahead(path: str) -> None:
+def _join_ahead(path: str) -> str | None:
     """A spare, before its attempt comes: move into ``path``, the cgroup the worker made for the attempt it
-    will most likely be handed (its supervisor joins the right one itself, checking, if that is another)."""
+    will most likely be handed (its supervisor joins the right one itself, checking, if that is another).
+    Returns ``path`` once this process is in it, else None."""
     if path != "-":
         try:
             _join(path)
+            return path
         except OSError:
             pass
+    return None
 
 
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
-    isolation: str = "-", cgroup: str = "-", *, report: tuple[int, int] | None = None, cwd: str | None = None,
+    isolation: str = "-", cgroup: str = "-", *, cwd: str | None = None,
 ) -> int:  # fmt: skip
-    """Run one attempt of ``script`` and return its exit code (or die by the signal that killed it).
+    """Run one attempt of ``script`` (fresh mode: a new interpreter per attempt) and return its exit code (or die
+    by the signal that killed it). A warm attempt's supervisor is :func:`_serve_attempts`.
 
     ``isolation``: the Landlock rule set (JSON, from gpumesh.sandbox.landlock) the script runs under, or "-".
-    ``report`` (warm mode): a socket to send the outcome on, and this supervisor's own stderr. The
-    script's tree then holds the attempt's stdout and stderr alone, and the outcome goes out once
-    that tree is gone, so the worker does not wait for this process to exit and be reaped.
     ``cgroup``: the attempt's cgroup directory (or "-"), joined before anything of the task starts.
     ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped."""
     libc = _syscall()[1]
-    if cgroup != "-":
-        try:  # this process; all it starts is born in the attempt's cgroup
-            if not _in_cgroup(cgroup):  # a spare the worker (or it itself) moved there ahead is in it already
-                _join(cgroup)
-        except OSError as exc:  # the worker said the attempt runs in it: never run it outside
-            print(f"gpumesh: could not join the attempt's cgroup ({exc}); the task did not run", file=sys.stderr)
-            if report is not None:
-                _reply(report[0], {"pid": os.getpid(), "status": 70 << 8})
-            return 70
-    _set_rlimits(int(cpu), int(fsize), int(nofile))
-    if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
-        os.setgroups([])
-        os.setgid(int(gid))
-        os.setuid(int(uid))
-    # Into the task's directory (its user's) only now: no path in it is ever resolved with more privilege.
-    os.chdir(cwd or os.path.dirname(script))
+    why = _enter(cgroup, cpu, fsize, nofile, uid, gid, cwd or os.path.dirname(script))
+    if why is not None:  # the worker said the attempt runs in it: never run it outside
+        print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
+        return 70
     rules = None
     if isolation != "-":
         import json
 
         rules = json.loads(isolation)
-    ruleset = take_prepared(rules, os.path.dirname(script))  # a warm spare's, built before the attempt came
+    ruleset = take_prepared(rules, os.path.dirname(script))  # a spare's, built before the attempt came
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     # The worker removes the attempt's directory when the attempt ends. Once it (or the zygote) has
@@ -499,21 +490,35 @@ def supervise(
         return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
-    _take_the_tree_down_on_term(grace)
-    status = _wait_for(_fork_script(script, report, rules, ruleset))
+    _OnTerm(grace)
+    status = _wait_for(_fork_script(script, rules, ruleset))
     # The script is gone; nothing it started may outlive it.
     if _has_children():
         _signal_tree(signal.SIGKILL)
     _reap_all()
-    orphaned = _parent_gone(int(parent))
-    if orphaned:
+    if _parent_gone(int(parent)):
         remove_dir_of(script, TASK_DIR_PREFIX)
-    # As waitpid would tell it of this process: the script's way of ending, or 70. Not when the zygote is
-    # gone: then the worker must learn that instead, from its socket closing as this process exits.
-    if report is not None and not orphaned:
-        # A worker that gave up on the attempt no longer reads; the zygote still reports our exit.
-        _reply(report[0], {"pid": os.getpid(), "status": status if status is not None else 70 << 8})
     return _end_like(status)
+
+
+def _enter(cgroup: str, cpu: str, fsize: str, nofile: str, uid: str, gid: str, cwd: str) -> str | None:
+    """Put this process where the attempt runs, in this order: into its cgroup (``cgroup``, or "-"), under its
+    rlimits, as its user (root dropped for good), into its directory (only once root is dropped: no path in it is
+    ever resolved with more privilege). Returns why not, when the cgroup could not be joined (then nothing else
+    was done)."""
+    if cgroup != "-":
+        try:  # this process; all it starts is born in the attempt's cgroup
+            if not _in_cgroup(cgroup):  # a process moved there ahead (or born there) is in it already
+                _join(cgroup)
+        except OSError as exc:
+            return f"could not join the attempt's cgroup ({exc})"
+    _set_rlimits(int(cpu), int(fsize), int(nofile))
+    if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
+        os.setgroups([])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
+    os.chdir(cwd)
+    return None
 
 
 def _set_rlimits(cpu: int, fsize: int, nofile: int) -> None:
@@ -527,49 +532,42 @@ def _set_rlimits(cpu: int, fsize: int, nofile: int) -> None:
             resource.setrlimit(limit, (value, value if limit != resource.RLIMIT_CPU else hard))
 
 
-def _take_the_tree_down_on_term(grace: str) -> None:
-    """On SIGTERM (the worker's kill, its timeout, or its death): TERM to the whole tree, KILL to
-    whatever is left ``grace`` seconds later. SIGINT is the worker's terminal's, not ours."""
-    terminating = False
+_HANDLED = (signal.SIGTERM, signal.SIGALRM, signal.SIGINT)  # what a supervisor handles (_OnTerm), a script never
 
-    def on_term(_sig: int, _frame: object) -> None:
-        nonlocal terminating
-        if terminating:  # the worker's TERM and its death signal may both arrive
+
+class _OnTerm:
+    """A supervisor's SIGTERM (the worker's kill, its timeout, or its death): TERM to the whole tree, KILL to
+    whatever is left ``grace`` seconds later. SIGINT is the worker's terminal's, not ours. Installed on creation;
+    ``terminating``: a TERM came (a warm supervisor then ends with its attempt instead of serving another)."""
+
+    def __init__(self, grace: str) -> None:
+        self.grace = grace
+        self.terminating = False
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_term(self, _sig: int, _frame: object) -> None:
+        if self.terminating:  # the worker's TERM and its death signal may both arrive
             return
-        terminating = True
+        self.terminating = True
         _signal_tree(signal.SIGTERM)
-        signal.alarm(max(1, int(float(grace))))
+        signal.alarm(max(1, int(float(self.grace))))
 
-    def on_alarm(_sig: int, _frame: object) -> None:
+    def _on_alarm(self, _sig: int, _frame: object) -> None:
         _signal_tree(signal.SIGKILL)
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-
-def _fork_script(script: str, report: tuple[int, int] | None, rules: dict[str, Any] | None,
-                 ruleset: int | None = None) -> int:  # fmt: skip
-    """Fork the child that runs ``script``; in this process, return its pid.
-
-    In warm mode the script's tree then holds the attempt's stdout and stderr alone: this process
-    lets go of its stdout, and its stderr becomes ``report``'s log."""
+def _fork_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None) -> int:
+    """Fork the child that runs ``script``; in this process, return its pid."""
     import gc
 
     gc.freeze()  # fewer copy-on-write faults in the child
     child = os.fork()
     if child == 0:
-        for fd in report or ():  # the task holds neither the worker's socket nor its log
-            os.close(fd)
         _run_script(script, rules, ruleset)
     if ruleset is not None:
         os.close(ruleset)
-    if report is not None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.close(devnull)
-        os.dup2(report[1], 2)  # our own errors still reach the worker's log
-        os.close(report[1])
     return child
 
 
@@ -635,15 +633,16 @@ print(json.dumps({"ok": True, "n": len(payload)}))
 
 
 def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
-    """Import ``preload`` once, then fork a fresh supervisor for each attempt the worker sends.
+    """Import ``preload`` once, then run each attempt the worker sends in a process forked for it.
 
     The worker talks over ``ctrl_fd``, a SOCK_SEQPACKET socket. Each request is one JSON message
     {script, cwd, env, limits, ahead} with four descriptors (``ahead``: the next attempt's cgroup, which the
-    spare forked after this request moves into while it waits): a socket for this attempt's replies, and the
-    attempt's stdin, stdout and stderr. The zygote hands the request to a spare supervisor it forked
-    in advance, answers {"pid"} at once and {"status"} (as from waitpid) when the supervisor ends; the
-    supervisor, handed the same reply socket, sends {"pid", "status"} itself first, once the script's tree
-    is gone (it may even come before the zygote's {"pid"}).
+    supervisor that will run it moves into meanwhile): a socket for this attempt's replies, and the attempt's
+    stdin, stdout and stderr. The zygote hands the request to an idle supervisor it forked in advance (which
+    serves attempt after attempt, :func:`_serve_attempts`), and answers {"pid"} (the supervisor's) at once; the
+    supervisor, handed the same reply socket, sends {"pid", "status"} once the script's tree is gone (it may
+    even come before the zygote's {"pid"}). A supervisor that ends during an attempt (killed, or after a TERM)
+    has its status (as from waitpid) sent by the zygote.
     The zygote never runs task code and never initialises CUDA;
     it dies with the worker, and its supervisors die with it (each takes its tree down with grace).
     """
@@ -691,11 +690,29 @@ def _preload(ctrl: socket.socket, preload: list[str]) -> None:
     gc.freeze()  # the preloaded modules stay shared with every task instead of being copied on write
 
 
-class _Forks:
-    """The zygote's loop: a request from the worker goes to the spare supervisor forked for it, and a
-    supervisor's end goes to the worker, on that attempt's reply socket.
+class _Supervisor:
+    """The zygote's view of one of its supervisors: its pid and socket, the cgroup it was prepared for (moved into,
+    for the attempt that will run there), and the attempt's reply socket while it runs one."""
 
-    SIGCHLD wakes the loop through a pipe (signal.set_wakeup_fd), so one select() waits for both."""
+    def __init__(self, pid: int, sock: socket.socket, prepared_for: str) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.prepared_for = prepared_for
+        self.reply: socket.socket | None = None
+
+
+class _Forks:
+    """The zygote's loop. A request from the worker goes to an idle supervisor (one that was prepared for it: moved
+    into the attempt's cgroup, its Landlock rules built), which forks the script's process and serves attempt after
+    attempt; the other one is prepared for the next attempt meanwhile. A supervisor that ends (killed, or after a
+    TERM) is told to the worker on its attempt's reply socket, and what it left behind is killed.
+
+    Two supervisors take turns: while one runs an attempt, the other moves into the next attempt's cgroup (a move
+    waits milliseconds for the kernel) and builds its rules, so that no process is forked and no cgroup joined
+    between one attempt and the next. SIGCHLD wakes the loop through a pipe (signal.set_wakeup_fd), so one
+    select() waits for the worker, the supervisors and their ends."""
+
+    IDLE_AT_MOST = 2  # supervisors waiting at once; more (after attempts ran side by side) are let go
 
     def __init__(self, ctrl: socket.socket) -> None:
         import selectors
@@ -706,46 +723,58 @@ class _Forks:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when tasks stop
-        self.replies: dict[int, socket.socket] = {}  # a running supervisor's pid: its attempt's reply socket
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctrl, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
-        self.isolation = "-"  # the last attempt's Landlock rules, which the next spare builds ahead
-        self.spare: tuple[int, socket.socket] | None = _fork_spare(self.own(), self.isolation)
-        self.ahead = "-"  # the cgroup made for the next attempt, which the next spare moves into
-        self.spare_due: float | None = None  # when the next spare is forked, at the latest (SPARE_DELAY)
+        self.idle: list[_Supervisor] = []
+        self.busy: dict[int, _Supervisor] = {}  # running an attempt, by pid
+        self.isolation = "-"  # the last attempt's Landlock rules, which the next attempt's supervisor builds ahead
+        self.ahead = "-"  # the cgroup made for the next attempt, which its supervisor moves into
+        self.fork_due: float | None = None  # when a supervisor for the next attempt is forked, at the latest
+        self.fork()
 
     def own(self) -> list[int]:
         """The zygote's descriptors, which a forked supervisor closes."""
         return [
-            self.sel.fileno(),
-            self.ctrl.fileno(),
-            self.wake_r,
-            self.wake_w,
-            *(r.fileno() for r in self.replies.values()),
-        ]
+            self.sel.fileno(), self.ctrl.fileno(), self.wake_r, self.wake_w,
+            *(sup.sock.fileno() for sup in [*self.idle, *self.busy.values()]),
+            *(sup.reply.fileno() for sup in self.busy.values() if sup.reply is not None),
+        ]  # fmt: skip
+
+    def fork(self, close: Sequence[int] = (), ahead: str | None = None) -> _Supervisor:
+        """Fork a supervisor, prepared for the next attempt (its cgroup, or ``ahead``; the last attempt's rules), and
+        keep it idle."""
+        import selectors
+
+        ahead = self.ahead if ahead is None else ahead
+        if ahead == self.ahead:
+            self.fork_due = None
+        pid, sock = _fork_supervisor([*self.own(), *close], self.isolation, ahead)
+        sup = _Supervisor(pid, sock, ahead)
+        self.sel.register(sock, selectors.EVENT_READ, sup)
+        self.idle.append(sup)
+        return sup
 
     def serve(self) -> None:
         import time
 
         while True:
-            due = self.spare_due
-            for key, _ in self.sel.select(None if due is None else max(0.0, due - time.monotonic())):
+            due = self.fork_due
+            events = self.sel.select(None if due is None else max(0.0, due - time.monotonic()))
+            # A supervisor's "free" before the worker's next request, when one select() returns both: a supervisor
+            # says it right after the outcome, on which the worker asks for the next attempt.
+            for key, _ in sorted(events, key=lambda e: e[0].fileobj is self.ctrl):
                 if key.fileobj is self.ctrl:
                     self.take_request()
-                else:
+                elif key.fileobj == self.wake_r:
                     self.reap()
-            if self.spare_due is not None and time.monotonic() >= self.spare_due:
-                self.fork_spare()
-
-    def fork_spare(self) -> None:
-        """Fork the next attempt's spare: as the attempt ends, or SPARE_DELAY into it if it runs longer."""
-        self.spare_due = None
-        if self.spare is None:
-            self.spare = _fork_spare(self.own(), self.isolation, self.ahead)
+                else:
+                    self.heard(key.data)
+            if self.fork_due is not None and time.monotonic() >= self.fork_due:
+                self.fork()
 
     def take_request(self) -> None:
-        """Hand the worker's next request to a spare, tell the worker its pid, and plan the next spare."""
+        """Hand the worker's next request to an idle supervisor, tell the worker its pid, and prepare the next one."""
         import json
         import socket
         import time
@@ -757,51 +786,104 @@ class _Forks:
         if not msg:  # the worker is gone; our supervisors get their death signal as we exit
             os._exit(0)
         reply = socket.socket(fileno=fds[0])
-        try:  # the spare forked after this attempt builds its rules ahead (the spare takes other rules too)
+        try:
             req = json.loads(msg)
-            self.isolation = str(req["limits"][6])
-            ahead = str(req.get("ahead") or "-")  # and moves into the next attempt's cgroup, made ahead for it
+            isolation, cgroup = str(req["limits"][6]), str(req["limits"][7])
+            ahead = str(req.get("ahead") or "-")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            self.isolation, ahead = "-", "-"
-        pid = self.hand_to_spare(msg, fds)
+            isolation, cgroup, ahead = "-", "-", "-"
+        sup = self.choose(cgroup, fds)
+        # Its pid first: the worker goes on (to RQ's delivery of the task) while the supervisor starts the attempt.
+        # If the worker gave up on this attempt, the status is reaped all the same.
+        _reply(reply.fileno(), {"pid": sup.pid})
+        try:
+            socket.send_fds(sup.sock, [msg], fds)
+            sup.reply = reply
+            self.busy[sup.pid] = sup
+        except OSError:  # it died this very instant: the attempt ends as if it had been killed with it
+            self.let_go(sup)
+            _reply(reply.fileno(), {"pid": sup.pid, "status": signal.SIGKILL})
+            reply.close()
         for fd in fds[1:]:
             os.close(fd)
-        # If the worker gave up on this attempt, the status is reaped all the same.
-        _reply(reply.fileno(), {"pid": pid} if pid else {"error": "could not fork the attempt"})
-        if pid:
-            self.replies[pid] = reply
+        self.isolation, self.ahead = isolation, ahead
+        if any(s.prepared_for == ahead for s in self.idle):
+            return  # one is ready for the next attempt already
+        waiting = [s for s in self.idle if s.prepared_for in ("-", "?")]
+        if waiting:
+            self.prepare(waiting[0])
         else:
-            reply.close()
-        # The next attempt's spare: forked as this attempt ends (while the worker reports it and asks for the next
-        # task, with a core to spare), or SPARE_DELAY into it when it runs longer (a torch zygote's fork takes ~20 ms).
-        # Forked at once, it took a core from the attempt it came with.
-        self.ahead = ahead
-        self.spare_due = time.monotonic() + SPARE_DELAY
+            # None idle: fork the next one as this attempt ends (while the worker reports it and asks for the next
+            # task, with a core to spare), or SPARE_DELAY into it when it runs longer (a torch zygote's fork takes
+            # ~20 ms). Forked at once, it took a core from the attempt it came with.
+            self.fork_due = time.monotonic() + SPARE_DELAY
 
-    def hand_to_spare(self, msg: bytes, fds: list[int]) -> int | None:
-        """Send the request and its descriptors to the waiting spare: the pid of the supervisor that took it."""
-        import socket
+    def choose(self, cgroup: str, fds: list[int]) -> _Supervisor:
+        """The supervisor for an attempt in ``cgroup`` (``fds``: the request's, which a new one closes), no longer
+        idle: the one prepared for ``cgroup``, else one that waits in no attempt's cgroup to come (one prepared for
+        another attempt's is kept for it: it must not run this attempt from there), else a new one."""
+        for gone in [s for s in self.idle if _closed(s.sock)]:  # died waiting, not reaped yet
+            self.let_go(gone)
+        ready = [s for s in self.idle if s.prepared_for == cgroup]
+        ready = ready or [s for s in self.idle if s.prepared_for in ("-", "?")]
+        sup = ready[0] if ready else self.fork(close=fds, ahead="-")
+        self.idle.remove(sup)
+        return sup
 
-        for _try in range(2):  # a spare that died meanwhile is replaced once (closing the request's descriptors)
-            spare_pid, spare_sock = self.spare or _fork_spare([*self.own(), *fds], self.isolation)
-            self.spare = None
-            try:
-                socket.send_fds(spare_sock, [msg], fds)
-                return spare_pid
-            except OSError:
-                continue
-            finally:
-                spare_sock.close()
-        return None
+    def prepare(self, sup: _Supervisor) -> None:
+        """Tell an idle supervisor the next attempt's cgroup and rules, to move into and build while it waits."""
+        import json
+
+        try:
+            sup.sock.send(json.dumps({"prepare": True, "ahead": self.ahead, "isolation": self.isolation}).encode())
+            sup.prepared_for = self.ahead
+        except OSError:
+            pass  # it died: reaped soon
+
+    def heard(self, sup: _Supervisor) -> None:
+        """A supervisor said its attempt is over ("free", once it has told the worker the outcome), or closed its
+        socket (it exits)."""
+        if sup.sock.fileno() < 0:  # let go, or reaped, earlier in this round of the loop
+            return
+        try:
+            msg = sup.sock.recv(64)
+        except OSError:
+            msg = b""
+        if not msg:
+            self.sel.unregister(sup.sock)  # it exits: reaped, and told to the worker if it ran an attempt
+            return
+        if self.busy.get(sup.pid) is not sup:
+            return
+        del self.busy[sup.pid]
+        if sup.reply is not None:
+            sup.reply.close()  # the supervisor told the outcome itself
+            sup.reply = None
+        if len(self.idle) >= self.IDLE_AT_MOST:
+            self.let_go(sup)
+            return
+        self.idle.append(sup)
+        sup.prepared_for = "?"  # it is in the cgroup of the attempt it ran, which is over
+        if self.fork_due is not None and not any(s.prepared_for == self.ahead for s in self.idle):
+            self.fork()  # the next one's, due as this attempt ended
+
+    def let_go(self, sup: _Supervisor) -> None:
+        """Close an idle supervisor's socket: it exits (and is reaped)."""
+        if sup in self.idle:
+            self.idle.remove(sup)
+        try:
+            self.sel.unregister(sup.sock)
+        except (KeyError, ValueError):
+            pass
+        sup.sock.close()
 
     def reap(self) -> None:
         """Reap every child that ended; kill what a dead supervisor left behind; then tell the worker the
-        status of each attempt's supervisor."""
+        status of each attempt whose supervisor ended."""
         try:
             os.read(self.wake_r, 4096)
         except BlockingIOError:
             pass
-        ended: list[tuple[int, int]] = []
+        ended: list[tuple[_Supervisor, int]] = []
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -809,30 +891,45 @@ class _Forks:
                 break
             if pid == 0:
                 break
-            if self.spare is not None and pid == self.spare[0]:  # the spare died before its attempt came
-                self.spare[1].close()
-                self.spare = None
-            if pid in self.replies:
-                ended.append((pid, status))
+            for waiting in [s for s in self.idle if s.pid == pid]:  # died waiting
+                self.let_go(waiting)
+            if pid in self.busy:
+                ended.append((self.busy.pop(pid), status))
         if ended:
             self.kill_orphans()
-        for pid, status in ended:
-            reply = self.replies.pop(pid)
-            _reply(reply.fileno(), {"pid": pid, "status": status})
-            reply.close()
-        if ended and self.spare_due is not None:
-            self.fork_spare()
+        for sup, status in ended:
+            try:
+                self.sel.unregister(sup.sock)
+            except (KeyError, ValueError):
+                pass
+            sup.sock.close()
+            if sup.reply is not None:
+                _reply(sup.reply.fileno(), {"pid": sup.pid, "status": status})
+                sup.reply.close()
+        if ended and self.fork_due is not None and not self.idle:
+            self.fork()
 
     def kill_orphans(self) -> None:
-        """KILL and reap every child that is neither a running supervisor nor the spare: as a subreaper the
-        zygote inherits what a task left when it killed its supervisor. Until none is left (a killed orphan's
-        own children come to us in turn)."""
+        """KILL and reap every child that is no supervisor of ours: as a subreaper the zygote inherits what a task
+        left when it killed its supervisor. Until none is left (a killed orphan's own children come to us in turn)."""
         for _round in range(10_000):
-            known = set(self.replies) | ({self.spare[0]} if self.spare else set())
+            known = set(self.busy) | {s.pid for s in self.idle}
             orphans = [pid for pid in _children() if pid not in known]
             if not orphans:
                 return
             kill_and_reap(orphans)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the other end of ``sock`` is closed (its process exited), without taking a message."""
+    import socket
+
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def kill_and_reap(pids: list[int]) -> int:
@@ -890,13 +987,13 @@ def spare(ctrl_fd: int, parent: int, isolation: str = "-") -> int:
     return _become_attempt(json.loads(msg), fds, parent)
 
 
-def _fork_spare(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple[int, socket.socket]:
-    """Fork the next attempt's supervisor ahead of time; it waits for its request on a socket, with the
-    Landlock rule set of ``isolation`` (the last attempt's rules) built already (:func:`prepare_landlock`),
-    moved into the cgroup ``ahead`` (the next attempt's, made for it) already.
+def _fork_supervisor(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple[int, socket.socket]:
+    """Fork a supervisor ahead of its first attempt (:func:`_serve_attempts`), moved into the cgroup ``ahead`` (the
+    next attempt's, made for it) with the Landlock rule set of ``isolation`` (the last attempt's rules) built
+    already. It closes ``own`` (the zygote's descriptors) and dies with the zygote.
 
-    Forking a process that imported torch costs ~20 ms here: paid while the previous attempt runs,
-    not when the next one is asked for. The spare dies with the zygote until it has an attempt."""
+    Forking a process that imported torch costs ~20 ms here: a supervisor is forked once and serves attempt after
+    attempt, and a second one is forked while an attempt runs, not when the next one is asked for."""
     import socket
 
     zygote_pid = os.getpid()
@@ -912,16 +1009,7 @@ def _fork_spare(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple
         for fd in own:
             os.close(fd)
         mine.close()
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if _parent_gone(zygote_pid):
-            os._exit(70)
-        _join_ahead(ahead)
-        prepare_landlock(isolation)
-        msg, fds, _flags, _addr = socket.recv_fds(theirs, 1 << 20, 4)
-        theirs.close()
-        if not msg:
-            os._exit(0)
-        code = _become_attempt(__import__("json").loads(msg), fds[1:], zygote_pid, report=fds[0])
+        code = _serve_attempts(theirs, zygote_pid, isolation, ahead)
     except BaseException:
         import traceback
 
@@ -934,14 +1022,156 @@ def _fork_spare(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple
             os._exit(code)
 
 
-def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: int | None = None) -> int:
-    """In a spare: take the attempt's session, stdio (``fds``: stdin[, stdout, stderr]), working
-    directory and environment, then supervise it. ``parent``: the zygote, or the worker, to die with."""
+def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str) -> int:
+    """A warm supervisor: run the attempts the zygote hands it on ``ctrl``, one at a time, each in a process forked
+    for it (:func:`_become_script`), which takes the attempt's session, stdio, environment, cgroup, limits, user,
+    directory and Landlock rules itself. This process is the attempt's supervisor as in fresh mode (the subreaper
+    of its tree, which it takes down with grace on TERM and kills once the script ends; dying with the zygote),
+    except that it never becomes the task's user and never enters the task's directory, so it can serve the next
+    attempt: it tells the worker the outcome {"pid", "status"}, then the zygote "free", and waits. Between
+    attempts the zygote may tell it {"prepare", "ahead", "isolation"}: it moves into the cgroup made for the next
+    attempt, whose script process is then born in it, and builds that attempt's rules. After a TERM, or when the
+    zygote is gone, it ends with its attempt, the way the script did. Returns its exit code."""
+    import json
+    import socket
+
+    libc = _syscall()[1]
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # the zygote's death: the running attempt goes down with grace
+    if _parent_gone(zygote):
+        return 70
+    os.setsid()  # the attempts' session: no terminal, and a process group the worker can KILL as one
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a script leaves behind comes to us
+    term = _OnTerm("1")
+    devnull = os.open(os.devnull, os.O_WRONLY)  # a script's tree alone holds its attempt's stdout
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    where = _join_ahead(ahead)  # the cgroup this process is in, if it joined one: its scripts are born there
+    prepare_landlock(isolation)
+    while not term.terminating:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 4)
+        except OSError:
+            return 70
+        if not msg or term.terminating:  # let go, or the zygote is gone: nothing more to run
+            for fd in fds:
+                os.close(fd)
+            return 70 if msg else 0  # an attempt handed over that will not run is no success
+        req = json.loads(msg)
+        if "prepare" in req:  # the next attempt will be ours: into its cgroup, its rules built
+            where = _join_ahead(str(req["ahead"])) or where
+            take_prepared(None, "/")  # the last one built, if no attempt took it
+            prepare_landlock(str(req["isolation"]))
+            continue
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            return 70
+        term.grace = str(req["limits"][3])
+        status = _run_attempt(req, fds, ctrl, born_in=where == str(req["limits"][7]))
+        if os.getppid() != zygote:  # the worker (and the zygote) died: nobody will remove the attempt's directory
+            _remove_as(req, str(req["script"]))
+            return 70
+        # A worker that gave up on the attempt no longer reads; nothing else changes.
+        _reply(fds[0], {"pid": os.getpid(), "status": status if status is not None else 70 << 8})
+        os.close(fds[0])
+        if term.terminating:
+            return _end_like(status)
+        try:  # after the outcome: killed between the two, the zygote tells the worker nothing it has not heard
+            ctrl.send(b"free")
+        except OSError:
+            return _end_like(status)
+    return 70
+
+
+def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_in: bool) -> int | None:
+    """Fork the process that runs the attempt of ``req`` (``fds``: its reply socket and stdio) and wait until it
+    and all it started are gone: its wait status (None if it was never ours). The attempt's environment is set
+    here first, in this process (whose pages are warm: a fork's first touch of each costs a page fault), and
+    inherited. ``born_in``: this process is in the attempt's cgroup, so the script's process is born in it."""
+    import gc
+    import json
+
+    _take_env(req)
+    isolation = str(req["limits"][6])
+    rules = json.loads(isolation) if isolation != "-" else None
+    gc.freeze()  # fewer copy-on-write faults in the child
+    # Held over the fork: a TERM (from this process's own handler, taking the tree down) that comes before the child
+    # has let go of this process's handlers reaches it once it has, and ends it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+    child = os.fork()
+    if child == 0:
+        os.close(fds[0])  # the task holds neither the worker's socket nor the zygote's
+        ctrl.close()
+        _become_script(req, fds[1:], rules, born_in)  # never returns
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+    for fd in fds[1:]:
+        os.close(fd)
+    take_prepared(None, "/")  # the child's rules: this process holds nothing of them
+    status = _wait_for(child)
+    # The script is gone; nothing it started may outlive it.
+    if _has_children():
+        _signal_tree(signal.SIGKILL)
+    _reap_all()
+    signal.alarm(0)
+    return status
+
+
+def _become_script(req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool) -> None:
+    """In the process a warm supervisor forked for an attempt: take its stdio, then its cgroup (unless ``born_in``
+    it), limits, user and directory (:func:`_enter`) and its Landlock ``rules``, and run the script. Never returns."""
+    for sig in _HANDLED:  # the supervisor's handlers are not ours
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    script = str(req["script"])
+    cpu, fsize, nofile, _grace, uid, gid, _isolation, cgroup = map(str, req["limits"])
+    why = _enter("-" if born_in else cgroup, cpu, fsize, nofile, uid, gid, str(req["cwd"]))
+    if why is not None:  # the worker said the attempt runs in it: never run it outside
+        print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(70)
+    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)))
+
+
+def _remove_as(req: dict[str, Any], script: str) -> None:
+    """Remove the attempt's directory as its task's user (a process of its own: this one stays who it is)."""
+    uid, gid = str(req["limits"][4]), str(req["limits"][5])
+    if uid == "-":
+        remove_dir_of(script, TASK_DIR_PREFIX)
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(int(gid))
+            os.setuid(int(uid))
+            remove_dir_of(script, TASK_DIR_PREFIX)
+        finally:
+            os._exit(0)
+    _wait_for(pid)
+
+
+def _become_attempt(req: dict[str, Any], fds: list[int], parent: int) -> int:
+    """In a fresh spare: take the attempt's session, stdio (``fds``: stdin) and environment, then supervise it.
+    ``parent``: the worker, to die with."""
     os.setsid()
-    reporting = (report, os.dup(2)) if report is not None else None  # the zygote's stderr: the worker's log
+    _take_stdio(req, fds)
+    return supervise(str(parent), req["script"], *map(str, req["limits"]), cwd=req["cwd"])
+
+
+def _take_stdio(req: dict[str, Any], fds: list[int]) -> None:
+    """Take the attempt's stdio (``fds``: stdin[, stdout, stderr]) and environment (:func:`_take_env`)."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    _take_env(req)
+
+
+def _take_env(req: dict[str, Any]) -> None:
+    """Take the attempt's environment, and reset what Python caches of the environment and of the process this one
+    was forked from."""
     os.environ.clear()
     os.environ.update(req["env"])
     if "tempfile" in sys.modules:  # imported already (by --preload): no cost, and no import the task did not ask for
@@ -951,7 +1181,6 @@ def _become_attempt(req: dict[str, Any], fds: list[int], parent: int, report: in
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
         nprandom.seed()
-    return supervise(str(parent), req["script"], *map(str, req["limits"]), report=reporting, cwd=req["cwd"])
 
 
 def main(argv: list[str]) -> None:

@@ -374,11 +374,11 @@ def cgroup_members(path: str) -> list[int]:
 def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, int] | None = None) -> None:
     """KILL every process left in an attempt's cgroup until it is empty, then remove it.
 
-    ``supervisor``: (pid, start time) of the attempt's supervisor, once it has said the attempt is over (its
-    script's tree is gone, reaped by it). Found alone in the group, it is on its way out, and nothing of the
-    task runs on: it is KILLed and not waited for (its group is removed later), which saves every attempt a
-    wait of about 0.5 ms. Only if its pidfd names that very process (same start time): a pid a task's
-    process took over after its supervisor died gets the full treatment."""
+    ``supervisor``: (pid, start time) of the attempt's warm supervisor, once it has said the attempt is over (its
+    script's tree is gone, reaped by it). It serves the next attempts, and leaves this group when it moves into
+    the cgroup of one of them: it is spared, and the group, once it holds nothing else, is removed later. Only
+    if its pidfd names that very process (same start time): a pid a task's process took over after its
+    supervisor died gets the full treatment."""
     if path is None:
         return
     leaving = None
@@ -417,24 +417,24 @@ def _pidfd(pid: int) -> int | None:
 
 def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: int | None) -> str:
     """KILL the members of ``path`` until none is left ("empty": none there at all; "killed": all KILLed and
-    gone), or only the ``supervisor`` ("supervisor": KILLed, through its pidfd ``leaving``, and not waited for)."""
+    gone), or only the ``supervisor`` ("supervisor": spared, when ``leaving``, its pidfd, says it is that very
+    process)."""
     delay, killed = 0.0002, False
+    spared = supervisor if leaving is not None else None
     while time.monotonic() < deadline:
         members = cgroup_members(path)
         if not members:
             return "killed" if killed else "empty"
-        if leaving is not None and members == [supervisor]:
-            try:
-                signal.pidfd_send_signal(leaving, signal.SIGKILL)
-            except OSError:
-                pass
+        if spared is not None and members == [spared]:
             return "supervisor"
         killed = True
         try:
+            if spared in members:  # cgroup.kill would take it too: one by one
+                raise OSError
             with open(os.path.join(path, "cgroup.kill"), "w") as f:  # v2, Linux 5.14+: the whole group at once
                 f.write("1")
         except OSError:
-            for pid in members:
+            for pid in (m for m in members if m != spared):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:

@@ -1,5 +1,6 @@
 """The warm executor's worker side: a zygote process that has imported Python (and ``--preload``) once
-and forks a fresh supervisor per attempt, so a task no longer pays interpreter start-up.
+and runs each attempt in a process forked for it (by a supervisor forked from the zygote, which serves attempt
+after attempt), so a task no longer pays interpreter start-up.
 
 Every attempt still gets what the fresh mode gives it: its own session, rlimits, clean environment,
 temp directory, payload on stdin, timeout and memory cap, and death with the worker. The zygote is
