@@ -21,8 +21,8 @@ from gpumesh.sandbox.warm import Zygote  # noqa: E402
 NOOP = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
 
 
-GAP = 0.003  # s between two attempts, untimed and busy, as a worker is with Redis between them: the zygote forks the
-# next attempt's spare as an attempt ends, to be ready by then (back to back, that fork would be timed too)
+GAP = 0.003  # s between two attempts, untimed and busy, as a worker is with Redis between them: the zygote prepares the
+# next attempt's supervisor (its cgroup, its rules) meanwhile, to be ready by then (back to back, that would be timed too)
 
 
 def _busy(seconds: float) -> None:
