@@ -121,6 +121,22 @@ def _escaped(lines: list[tuple[str, str]]) -> dict[str, Any]:
     return seen
 
 
+def test_each_attempt_runs_in_a_session_and_process_group_of_its_own(mode):
+    """Not the worker's, not the zygote's, and not the attempt's before it (a warm supervisor serves attempt after
+    attempt: each script's process takes a session of its own)."""
+    source = "import json, os\nprint(json.dumps([os.getsid(0), os.getpgid(0)]))"
+    seen = []
+    for _ in range(4):
+        out, lines = attempt(source, mode)
+        assert out.returncode == 0, lines
+        seen.append(tuple(json.loads(out.last_line or "")))
+    sessions = [sid for sid, _ in seen]
+    assert len(set(sessions)) == 4, seen
+    assert len({pgid for _, pgid in seen}) == 4, seen
+    theirs = {os.getsid(0)} | ({os.getsid(mode["zygote"].proc.pid)} if "zygote" in mode else set())
+    assert not theirs & set(sessions), (seen, theirs)
+
+
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "subreaper-only"])
 @pytest.mark.parametrize("user", [None, "nobody"])
 def test_a_task_that_kills_its_supervisor_leaves_nothing_running(mode, user, cgroup, monkeypatch):

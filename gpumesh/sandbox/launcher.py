@@ -1039,7 +1039,7 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # the zygote's death: the running attempt goes down with grace
     if _parent_gone(zygote):
         return 70
-    os.setsid()  # the attempts' session: no terminal, and a process group the worker can KILL as one
+    os.setsid()  # no terminal, and out of the zygote's process group (each script takes a session of its own)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a script leaves behind comes to us
     term = _OnTerm("1")
     devnull = os.open(os.devnull, os.O_WRONLY)  # a script's tree alone holds its attempt's stdout
@@ -1117,8 +1117,10 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
 
 
 def _become_script(req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool) -> None:
-    """In the process a warm supervisor forked for an attempt: take its stdio, then its cgroup (unless ``born_in``
-    it), limits, user and directory (:func:`_enter`) and its Landlock ``rules``, and run the script. Never returns."""
+    """In the process a warm supervisor forked for an attempt: take a session of its own and the attempt's stdio,
+    then its cgroup (unless ``born_in`` it), limits, user and directory (:func:`_enter`) and its Landlock
+    ``rules``, and run the script. Never returns."""
+    os.setsid()  # the attempt's own session and process group, as a fresh attempt's
     for sig in _HANDLED:  # the supervisor's handlers are not ours
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
