@@ -514,11 +514,16 @@ def _enter(cgroup: str, cpu: str, fsize: str, nofile: str, uid: str, gid: str, c
             return f"could not join the attempt's cgroup ({exc})"
     _set_rlimits(int(cpu), int(fsize), int(nofile))
     if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
-        os.setgroups([])
-        os.setgid(int(gid))
-        os.setuid(int(uid))
+        _become_user(uid, gid)
     os.chdir(cwd)
     return None
+
+
+def _become_user(uid: str, gid: str) -> None:
+    """Become the task's user for good: no supplementary groups, its group, its uid."""
+    os.setgroups([])
+    os.setgid(int(gid))
+    os.setuid(int(uid))
 
 
 def _set_rlimits(cpu: int, fsize: int, nofile: int) -> None:
@@ -692,7 +697,10 @@ def _preload(ctrl: socket.socket, preload: list[str]) -> None:
 
 class _Supervisor:
     """The zygote's view of one of its supervisors: its pid and socket, the cgroup it was prepared for (moved into,
-    for the attempt that will run there), and the attempt's reply socket while it runs one."""
+    for the attempt that will run there; "-": none, SPENT: none, and its rules were taken by its last attempt),
+    and the attempt's reply socket while it runs one."""
+
+    SPENT = "?"
 
     def __init__(self, pid: int, sock: socket.socket, prepared_for: str) -> None:
         self.pid = pid
@@ -809,7 +817,7 @@ class _Forks:
         self.isolation, self.ahead = isolation, ahead
         if any(s.prepared_for == ahead for s in self.idle):
             return  # one is ready for the next attempt already
-        waiting = [s for s in self.idle if s.prepared_for in ("-", "?")]
+        waiting = [s for s in self.idle if s.prepared_for in ("-", _Supervisor.SPENT)]
         if waiting:
             self.prepare(waiting[0])
         else:
@@ -825,7 +833,7 @@ class _Forks:
         for gone in [s for s in self.idle if _closed(s.sock)]:  # died waiting, not reaped yet
             self.let_go(gone)
         ready = [s for s in self.idle if s.prepared_for == cgroup]
-        ready = ready or [s for s in self.idle if s.prepared_for in ("-", "?")]
+        ready = ready or [s for s in self.idle if s.prepared_for in ("-", _Supervisor.SPENT)]
         sup = ready[0] if ready else self.fork(close=fds, ahead="-")
         self.idle.remove(sup)
         return sup
@@ -862,7 +870,7 @@ class _Forks:
             self.let_go(sup)
             return
         self.idle.append(sup)
-        sup.prepared_for = "?"  # it is in the cgroup of the attempt it ran, which is over
+        sup.prepared_for = _Supervisor.SPENT  # in the cgroup of the attempt it ran, which is over
         if self.fork_due is not None and not any(s.prepared_for == self.ahead for s in self.idle):
             self.fork()  # the next one's, due as this attempt ended
 
@@ -1146,9 +1154,7 @@ def _remove_as(req: dict[str, Any], script: str) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            os.setgroups([])
-            os.setgid(int(gid))
-            os.setuid(int(uid))
+            _become_user(uid, gid)
             remove_dir_of(script, TASK_DIR_PREFIX)
         finally:
             os._exit(0)

@@ -381,17 +381,17 @@ def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, i
     supervisor died gets the full treatment."""
     if path is None:
         return
-    leaving = None
+    verified = None
     if supervisor is not None:
-        leaving = _pidfd(supervisor[0])  # opened first, then checked: the pid cannot become another's meanwhile
-        if leaving is not None and start_time(supervisor[0]) != supervisor[1]:
-            os.close(leaving)
-            leaving = None
+        verified = _pidfd(supervisor[0])  # opened first, then checked: the pid cannot become another's meanwhile
+        if verified is not None and start_time(supervisor[0]) != supervisor[1]:
+            os.close(verified)
+            verified = None
     try:
-        ended = _kill_members(path, time.monotonic() + timeout, supervisor[0] if supervisor else None, leaving)
+        ended = _kill_members(path, time.monotonic() + timeout, supervisor[0] if supervisor else None, verified)
     finally:
-        if leaving is not None:
-            os.close(leaving)
+        if verified is not None:
+            os.close(verified)
     only_supervisor = ended == "supervisor"
     if ended == "killed":  # what was KILLed here and came to this subreaper (a lone supervisor is not ours)
         reap_orphans()
@@ -415,12 +415,12 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _kill_members(path: str, deadline: float, supervisor: int | None, leaving: int | None) -> str:
+def _kill_members(path: str, deadline: float, supervisor: int | None, verified: int | None) -> str:
     """KILL the members of ``path`` until none is left ("empty": none there at all; "killed": all KILLed and
-    gone), or only the ``supervisor`` ("supervisor": spared, when ``leaving``, its pidfd, says it is that very
+    gone), or only the ``supervisor`` ("supervisor": spared, when ``verified``, its pidfd, says it is that very
     process)."""
     delay, killed = 0.0002, False
-    spared = supervisor if leaving is not None else None
+    spared = supervisor if verified is not None else None
     while time.monotonic() < deadline:
         members = cgroup_members(path)
         if not members:
