@@ -20,7 +20,7 @@ from gpumesh.models import JobStatus, TaskCounts
 from gpumesh.settings import Settings
 from gpumesh.store import keys
 
-from .conftest import ROOT, MeshWorkers, cli, gpumesh
+from .conftest import ROOT, MeshWorkers, cli, gpumesh, wait_until
 
 EXAMPLE = str(ROOT / "examples/grid_search.py")
 PAYLOADS = str(ROOT / "examples/payloads.json")
@@ -132,6 +132,61 @@ def test_logs_follow_stops_when_the_task_ends(env, mesh_worker: MeshWorkers, tmp
     assert p.returncode == 0
     lines = [line.split("] ", 1)[1] for line in p.stdout.splitlines()]
     assert lines == [f"line {i}" for i in range(5)] + ["{}"]
+
+
+@pytest.mark.core
+def test_a_running_task_s_lines_reach_the_broker_while_it_runs(
+    env, mesh_worker: MeshWorkers, r: redis.Redis, tmp_path: Path
+):
+    gate = tmp_path / "gate"
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import os, time\n"
+        "print('begins', flush=True)\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.02)\n"
+        "print('{}')\n"
+    )
+    mesh_worker.start()
+    job = cli("submit", str(script), "--payloads", "-", input="[{}]").stdout.strip()
+    log = keys.task_log(keys.task_id(job, 0))
+    wait_until(lambda: "begins" in _lines(r, log), timeout=10, what="the running task's first line in the broker")
+    assert json.loads(cli("status", job, "--json").stdout)["tasks"]["running"] == 1  # still running: streamed
+    gate.touch()
+    wait_until(lambda: json.loads(cli("status", job, "--json").stdout)["status"] == "done", what="the job done")
+
+
+@pytest.mark.core
+def test_every_line_of_a_task_is_in_the_broker_once_its_end_is(
+    env, mesh_worker: MeshWorkers, r: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Short tasks' lines go with the report of their end (a completion, or before a failure), not later: here
+    the log thread would hold a line for a minute before sending it on its own."""
+    monkeypatch.setattr("gpumesh.worker.logship.LINGER_S", 60.0)
+    script = tmp_path / "short.py"
+    script.write_text(
+        "import json, sys\n"
+        "p = json.load(sys.stdin)\n"
+        "print(f'begins {p[\"i\"]}')\n"
+        "print('middle', file=sys.stderr)\n"
+        "sys.exit(3) if p['i'] % 5 == 4 else print(json.dumps(p))\n"
+    )
+    mesh_worker.start()
+    payloads = json.dumps([{"i": i} for i in range(20)])
+    job = cli("submit", str(script), "--payloads", "-", "--max-attempts", "1", input=payloads).stdout.strip()
+    wait_until(lambda: json.loads(cli("status", job, "--json").stdout)["status"] == "failed", what="the job's end")
+    for i in range(20):
+        got = _lines(r, keys.task_log(keys.task_id(job, i)))
+        assert got[0].startswith("attempt 1 on "), got
+        if i % 5 == 4:  # failed: its own lines (the worker's note of the failure follows the report)
+            assert sorted(got[1:3]) == sorted([f"begins {i}", "middle"]), got
+        else:
+            assert sorted(got[1:]) == sorted([f"begins {i}", "middle", json.dumps({"i": i})]), got  # two pipes
+            assert got.index(f"begins {i}") < got.index(json.dumps({"i": i})), got
+
+
+def _lines(r: redis.Redis, task_log: str) -> list[str]:
+    return [fields["line"] for _id, fields in r.xrange(task_log)]
 
 
 @pytest.mark.core

@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -41,7 +42,7 @@ import redis.client
 
 from gpumesh.errors import BrokerError
 from gpumesh.signing import leased_identity
-from gpumesh.store import keys
+from gpumesh.store import keys, tasklog
 
 if TYPE_CHECKING:
     from gpumesh.store import artifacts
@@ -392,13 +393,14 @@ def _outcome(r: list[Any]) -> Outcome:
 def complete(
     s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0,
     staged: artifacts.Staged | None = None, spent: str = "", stored: tuple[tuple[str, str], ...] = (),
-    then: Next | None = None,
+    then: Next | None = None, lines: Sequence[tasklog.Line] = (),
 ) -> Outcome:  # fmt: skip
     """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes. With
     ``staged`` output files, the same step keeps them (and records their index) if this copy wins.
     ``spent``: the task's member to add to its job's spent set (a signed task); ``stored``: field/value
     pairs kept with the result (the worker's result proof). ``then``: dispatch this worker's next task in the
-    same round trip (a pipeline: each function is atomic on its own); the answer is the outcome's ``next``."""
+    same round trip (a pipeline: each function is atomic on its own); the answer is the outcome's ``next``.
+    ``lines``: log lines to append first, in the same round trip (a line that cannot be written is skipped)."""
     staging, final, index, total, store = "", "", "", 0, ""
     if staged is not None:
         from gpumesh.store import artifacts
@@ -412,13 +414,16 @@ def complete(
     ]  # fmt: skip
     call_args = [lease.task_id, lease.token, result_json, f"{duration:.3f}", score, index, total, store,
                  1 if staging else 0, spent, *[v for pair in stored for v in pair]]  # fmt: skip
-    if then is None:
+    if then is None and not lines:
         return _outcome(s["complete"](keys=call_keys, args=call_args, client=client))
     with client.pipeline(transaction=False) as p:
+        logged = tasklog.append(p, lines)
         s["complete"](keys=call_keys, args=call_args, client=p)
-        _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token)
-        done, got = p.execute(raise_on_error=False)
-    following = None if isinstance(got, Exception) else _dispatched(got, then.token)
+        if then is not None:
+            _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token)
+        replies = p.execute(raise_on_error=False)[logged:]
+    done = replies[0]
+    following = None if then is None or isinstance(replies[1], Exception) else _dispatched(replies[1], then.token)
     if isinstance(done, Exception):
         if isinstance(following, Lease):  # not taken up by a caller that gets this error: back to queued, unspent
             with contextlib.suppress(redis.RedisError):

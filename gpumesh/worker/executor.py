@@ -298,9 +298,17 @@ class Executor:
         )  # fmt: skip
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
-        out = started.finish()
-        self.w.logs.flush(timeout=min(5.0, self.settings.lease_ttl / 2))
-        return out
+        """Supervise the attempt to its end. Its log lines are in the broker before its end is reported: sent
+        with the completion (_complete), or flushed before any other report (_outcome)."""
+        return started.finish()
+
+    def _flush_logs(self) -> None:
+        self.w.logs.flush(timeout=self._log_wait)
+
+    @property
+    def _log_wait(self) -> float:
+        """How long a report waits for the log lines before it (a broker that is slow to take them)."""
+        return min(5.0, self.settings.lease_ttl / 2)
 
     def _stage(self, lease: scripts.Lease, entries: Iterator[Any]) -> artifacts.Staged | artifacts.StageFailed | None:
         """Store the clean attempt's output files as a staged copy (the complete script keeps it if this
@@ -354,6 +362,10 @@ class Executor:
 
     def _outcome(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
         lease = running.lease
+        why = "" if out.returncode != 0 or out.killed else _bad_result(out, limits)
+        if not (out.returncode != 0 or out.killed or why or isinstance(out.collected, artifacts.StageFailed)):
+            return self._complete(running, out)  # its log lines go in the completion's round trip
+        self._flush_logs()
         if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
             return "lost"
@@ -364,12 +376,10 @@ class Executor:
             tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
             kind, need, said = failure_of(out, self.w.resources)
             return self._fail(running, said + (f"\n{tail}" if tail else ""), out.duration, kind=kind, need=need)
-        why = _bad_result(out, limits)
         if why:
             return self._fail(running, why, out.duration)
-        if isinstance(out.collected, artifacts.StageFailed):  # the worker's storage failed, not the script
-            return self._fail(running, out.collected.reason, out.duration, kind="lost")
-        return self._complete(running, out)
+        assert isinstance(out.collected, artifacts.StageFailed)  # the worker's storage failed, not the script
+        return self._fail(running, out.collected.reason, out.duration, kind="lost")
 
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
         lease, result = running.lease, out.last_line or ""
@@ -385,12 +395,23 @@ class Executor:
             stored = ((PROOF_FIELD, proof),)
         then = self.w.wants_next()  # its token made once: a call sent again leases the same next task
         asked = time.monotonic()
-        res = self._patiently(
-            lambda: scripts.complete(
-                self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
-                self.w.capability.score_gflops, staged, spent=spent, stored=stored, then=then,
-            )
-        )  # fmt: skip
+        with self.w.logs.riding(self._log_wait) as lines:
+            unsent = lines  # the attempt's log lines, sent with the first try only: a retry may not repeat them
+
+            def call() -> scripts.Outcome:
+                nonlocal unsent
+                sent, unsent = unsent, []
+                try:
+                    return scripts.complete(
+                        self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
+                        self.w.capability.score_gflops, staged, spent=spent, stored=stored, then=then, lines=sent,
+                    )  # fmt: skip
+                except redis.RedisError as exc:
+                    if sent:
+                        self.w.logs.lost(len(sent), exc)
+                    raise
+
+            res = self._patiently(call)
         if isinstance(res.next, scripts.Lease):
             self.w.got_next(res.next, asked)
         if not res.accepted:

@@ -570,6 +570,8 @@ class MeshWorker(LeanRQWorker):
             return super().work(*args, **kwargs)
         finally:
             self._hand_back_all("the worker is stopping")  # a stop that interrupted a delivery
+            if not self.revoked:
+                self.logs.flush(timeout=1.0)  # the last notes (a task handed back) wait no longer than they would
             self._hb_stop.set()
             self._hb_thread.join(timeout=5)
             self._unregister()
