@@ -18,6 +18,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -282,13 +283,13 @@ def test_the_spare_waits_in_the_next_attempt_s_cgroup_and_runs_that_attempt_ther
                 def no_stdin(*_a: Any, **_k: Any) -> Any:
                     raise OSError(28, "No space left on device")
 
-                real = sandbox.tempfile.TemporaryFile
-                sandbox.tempfile.TemporaryFile = no_stdin  # type: ignore[assignment]
+                real = sandbox._payload_file
+                sandbox._payload_file = no_stdin  # type: ignore[assignment]
                 try:
                     with pytest.raises(OSError):
                         attempt(WHERE, held)
                 finally:
-                    sandbox.tempfile.TemporaryFile = real  # type: ignore[assignment]
+                    sandbox._payload_file = real  # type: ignore[assignment]
             if step == "after a zygote restart":
                 if kind != "warm":
                     continue
@@ -608,6 +609,53 @@ def test_a_confined_attempt_cannot_read_the_directory_of_the_attempt_before_and_
         json.loads(run(LEAVE, "{}", held, dataclasses.replace(lim, isolation=None)).last_line or "")["path"]
     )
     assert not unconfined.parent.parent.exists(), "an unconfined attempt's directory goes at once"
+
+
+HERE = "import json, os\nprint(json.dumps({'cwd': os.getcwd()}))\n"
+PLANT = """
+import json, os, sys
+where = json.load(sys.stdin)["dir"]
+seen = {}
+for what, act in [("list", lambda: os.listdir(where)), ("write", lambda: open(os.path.join(where, "json.py"), "w")),
+                  ("plant_output", lambda: open(os.path.join(where, "output", "planted.txt"), "w"))]:
+    try:
+        act()
+        seen[what] = "done"
+    except OSError as exc:
+        seen[what] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+def test_the_next_attempt_s_directory_is_made_beside_this_one_out_of_its_reach(mode):
+    """While an attempt runs, the worker makes the next attempt's directory (off the path between the two):
+    the next attempt runs in it, no confined attempt can reach into it, an unconfined attempt gets none made
+    beside it, and a worker with nothing to run keeps none."""
+    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation())
+
+    def run(source: str, payload: str, later: sandbox.Meanwhile, limits: sandbox.Limits = lim) -> dict[str, Any]:
+        out = sandbox.run(source, "task.py", payload, {}, limits, lambda s, line: None, lambda: None,
+                          zygote=mode.get("zygote"), spares=mode.get("spares"), meanwhile=later)  # fmt: skip
+        assert out.returncode == 0, list(out.stderr_tail)
+        return dict(json.loads(out.last_line or ""))
+
+    held, other = sandbox.Meanwhile(), sandbox.Meanwhile()
+    first = run(HERE, "{}", held)["cwd"]
+    assert held._ready is not None, "made while the attempt ran"
+    ahead = held._ready[0]
+    assert ahead != first and os.listdir(ahead) == ["output"] and not os.listdir(os.path.join(ahead, "output"))
+    assert stat.S_IMODE(os.stat(ahead).st_mode) == 0o700
+    seen = run(PLANT, json.dumps({"dir": ahead}), other)  # a confined attempt reaching for it
+    assert seen == {"list": "PermissionError", "write": "PermissionError", "plant_output": "PermissionError"}, seen
+    assert run(HERE, "{}", held)["cwd"] == ahead, "the next attempt runs in it"
+    for later in (held, other):
+        later.run()  # what the worker does when it has no task
+    assert held._ready is None and not list(Path(tempfile.gettempdir()).glob(f"gpumesh-task-*.{os.getpid()}-*"))
+
+    unconfined = sandbox.Meanwhile()
+    run(HERE, "{}", unconfined, dataclasses.replace(lim, isolation=None))
+    assert unconfined._ready is None, "an unconfined attempt could write into it: none is made beside it"
 
 
 @needs_landlock

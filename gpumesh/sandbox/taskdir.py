@@ -12,10 +12,30 @@ import tempfile
 
 from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
 
+OUTPUT = "output"  # the task's output directory, inside its own (GPUMESH_OUTPUT_DIR)
+
 
 def make() -> str:
     """A new, private directory for one attempt: ``gpumesh-task-<pid namespace>.<pid>-<random>``."""
     return tempfile.mkdtemp(prefix=f"{TASK_DIR_PREFIX}{_owner()}-")
+
+
+def make_open() -> tuple[str, int]:
+    """:func:`make`, with its empty output directory (OUTPUT) in it, and opened (the descriptor is the caller's)
+    before any task may touch it. Both are the worker's alone (0700) until an attempt is handed the directory."""
+    workdir = make()
+    try:
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        os.rmdir(workdir)
+        raise
+    try:
+        os.mkdir(OUTPUT, dir_fd=fd)
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return workdir, fd
 
 
 @functools.cache
