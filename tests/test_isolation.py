@@ -814,7 +814,9 @@ def test_a_task_that_leaves_its_cgroup_and_kills_its_supervisor_leaves_nothing_r
     started = time.monotonic()
     out, lines = attempt(f"BASE = {base!r}" + LEAVE_CGROUP + ESCAPE, mode)
     seen = _escaped(lines)
-    assert seen.get("left") is True and seen.get("killed") is True, (lines, out.describe_exit())
+    # The supervisor's death may take the task down before it says it killed it: the attempt's SIGKILL says so too.
+    killed = seen.get("killed") is True or out.returncode == -signal.SIGKILL
+    assert seen.get("left") is True and killed, (lines, out.describe_exit())
     assert time.monotonic() - started < 20, "the attempt ended when its supervisor died, not at its timeout"
     for what in ("task", "daemon"):
         assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
