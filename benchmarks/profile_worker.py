@@ -7,7 +7,7 @@ sample of the worker's main thread into the part of the task's life it belongs t
 picks and leases the next task, the worker delivers it to its own RQ queue and pops it in the same
 transaction (Broker.deliver), RQ runs gpumesh's executor, which ends with complete.lua, and records the run
 (RQ's bookkeeping: RQ's code, and the worker's own transactions in its place). What the worker does beside a
-running attempt (sandbox.Meanwhile: RQ's records of the runs, the last attempt's directory) is its own row:
+running attempt (sandbox.Meanwhile: RQ's records of the runs, the last attempt's directory, the next one's) is its own row:
 that time overlaps the attempt's processes, which run on the other core.
 """
 
@@ -39,7 +39,10 @@ PARTS = [
         ["EpollSelector.select", "_recv_json", "wait ("],
     ),
     ("sandbox: fork from the zygote / start the interpreter", ["Zygote.spawn", "Popen.__init__", "_execute_child"]),
-    ("sandbox: temp dir, script file, clean-up", ["mkdtemp", "taskdir.py", "TemporaryFile", "clean_env"]),
+    (
+        "sandbox: temp dir, script file, payload, clean-up",
+        ["mkdtemp", "taskdir.py", "_prepare", "_payload_file", "clean_env"],
+    ),
     ("gpumesh: dispatch.lua alone (the worker had no completion to send it with)", ["dispatch (gpumesh"]),
     (
         "gpumesh: deliver it to the worker's own RQ queue and pop it (one transaction)",
@@ -64,7 +67,9 @@ GENERIC = [
 
 # Done once the next attempt was handed over, beside it (sandbox.Meanwhile): RQ's records of the runs and the last
 # attempt's directory. Counted apart, whatever runs inside: it overlaps the attempt instead of preceding it.
-MEANWHILE = "sandbox: beside the running attempt (RQ's records, the last attempt's directory)"
+MEANWHILE = (
+    "sandbox: beside the running attempt (RQ's records, removing the last attempt's directory, making the next one's)"
+)
 
 
 def classify(frames: list[str]) -> str:
