@@ -185,6 +185,29 @@ def test_every_line_of_a_task_is_in_the_broker_once_its_end_is(
             assert got.index(f"begins {i}") < got.index(json.dumps({"i": i})), got
 
 
+@pytest.mark.core
+def test_lines_a_report_took_but_did_not_send_go_back_first_in_line(r: redis.Redis):
+    """The completion takes the waiting lines to send in its own round trip; when it fails before they are sent,
+    they go back ahead of what came since, and are sent once, in order."""
+    from gpumesh.worker.logship import LogShipper
+
+    ship = LogShipper(r, linger=60.0)  # the thread sends nothing on its own within this test
+    ship.start()
+    ship.put("t1", "stdout", "one")
+    ship.put("t1", "stdout", "two")
+    with ship.riding(timeout=5) as lines:
+        assert [line for _t, _s, line in lines] == ["one", "two"]
+        ship.put("t1", "stdout", "three")  # while the report holds the others: it waits behind them
+    assert ship.flush(timeout=5)
+    assert _lines(r, keys.task_log("t1")) == ["one", "two", "three"]
+    ship.put("t2", "stdout", "sent with the report")
+    with ship.riding(timeout=5) as lines:
+        r.xadd(keys.task_log("t2"), {"stream": "stdout", "line": lines[0][2]})
+        lines.clear()  # sent: not again
+    assert ship.flush(timeout=5)
+    assert _lines(r, keys.task_log("t2")) == ["sent with the report"] and ship.dropped == 0
+
+
 def _lines(r: redis.Redis, task_log: str) -> list[str]:
     return [fields["line"] for _id, fields in r.xrange(task_log)]
 

@@ -657,6 +657,46 @@ def test_the_next_attempt_s_directory_is_made_beside_this_one_out_of_its_reach(m
     run(HERE, "{}", unconfined, dataclasses.replace(lim, isolation=None))
     assert unconfined._ready is None, "an unconfined attempt could write into it: none is made beside it"
 
+    # Confined, but its rules reach the worker's temp dir (here a --write-path of it): neither made ahead nor left.
+    reaching = sandbox.Meanwhile()
+    where = run(
+        HERE, "{}", reaching, dataclasses.replace(lim, isolation=landlock.Isolation(write=(tempfile.gettempdir(),)))
+    )
+    assert reaching._ready is None and not os.path.exists(where["cwd"])
+
+
+@needs_landlock
+@pytest.mark.parametrize("touch", ["chmod", "plant", "swap"])
+def test_a_directory_made_ahead_that_was_touched_is_not_used(touch):
+    """Whatever changed the next attempt's directory since it was made (another process of the worker's user: Landlock
+    does not stop a chmod), the next attempt runs in a new one, and the touched one goes."""
+    lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0, isolation=landlock.Isolation())
+    held = sandbox.Meanwhile()
+
+    def cwd() -> str:
+        out = sandbox.run(HERE, "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, meanwhile=held)
+        assert out.returncode == 0, list(out.stderr_tail)
+        return str(json.loads(out.last_line or "")["cwd"])
+
+    cwd()
+    assert held._ready is not None
+    ahead = held._ready[0]
+    if touch == "chmod":
+        os.chmod(ahead, 0o777)
+    elif touch == "plant":
+        Path(ahead, "output", "planted.txt").write_text("not this attempt's")
+    else:
+        os.rename(ahead, ahead + ".away")
+        os.mkdir(ahead, 0o700)
+        os.mkdir(os.path.join(ahead, "output"), 0o700)
+    assert cwd() != ahead
+    held.run()
+    assert not os.path.exists(ahead) or touch == "swap"
+    if touch == "swap":  # emptied through its descriptor where it went; what was put at its name is left alone
+        assert os.listdir(ahead + ".away") == [] and os.path.isdir(os.path.join(ahead, "output"))
+        os.rmdir(ahead + ".away")
+        shutil.rmtree(ahead)
+
 
 @needs_landlock
 @pytest.mark.usefixtures("both_modes")

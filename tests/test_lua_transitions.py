@@ -204,6 +204,24 @@ def test_a_broker_that_lost_gpumesh_s_functions_gets_them_back_at_the_next_call(
 
 
 @pytest.mark.faults
+def test_a_completion_carrying_log_lines_after_the_broker_lost_the_functions_is_recorded_once(
+    broker: Broker, r: redis.Redis
+):
+    """A worker's completion goes in a pipeline with its attempt's log lines, which is not retried by itself when the
+    functions are missing: the completion loads them and is recorded, and the lines are written once."""
+    _, (tid,) = submit(broker)
+    lease = scripts.acquire(broker.scripts, r, tid, "w", LEASE_MS)
+    assert isinstance(lease, scripts.Lease)
+    broker.scripts.ensure(force=True)  # checked just now: the pipeline will not look again for ENSURE_EVERY s
+    r.function_flush()
+    lines = [(tid, "stdout", "one"), (tid, "stderr", "two")]
+    out = scripts.complete(broker.scripts, r, lease, "w", '{"ok": 1}', 0.1, lines=lines)
+    assert out.accepted and r.hget(keys.task(tid), "status") == "done"
+    assert lines == [], "the list is emptied once its lines were sent"
+    assert [f["line"] for _id, f in r.xrange(keys.task_log(tid))] == ["one", "two"]
+
+
+@pytest.mark.faults
 def test_redis_restart_does_not_break_the_next_call(tmp_path, env, monkeypatch):
     server = RedisServer(tmp_path).start(appendonly=True)
     try:

@@ -95,6 +95,32 @@ def test_the_task_holds_no_descriptor_of_the_worker_s():
 
 
 @pytest.mark.security
+def test_the_task_reads_its_payload_but_can_neither_change_nor_grow_it():
+    """Its stdin holds the payload in memory: a task that could grow it would hold memory no cap counts."""
+    out, lines = run(
+        """
+        import json, os, sys
+        p = json.load(sys.stdin)
+        tried = {}
+        for what, act in [("write", lambda: os.pwrite(0, b"x" * 10, 0)), ("grow", lambda: os.ftruncate(0, 1 << 30)),
+                          ("append", lambda: os.pwrite(0, b"y", 1 << 20))]:
+            try:
+                act()
+                tried[what] = "done"
+            except OSError as exc:
+                tried[what] = type(exc).__name__
+        os.lseek(0, 0, 0)
+        print(json.dumps({"p": p, "again": json.load(sys.stdin), "tried": tried}))
+        """,
+        {"x": 7},
+    )
+    assert out.returncode == 0, lines
+    res = json.loads(out.last_line)
+    assert res["p"] == res["again"] == {"x": 7}
+    assert all(v != "done" for v in res["tried"].values()), res["tried"]
+
+
+@pytest.mark.security
 @pytest.mark.parametrize("name", ["signal.py", "resource.py", "ctypes.py", "typing.py", "gpumesh.py", "os.py"])
 def test_a_script_may_be_named_like_a_module_the_launcher_imports(name):
     # The launcher starts outside the task's directory: a script named signal.py is the task's own

@@ -124,6 +124,20 @@ def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None)
     )
 
 
+@functools.cache
+def reaches(isolation: Isolation, path: str) -> bool:
+    """Whether a task confined by ``isolation`` may read or write ``path`` and what is in it (its rules name
+    ``path`` or a directory above it). The worker keeps its attempts' directories in its temp dir: where a task
+    reaches that, one attempt could see into another's directory."""
+    target = os.path.realpath(path)
+    named = [*SYSTEM_READ, *ETC_READ, *SYSTEM_WRITE, *isolation.read, *isolation.write]
+    for rule in named:
+        rule = os.path.realpath(rule)
+        if os.path.commonpath([rule, target]) == rule:
+            return True
+    return False
+
+
 def split_paths(value: str) -> tuple[str, ...]:
     """A setting's list of paths: separated by ``os.pathsep`` (``:``) or commas."""
     return tuple(p.strip() for p in value.replace(",", os.pathsep).split(os.pathsep) if p.strip())

@@ -8,6 +8,7 @@ from the last non-empty stdout line.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -233,8 +234,13 @@ class Meanwhile:
         self._dirs.append((workdir, script, output_dir, dir_fd))
 
     def take_dir(self) -> tuple[str, int] | None:
-        """The directory made ahead for the next attempt (as taskdir.make_open), now the caller's; None: none."""
+        """The directory made ahead for the next attempt (as taskdir.make_open), now the caller's; None: none, or
+        one that is not as it was made (then it goes: the caller makes another)."""
         ready, self._ready = self._ready, None
+        if ready is not None and not taskdir.untouched(*ready):
+            workdir, fd = ready
+            self.remove(workdir, os.path.join(workdir, "-"), os.path.join(workdir, taskdir.OUTPUT), fd)
+            return None
         return ready
 
     def run(self, ahead: bool = False) -> None:
@@ -413,7 +419,7 @@ def _steps(
         if meanwhile is not None:
             # Off the path between the last attempt and this one. The next attempt's directory too, unless this
             # attempt could write into it: neither confined to its own directory nor another user.
-            meanwhile.run(ahead=limits.isolation is not None or limits.user is not None)
+            meanwhile.run(ahead=_confined(limits) or limits.user is not None)
         _watch(proc, out, limits, on_line, should_stop, started)
         # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
@@ -443,7 +449,7 @@ def _steps(
             out.duration = time.monotonic() - started
         # Left for later only when it ended as it should and the next attempt cannot read it (Landlock gives each
         # its own directory alone): an unconfined task could read the last one's output files meanwhile.
-        if meanwhile is not None and swept and limits.isolation is not None:
+        if meanwhile is not None and swept and _confined(limits):
             meanwhile.remove(workdir, script, output_dir, workdir_fd)
         else:
             try:
@@ -451,6 +457,12 @@ def _steps(
             finally:
                 os.close(workdir_fd)
     return out
+
+
+def _confined(limits: Limits) -> bool:
+    """Whether Landlock keeps the attempt to its own directory among the worker's attempts' directories: not where
+    its rules reach the worker's temp dir (a --write-path /tmp, a TMPDIR under /dev/shm)."""
+    return limits.isolation is not None and not landlock.reaches(limits.isolation, tempfile.gettempdir())
 
 
 def _prepare(
@@ -529,12 +541,18 @@ def _payload_file(payload: str) -> IO[bytes]:
     has it; else (or where a seccomp filter refuses it) an unlinked temp file, which on ext4 costs a journal
     update per attempt."""
     data = payload.encode()
+    sealed = False
     try:
-        f: IO[bytes] = open(os.memfd_create("gpumesh-payload"), "w+b")  # noqa: SIM115 - the caller's to close
+        fd = os.memfd_create("gpumesh-payload", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        f: IO[bytes] = open(fd, "w+b")  # noqa: SIM115 - the caller's to close
+        sealed = True
     except (AttributeError, OSError):
         f = tempfile.TemporaryFile()  # noqa: SIM115 - the caller's to close
     try:
         f.write(data)
+        f.flush()
+        if sealed:  # the task reads its payload: it may neither change nor grow it (memory no cap counts)
+            fcntl.fcntl(f.fileno(), fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
         f.seek(0)
     except BaseException:
         f.close()

@@ -53,6 +53,25 @@ def _owner() -> str:
     return f"{_pid_namespace()}.{os.getpid()}"
 
 
+def untouched(workdir: str, fd: int) -> bool:
+    """Whether a directory made by :func:`make_open` is still as it was made: the same directory at its path (not
+    renamed nor replaced), this process's alone (0700), holding only its empty output directory."""
+    try:
+        st = os.fstat(fd)
+        if not os.path.samestat(os.stat(workdir, follow_symlinks=False), st):
+            return False
+        if stat.S_IMODE(st.st_mode) != 0o700 or st.st_uid != os.geteuid() or os.listdir(fd) != [OUTPUT]:
+            return False
+        out = os.open(OUTPUT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        try:
+            mode = os.fstat(out)
+            return mode.st_uid == os.geteuid() and not os.listdir(out)
+        finally:
+            os.close(out)
+    except OSError:
+        return False
+
+
 def sweep_dead_workers_dirs() -> int:
     """Remove the attempt directories of workers on this machine that died (``<pid namespace>.<pid>`` is
     in the name): a worker killed just before an attempt started, or just after it ended, leaves its

@@ -31,7 +31,6 @@ import contextlib
 import hashlib
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -393,14 +392,15 @@ def _outcome(r: list[Any]) -> Outcome:
 def complete(
     s: Scripts, client: Any, lease: Lease, worker_id: str, result_json: str, duration: float, score: float = 0.0,
     staged: artifacts.Staged | None = None, spent: str = "", stored: tuple[tuple[str, str], ...] = (),
-    then: Next | None = None, lines: Sequence[tasklog.Line] = (),
+    then: Next | None = None, lines: list[tasklog.Line] | None = None,
 ) -> Outcome:  # fmt: skip
     """Fenced completion; ``score`` (the worker's) teaches the job how long a unit of cost takes. With
     ``staged`` output files, the same step keeps them (and records their index) if this copy wins.
     ``spent``: the task's member to add to its job's spent set (a signed task); ``stored``: field/value
     pairs kept with the result (the worker's result proof). ``then``: dispatch this worker's next task in the
     same round trip (a pipeline: each function is atomic on its own); the answer is the outcome's ``next``.
-    ``lines``: log lines to append first, in the same round trip (a line that cannot be written is skipped)."""
+    ``lines``: log lines to append first, in the same round trip (a line that cannot be written is skipped); the
+    list is emptied once the round trip went through, whatever the completion's answer."""
     staging, final, index, total, store = "", "", "", 0, ""
     if staged is not None:
         from gpumesh.store import artifacts
@@ -417,13 +417,19 @@ def complete(
     if then is None and not lines:
         return _outcome(s["complete"](keys=call_keys, args=call_args, client=client))
     with client.pipeline(transaction=False) as p:
-        logged = tasklog.append(p, lines)
+        logged = tasklog.append(p, lines or ())
         s["complete"](keys=call_keys, args=call_args, client=p)
         if then is not None:
             _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token)
         replies = p.execute(raise_on_error=False)[logged:]
+    if lines:
+        lines.clear()  # sent
     done = replies[0]
     following = None if then is None or isinstance(replies[1], Exception) else _dispatched(replies[1], then.token)
+    if isinstance(done, redis.ResponseError) and _function_missing(done) and not isinstance(following, Lease):
+        # The broker lost the library since the last check (restarted empty): a direct call loads it, then calls
+        # again; the next task is asked for again by the worker.
+        return _outcome(s["complete"](keys=call_keys, args=call_args, client=client))
     if isinstance(done, Exception):
         if isinstance(following, Lease):  # not taken up by a caller that gets this error: back to queued, unspent
             with contextlib.suppress(redis.RedisError):

@@ -395,23 +395,15 @@ class Executor:
             stored = ((PROOF_FIELD, proof),)
         then = self.w.wants_next()  # its token made once: a call sent again leases the same next task
         asked = time.monotonic()
+        # The attempt's log lines go first in the completion's round trip (complete empties the list once they
+        # are sent; a try that fails before sends them again with its retry, and any left go back to the thread).
         with self.w.logs.riding(self._log_wait) as lines:
-            unsent = lines  # the attempt's log lines, sent with the first try only: a retry may not repeat them
-
-            def call() -> scripts.Outcome:
-                nonlocal unsent
-                sent, unsent = unsent, []
-                try:
-                    return scripts.complete(
-                        self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
-                        self.w.capability.score_gflops, staged, spent=spent, stored=stored, then=then, lines=sent,
-                    )  # fmt: skip
-                except redis.RedisError as exc:
-                    if sent:
-                        self.w.logs.lost(len(sent), exc)
-                    raise
-
-            res = self._patiently(call)
+            res = self._patiently(
+                lambda: scripts.complete(
+                    self.broker.scripts, self.broker.r, lease, self.w.worker_id, result, out.duration,
+                    self.w.capability.score_gflops, staged, spent=spent, stored=stored, then=then, lines=lines,
+                )
+            )  # fmt: skip
         if isinstance(res.next, scripts.Lease):
             self.w.got_next(res.next, asked)
         if not res.accepted:

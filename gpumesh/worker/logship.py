@@ -103,8 +103,9 @@ class LogShipper(threading.Thread):
     def riding(self, timeout: float) -> Iterator[list[Line]]:
         """Every line not sent yet, taken for the caller to send in its own round trip (before the report it
         precedes, as the thread would have sent them); the thread sends nothing until the block ends, so the
-        order of lines is kept. A batch the thread has in flight is waited for first, up to ``timeout``: past
-        it nothing is taken, and the thread sends the lines as usual."""
+        order of lines is kept. The caller empties the list once they are sent: what it still holds when the
+        block ends goes back, first in line, for the thread to send. A batch the thread has in flight is waited
+        for first, up to ``timeout``: past it nothing is taken, and the thread sends the lines as usual."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while self._sending and time.monotonic() < deadline:
@@ -118,6 +119,9 @@ class LogShipper(threading.Thread):
             yield lines
         finally:
             with self._cv:
+                if lines:  # not sent (the report failed): the thread sends them, ahead of what came since
+                    self._lines.extendleft(reversed(lines))
+                    self._oldest = time.monotonic() - self.linger
                 self._held = False
                 self._cv.notify_all()
 
