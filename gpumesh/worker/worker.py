@@ -577,6 +577,10 @@ class MeshWorker(LeanRQWorker):
             self._unregister()
             self.executor.close()
             executor.bind(None)
+            if self.zygote is not None:
+                # Its idle supervisors wait in the cgroups of the last attempt and the next one: gone with it, those
+                # cgroups are removed at once, not after a second of waiting for each.
+                self.zygote.close()
             tree.release_cgroups(wait=True)
 
     # -- gpumesh ---------------------------------------------------------------------------------
