@@ -42,6 +42,7 @@ from common import ROOT, PrivateRedis, first_version, med, publish, rounds, stop
 NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
 DRIVE = r"""
 import json, sys, time
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]  # not this checkout's modules, for a REV's
 import gpumesh
 try:  # the layout since the structure issue; the first version had gpumesh/broker.py
     from gpumesh.store.broker import Broker

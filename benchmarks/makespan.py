@@ -45,8 +45,14 @@ time.sleep(p["cost"] * p["unit"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
 print(json.dumps({"cost": p["cost"]}))
 """
 COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
+# Run with the first version on PYTHONPATH. This venv's editable install of the checkout would supply a module the first
+# version lacks (gpumesh.store: its layout was flat, gpumesh/broker.py), mixing two versions in one process: its finder goes.
 SUBMIT_V1 = """import json, sys
-from gpumesh.store.broker import Broker
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+try:
+    from gpumesh.store.broker import Broker
+except ImportError:
+    from gpumesh.broker import Broker
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 url, script, payloads = sys.argv[1], sys.argv[2], json.loads(sys.stdin.read())
