@@ -104,23 +104,26 @@ def sweep_dead_workers_dirs() -> int:
     return removed
 
 
-def remove(workdir: str, script: str, output_dir: str, dir_fd: int | None = None) -> None:
+def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None = None) -> None:
     """Remove the task's directory. Most tasks leave only their script and an empty output dir: three
-    syscalls instead of rmtree's directory walk; anything else they left gets the full walk.
+    syscalls instead of rmtree's directory walk; anything else they left gets the full walk. ``script``
+    None: a directory made ahead that no attempt ran in (it holds only its output dir).
 
     ``dir_fd``: the directory, opened before the task ran. With a sandbox user the task's user owns the
     directory and may have renamed it and left a symlink in its place (to /etc, say): names inside it are then
     removed through the descriptor, never through a path that the worker (root) would resolve."""
     if dir_fd is None:
         try:
-            os.unlink(script)
+            if script is not None:
+                os.unlink(script)
             os.rmdir(output_dir)
             os.rmdir(workdir)
         except OSError:
             shutil.rmtree(workdir, ignore_errors=True)
         return
     try:
-        os.unlink(os.path.basename(script), dir_fd=dir_fd)
+        if script is not None:
+            os.unlink(os.path.basename(script), dir_fd=dir_fd)
         os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
     except OSError:
         for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW

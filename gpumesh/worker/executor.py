@@ -23,6 +23,7 @@ import redis
 from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
+from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, keys, scripts
@@ -120,7 +121,7 @@ class Executor:
         # bookkeeping of the run before, happen while it runs.
         self.begun: Begun | None = None
         # Fresh mode: each attempt's interpreter starts while the one before it runs (warm mode forks instead).
-        self.spares = sandbox.Spares() if host.zygote is None else None
+        self.spares = Spares() if host.zygote is None else None
         # Done while the next attempt runs, or when the worker idles or stops: ended attempts' directories go,
         # and RQ's records of the runs are sent.
         self.meanwhile = sandbox.Meanwhile(also=host.send_records)
