@@ -402,7 +402,9 @@ def _start(
         if zygote is not None:
             proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead)
         elif spares is not None:
-            proc = spares.start(limits, script, workdir, env, rlimits, stdin.fileno(), ahead)
+            proc = spares.start(
+                limits.python, limits.user is not None, script, workdir, env, rlimits, stdin.fileno(), ahead
+            )
         if proc is None:
             # Started outside the task's directory (the launcher moves there itself), so that nothing the
             # task's files are named (signal.py, gpumesh.py) is found first on the launcher's sys.path.

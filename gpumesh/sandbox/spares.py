@@ -12,15 +12,11 @@ import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpumesh.sandbox import tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command, launcher_command
 from gpumesh.sandbox.process import close_pipes
-
-if TYPE_CHECKING:
-    from gpumesh.sandbox.runner import Limits
-
 
 # What differs from one attempt to the next; every other variable must be what a spare started with.
 PER_ATTEMPT_ENV = ("TMPDIR", "CUDA_VISIBLE_DEVICES")
@@ -52,7 +48,8 @@ class Spares:
 
     def start(
         self,
-        limits: Limits,
+        python: str,
+        as_user: bool,
         script: str,
         cwd: str,
         env: Mapping[str, str],
@@ -61,10 +58,11 @@ class Spares:
         ahead: str | None = None,
     ) -> subprocess.Popen[bytes] | None:
         """Hand this attempt to the waiting spare and start the next one, moved into ``ahead`` (the next
-        attempt's cgroup) while this one runs; None: start this one cold."""
-        if limits.user is not None:  # the launcher must be a copy the task's user can read: cold, always
+        attempt's cgroup) while this one runs; None: start this one cold. ``python``: the attempt's interpreter
+        ("" for the worker's); ``as_user``: it runs as a sandbox user."""
+        if as_user:  # the launcher must be a copy the task's user can read: cold, always
             return None
-        python = limits.python or sys.executable
+        python = python or sys.executable
         spare, self._spare = self._spare, None
         proc = None
         if spare is not None:
