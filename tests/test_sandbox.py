@@ -144,6 +144,15 @@ def test_uncaught_exception_is_exit_1_with_traceback():
 
 
 @pytest.mark.core
+def test_a_script_runs_under_its_own_future_flags_not_the_launcher_s():
+    """The launcher's own `from __future__ import annotations` must not reach the task: a script's annotations
+    are evaluated as plain Python evaluates them (a library that reads them at run time sees the class)."""
+    out, _ = run("import json\ndef f(x: int): pass\nprint(json.dumps({'x': repr(f.__annotations__['x'])}))")
+    assert out.returncode == 0, list(out.stderr_tail)
+    assert json.loads(out.last_line) == {"x": "<class 'int'>"}
+
+
+@pytest.mark.core
 def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Path):
     pidfile = tmp_path / "pids"
     started = time.monotonic()

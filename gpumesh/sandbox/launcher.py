@@ -378,7 +378,10 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
     try:
         with open(script, "rb") as f:
             source = f.read()
-        exec(compile(source, script, "exec"), main.__dict__)  # the file closed: the task holds only its stdio
+        # dont_inherit: not this file's own `from __future__ import annotations`, which would change the task's
+        exec(
+            compile(source, script, "exec", dont_inherit=True), main.__dict__
+        )  # the file closed: it holds only its stdio
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
