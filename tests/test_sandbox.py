@@ -153,6 +153,30 @@ def test_a_script_runs_under_its_own_future_flags_not_the_launcher_s():
 
 
 @pytest.mark.core
+def test_each_attempt_of_one_script_names_its_own_file_in_a_traceback_and_a_syntax_error_is_the_task_s():
+    """Attempts of the same script (a warm supervisor compiles it once) each see their own file: ``__file__``, and
+    every frame of a traceback, nested functions' included. A script that does not compile fails as the task."""
+    source = (
+        "import json, sys\ndef inner():\n    raise ValueError(__file__)\nprint(__file__, file=sys.stderr)\ninner()\n"
+    )
+    files = []
+    for _ in range(3):
+        out, _lines = run(source)
+        assert out.returncode == 1
+        tail = list(out.stderr_tail)
+        own = tail[0]
+        assert own.endswith("/task.py") and tail[-1] == f"ValueError: {own}"
+        assert [line for line in tail if line.strip().startswith("File ")] == [
+            f'  File "{own}", line 5, in <module>',
+            f'  File "{own}", line 3, in inner',
+        ]
+        files.append(own)
+    assert len(set(files)) == 3, "each attempt has a directory of its own"
+    out, _lines = run("print('never'\n")
+    assert out.returncode == 1 and out.stderr_tail[-1].startswith("SyntaxError")
+
+
+@pytest.mark.core
 def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Path):
     pidfile = tmp_path / "pids"
     started = time.monotonic()

@@ -19,6 +19,7 @@ Imports stay minimal: in fresh mode this runs once per task attempt.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # no stubs: the C functions that signal wraps
 import ctypes
 import os
 import resource
@@ -351,14 +352,13 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
     return ruleset
 
 
-def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None) -> None:
+def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None) -> None:
     """In the forked child: confine itself (``rules``: Landlock's, or None; ``ruleset``: those rules built
-    already, by a warm spare), become the script's ``__main__`` and exit with its code.
+    already, by a warm spare), become the script's ``__main__`` and exit with its code. ``compiled``: the script
+    compiled already (by a warm supervisor, :func:`_compiled`); None: read and compile the file here.
 
     Plain compile + exec rather than runpy: in a freshly forked child runpy's imports cost ~7 ms a task."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _default_handlers()
     if rules is not None:
         try:
             if ruleset is None:
@@ -376,12 +376,12 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
     sys.modules["__main__"] = main
     code = 0
     try:
-        with open(script, "rb") as f:
-            source = f.read()
-        # dont_inherit: not this file's own `from __future__ import annotations`, which would change the task's
-        exec(
-            compile(source, script, "exec", dont_inherit=True), main.__dict__
-        )  # the file closed: it holds only its stdio
+        if compiled is None:
+            with open(script, "rb") as f:
+                source = f.read()
+            # dont_inherit: not this file's own `from __future__ import annotations`, which would change the task's
+            compiled = compile(source, script, "exec", dont_inherit=True)  # the file closed: it holds only its stdio
+        exec(compiled, main.__dict__)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -401,6 +401,44 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def _default_handlers() -> None:
+    """The script's process: SIGTERM, SIGALRM and SIGINT back to their defaults (a supervisor's handlers are not the
+    task's). Through _signal, the C module under signal: signal.signal makes an enum of the handler it replaces,
+    and for a supervisor's bound method that means raising and formatting a ValueError, some 80 page faults in a
+    forked child."""
+    for sig in _HANDLED:
+        _signal.signal(sig, _signal.SIG_DFL)
+
+
+SOURCE_INLINE_MAX = 128 * 1024  # bytes: a warm request carries the script's source when the whole message fits
+_CODE: tuple[str, str, Any] | None = None  # a warm supervisor's last script: (source, file name, code)
+
+
+def _compiled(source: str | None, script: str) -> Any:
+    """The code of ``source`` (the script's text, which the worker wrote to ``script``) in a warm supervisor, for the
+    script's process it forks: compiled once while attempts bring the same source, and named for each attempt's
+    own file. None (the script's process compiles the file itself, where an error is the task's to see) when
+    there is no source or it does not compile."""
+    global _CODE
+    if source is None:
+        return None
+    if _CODE is None or _CODE[0] != source:
+        try:
+            _CODE = (source, script, compile(source, script, "exec", dont_inherit=True))
+        except Exception:  # noqa: BLE001 - the script's own error (syntax, a null byte): raised again in the task
+            _CODE = None
+            return None
+    elif _CODE[1] != script:
+        _CODE = (source, script, _renamed(_CODE[2], script))
+    return _CODE[2]
+
+
+def _renamed(code: Any, filename: str) -> Any:
+    """``code`` and the code objects nested in it (functions, classes, comprehensions), named for ``filename``."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, type(code)) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _has_children() -> bool:
@@ -1105,6 +1143,8 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     _take_env(req)
     isolation = str(req["limits"][6])
     rules = json.loads(isolation) if isolation != "-" else None
+    source = req.get("source")
+    code = _compiled(source if isinstance(source, str) else None, str(req["script"]))
     gc.freeze()  # fewer copy-on-write faults in the child
     # Held over the fork: a TERM (from this process's own handler, taking the tree down) that comes before the child
     # has let go of this process's handlers reaches it once it has, and ends it.
@@ -1113,7 +1153,7 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     if child == 0:
         os.close(fds[0])  # the task holds neither the worker's socket nor the zygote's
         ctrl.close()
-        _become_script(req, fds[1:], rules, born_in)  # never returns
+        _become_script(req, fds[1:], rules, born_in, code)  # never returns
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
     for fd in fds[1:]:
         os.close(fd)
@@ -1127,13 +1167,14 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     return status
 
 
-def _become_script(req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool) -> None:
+def _become_script(
+    req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool, code: Any = None
+) -> None:
     """In the process a warm supervisor forked for an attempt: take a session of its own and the attempt's stdio,
     then its cgroup (unless ``born_in`` it), limits, user and directory (:func:`_enter`) and its Landlock
-    ``rules``, and run the script. Never returns."""
+    ``rules``, and run the script (``code``: compiled already, or None). Never returns."""
     os.setsid()  # the attempt's own session and process group, as a fresh attempt's
-    for sig in _HANDLED:  # the supervisor's handlers are not ours
-        signal.signal(sig, signal.SIG_DFL)
+    _default_handlers()  # the supervisor's handlers are not ours
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
@@ -1145,7 +1186,7 @@ def _become_script(req: dict[str, Any], stdio: list[int], rules: dict[str, Any] 
         print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
         sys.stderr.flush()
         os._exit(70)
-    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)))
+    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)), code)
 
 
 def _remove_as(req: dict[str, Any], script: str) -> None:

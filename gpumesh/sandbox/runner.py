@@ -289,7 +289,7 @@ def _steps(
         owner = zygote if zygote is not None else spares if limits.user is None else None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing)
+            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         try:
@@ -385,10 +385,12 @@ def _start(
     cgroup: str | None = None,
     ahead: str | None = None,
     handing: list[bool] | None = None,
+    source: str | None = None,
 ) -> AttemptProcess:
     """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
     ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
-    spare moves into. ``handing`` gets an item once something may run the attempt."""
+    spare moves into. ``handing`` gets an item once something may run the attempt. ``source``: the script's text
+    (the zygote's supervisor compiles it once for the attempts that share it)."""
     with _payload_file(payload) as stdin:
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
@@ -400,7 +402,7 @@ def _start(
         if handing is not None:
             handing.append(True)
         if zygote is not None:
-            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead)
+            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead, source)
         elif spares is not None:
             proc = spares.start(
                 limits.python, limits.user is not None, script, workdir, env, rlimits, stdin.fileno(), ahead

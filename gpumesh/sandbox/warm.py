@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from gpumesh.sandbox import tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command, launcher_command
+from gpumesh.sandbox.launcher import SOURCE_INLINE_MAX
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -150,10 +151,19 @@ class Zygote:
         return self.proc is not None and self.proc.poll() is None
 
     def spawn(
-        self, script: str, cwd: str, env: Mapping[str, str], limits: Sequence[Any], stdin: int, ahead: str | None = None
+        self,
+        script: str,
+        cwd: str,
+        env: Mapping[str, str],
+        limits: Sequence[Any],
+        stdin: int,
+        ahead: str | None = None,
+        source: str | None = None,
     ) -> WarmProcess:
         """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid,
-        Landlock rules, cgroup). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into."""
+        Landlock rules, cgroup). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into.
+        ``source``: the script's text, which the supervisor compiles once for the attempts that share it (sent
+        where the request stays small; else the script's process compiles the file)."""
         with self._lock:
             if not self.alive():
                 if self.started:
@@ -166,7 +176,10 @@ class Zygote:
             err_r, err_w = os.pipe()
             try:
                 req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"}
-                socket.send_fds(self._ctrl, [json.dumps(req).encode()], [theirs.fileno(), stdin, out_w, err_w])
+                data = json.dumps({**req, "source": source}).encode() if source is not None else b""
+                if not data or len(data) > SOURCE_INLINE_MAX:
+                    data = json.dumps(req).encode()
+                socket.send_fds(self._ctrl, [data], [theirs.fileno(), stdin, out_w, err_w])
             except OSError as exc:
                 for fd in (out_r, err_r):
                     os.close(fd)
