@@ -1020,19 +1020,36 @@ def spare(ctrl_fd: int, parent: int, isolation: str = "-") -> int:
     the worker's pipes. Still a fresh interpreter per attempt, never reused. EOF first: exit quietly.
     ``isolation``: the last attempt's Landlock rules, built while it waits (:func:`prepare_landlock`)."""
     import json
-    import socket
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # in the worker's process group until the attempt's setsid
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if _parent_gone(parent):
         return 70
     prepare_landlock(isolation)
-    ctrl = socket.socket(fileno=ctrl_fd)
-    msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 1)
-    ctrl.close()
+    msg, fds = _recv_with_fds(ctrl_fd, 1)
     if not msg or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
         return 0
     return _become_attempt(json.loads(msg), fds, parent)
+
+
+def _recv_with_fds(fd: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """One message and the descriptors that came with it (at most ``maxfds``) from the socket ``fd``, which is
+    closed: socket.recv_fds through _socket, the C module under socket. Importing socket itself (its enums of
+    constants) costs a fresh spare ~2.5 ms, each attempt's interpreter anew."""
+    import _socket
+
+    sock = _socket.socket(fileno=fd)
+    try:
+        msg, ancdata, _flags, _addr = sock.recvmsg(1 << 20, _socket.CMSG_LEN(maxfds * 4))
+    finally:
+        sock.close()
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+    return msg, fds
 
 
 def _fork_supervisor(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple[int, socket.socket]:
