@@ -841,13 +841,14 @@ class _Forks:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             isolation, cgroup, ahead = "-", "-", "-"
         sup = self.choose(cgroup, fds)
-        # Its pid first: the worker goes on (to RQ's delivery of the task) while the supervisor starts the attempt.
-        # If the worker gave up on this attempt, the status is reaped all the same.
-        _reply(reply.fileno(), {"pid": sup.pid})
+        # The supervisor first, then its pid to the worker, which goes on (to RQ's delivery of the task) meanwhile: the
+        # attempt is the longer way, and the worker takes an outcome that comes before the pid. If the worker gave up
+        # on this attempt, the status is reaped all the same.
         try:
             socket.send_fds(sup.sock, [msg], fds)
             sup.reply = reply
             self.busy[sup.pid] = sup
+            _reply(reply.fileno(), {"pid": sup.pid})
         except OSError:  # it died this very instant: the attempt ends as if it had been killed with it
             self.let_go(sup)
             _reply(reply.fileno(), {"pid": sup.pid, "status": signal.SIGKILL})
@@ -1240,8 +1241,13 @@ def _take_stdio(req: dict[str, Any], fds: list[int]) -> None:
 def _take_env(req: dict[str, Any]) -> None:
     """Take the attempt's environment, and reset what Python caches of the environment and of the process this one
     was forked from."""
-    os.environ.clear()
-    os.environ.update(req["env"])
+    env = req["env"]
+    # As clear() then update(), in fewer putenv calls: a warm supervisor's attempts mostly share their variables.
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     if "tempfile" in sys.modules:  # imported already (by --preload): no cost, and no import the task did not ask for
         import tempfile
 
