@@ -108,20 +108,29 @@ def devices() -> list[str]:
 
 def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None) -> str:
     """The rule set for one attempt, as the JSON the launcher takes."""
-    return json.dumps(
+    shared = _rules_before_attempt(isolation, kernel_abi if kernel_abi is not None else abi(), tuple(devices()))
+    return shared + json.dumps(attempt_dir) + "}"
+
+
+@functools.lru_cache(maxsize=8)
+def _rules_before_attempt(isolation: Isolation, kernel_abi: int, found_devices: tuple[str, ...]) -> str:
+    """The JSON of the rules every attempt of ``isolation`` shares, up to the attempt's own directory (its last key):
+    made once, not per attempt."""
+    text = json.dumps(
         {
-            "abi": kernel_abi if kernel_abi is not None else abi(),
+            "abi": kernel_abi,
             "read": [*SYSTEM_READ, *ETC_READ],
             "write": list(SYSTEM_WRITE),
-            "devices": devices(),
+            "devices": list(found_devices),
             # What a task's user may be able to change (a path the owner shares with tasks, whose parent a
             # task could write), resolved only as the task's user, at its attempt: never by a spare ahead.
             "owner_read": [os.path.abspath(p) for p in isolation.read],
             "owner_write": [os.path.abspath(p) for p in isolation.write],
-            "attempt": attempt_dir,
+            "attempt": None,
         },
         separators=(",", ":"),
     )
+    return text.removesuffix("null}")
 
 
 @functools.cache

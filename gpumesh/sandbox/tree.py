@@ -67,6 +67,21 @@ def children() -> list[int]:
     return _children()
 
 
+def _likely_children() -> list[int]:
+    """The children of this process's main thread and of the calling one, or every thread's where either cannot be
+    read. An orphan comes to the main thread (the kernel hands it to the first live thread of its subreaper), and
+    an attempt's launcher is the child of the thread that started it: two reads of /proc, not one per thread (a
+    worker has seven)."""
+    found: list[int] = []
+    for tid in {os.getpid(), threading.get_native_id()}:
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                found += [int(pid) for pid in f.read().split()]
+        except (OSError, ValueError):
+            return children()
+    return found
+
+
 class launching:  # noqa: N801 - used as a context manager, like a lock
     """Hold while starting an attempt's launcher and telling :func:`started` about it, so that a
     :func:`kill_escaped` in another thread never takes the new launcher for an orphan."""
@@ -126,7 +141,7 @@ def kill_escaped(launcher: int, since: int | None) -> int:
         _running.discard(launcher)
         if not _subreaper:
             return 0
-        if all(pid in _running or pid in _helpers for pid in children()):
+        if all(pid in _running or pid in _helpers for pid in _likely_children()):
             return 0  # the usual end: no child but the zygote and running attempts, nothing to reap or kill
     reap_orphans()
     if since is None:
@@ -392,20 +407,27 @@ def end_cgroup(path: str | None, timeout: float = 10.0, supervisor: tuple[int, i
     finally:
         if verified is not None:
             os.close(verified)
-    only_supervisor = ended == "supervisor"
     if ended == "killed":  # what was KILLed here and came to this subreaper (a lone supervisor is not ours)
         reap_orphans()
+    if ended == "supervisor":  # it leaves as it moves on to a next attempt's: removed later, not tried now
+        _release_later(path)
+        return
     try:
         os.rmdir(path)
     except FileNotFoundError:
         pass
     except OSError:
-        if only_supervisor or not cgroup_members(path):  # empty, or about to be: removed later, not waited for
-            with _emptied_lock:
-                if not _emptied:
-                    _release_at_exit()
-                _emptied.append(path)
+        if not cgroup_members(path):  # about to be empty: removed later, not waited for
+            _release_later(path)
         # else members outlived 10 s of KILL (stuck in the kernel): the next worker here sweeps it
+
+
+def _release_later(path: str) -> None:
+    """Remove the emptied (or emptying) cgroup ``path`` at the next release_cgroups."""
+    with _emptied_lock:
+        if not _emptied:
+            _release_at_exit()
+        _emptied.append(path)
 
 
 def _pidfd(pid: int) -> int | None:

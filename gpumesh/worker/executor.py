@@ -503,17 +503,20 @@ class Executor:
                 delay = min(delay * 2, 2.0)
 
 
+_VMSTAT: list[int] = []  # /proc/vmstat, opened once: read for every attempt
+
+
 def kernel_oom_kills() -> int:
     """How many processes the kernel's out-of-memory killer has killed since boot (/proc/vmstat); -1 when
     this kernel does not say."""
     try:
-        with open("/proc/vmstat", "rb") as f:
-            for line in f:
-                if line.startswith(b"oom_kill "):
-                    return int(line.split()[1])
+        if not _VMSTAT:
+            _VMSTAT.append(os.open("/proc/vmstat", os.O_RDONLY | os.O_CLOEXEC))
+        data = os.pread(_VMSTAT[0], 1 << 16, 0)
+        at = data.index(b"\noom_kill ") + len(b"\noom_kill ")
+        return int(data[at : data.index(b"\n", at)])
     except (OSError, ValueError):
-        pass
-    return -1
+        return -1
 
 
 def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tuple[str, float] | None, str]:
