@@ -960,3 +960,32 @@ def test_an_owner_s_write_path_is_resolved_at_each_attempt_not_ahead_by_the_spar
         z.close()
     assert seen == [{"own": True, "shared": True}] * 2
     assert len(list(first.iterdir())) == 1 and len(list(second.iterdir())) == 1
+
+
+@needs_landlock
+def test_a_rule_set_built_ahead_is_not_used_for_a_script_directory_that_is_one_of_the_interpreter_s(tmp_path: Path):
+    """A spare builds the interpreter's rules before its attempt is known, without the attempt's directory left out
+    of them: it is used only where that directory is none of the interpreter's paths, by any name (a symlink to
+    one is the same directory). Run in a process of its own: building the rules ahead drops a root process's
+    bounding set."""
+    (tmp_path / "own").mkdir()
+    (tmp_path / "to-prefix").symlink_to(sys.prefix)
+    check = textwrap.dedent(
+        """
+        import json, os, sys
+        from gpumesh.sandbox import landlock, launcher
+        took = {}
+        for name in sys.argv[1:]:
+            rules = landlock.rules(landlock.Isolation(), name)
+            launcher.prepare_landlock(rules)
+            fd = launcher.take_prepared(json.loads(rules), name)
+            took[name] = fd is not None
+            if fd is not None:
+                os.close(fd)
+        print(json.dumps(took))
+        """
+    )
+    names = [str(tmp_path / "own"), sys.prefix, str(tmp_path / "to-prefix")]
+    out = subprocess.run([sys.executable, "-c", check, *names], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {names[0]: True, names[1]: False, names[2]: False}

@@ -158,10 +158,17 @@ def _python_paths(script_dir: str | None) -> list[str]:
     return [p for p, _ in base] + [e for e, real in entries if real not in skip]
 
 
-def _python_real_paths() -> frozenset[str]:
-    """The real paths of :func:`_python_paths` (None): what a script's directory must be none of."""
+def _python_path_ids() -> frozenset[tuple[int, int]]:
+    """(device, inode) of each of :func:`_python_paths` (None) there is: what a script's directory must be none of."""
     base, entries = _interpreter_paths()
-    return frozenset([real for _, real in base] + [real for _, real in entries if real != "/"])
+    ids = set()
+    for real in [real for _, real in base] + [real for _, real in entries if real != "/"]:
+        try:
+            st = os.stat(real)
+        except OSError:
+            continue
+        ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
 
 
 class _CapHeader(ctypes.Structure):
@@ -172,13 +179,18 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
+# The array type made once, here: made in each script's process, as it drops its capabilities, a new ctypes type
+# costs a forked child ~60 page faults.
+_CapDataV3 = _CapData * 2
+
+
 def drop_capabilities() -> None:
     """A task that runs as root (a root worker without --sandbox-user) keeps uid 0 but no capability: with
     one (CAP_DAC_OVERRIDE, CAP_SYS_PTRACE...) it could still read /proc/<worker>/environ under Landlock."""
     _, libc = _syscall()
     drop_bounding_set()
     libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), ctypes.byref((_CapData * 2)())) != 0:  # v3: all zero
+    if libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), ctypes.byref(_CapDataV3())) != 0:  # v3: all zero
         raise OSError(ctypes.get_errno(), "capset")
 
 
@@ -209,6 +221,7 @@ def _syscall() -> tuple[Any, Any]:
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)
         _LIBC.syscall.restype = ctypes.c_long
+        _LIBC.prctl, _LIBC.capset  # noqa: B018 - looked up once (CDLL keeps them): not in each forked child
     return _LIBC.syscall, _LIBC
 
 
@@ -305,7 +318,7 @@ def restrict_to(ruleset: int) -> None:
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
-_PREPARED: tuple[dict[str, Any], int, frozenset[str]] | None = None
+_PREPARED: tuple[dict[str, Any], int, frozenset[tuple[int, int]]] | None = None
 
 
 def prepare_landlock(isolation: str) -> None:
@@ -321,7 +334,7 @@ def prepare_landlock(isolation: str) -> None:
         rules = json.loads(isolation)
         for attempts_own in ("attempt", "owner_read", "owner_write"):
             rules.pop(attempts_own, None)
-        python = _python_real_paths()
+        python = _python_path_ids()
         _PREPARED = (rules, build_ruleset(rules, None), python)
     except (OSError, ValueError, KeyError, TypeError):
         _PREPARED = None  # built at the attempt instead, where an error stops it
@@ -339,11 +352,13 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
         return None
     built_from, ruleset, python = prepared
     static = {k: v for k, v in (rules or {}).items() if k not in ("attempt", "owner_read", "owner_write")}
-    # The interpreter's paths were taken without the script's directory excluded: only if it is none of them.
-    if rules is None or static != built_from or os.path.realpath(script_dir) in python:
-        os.close(ruleset)
-        return None
     try:
+        # The interpreter's paths were taken without the script's directory excluded: only if it is none of them
+        # (the very directory, by device and inode, as a real path names it).
+        st = os.stat(script_dir)
+        if rules is None or static != built_from or (st.st_dev, st.st_ino) in python:
+            os.close(ruleset)
+            return None
         add_attempt_rules(ruleset, rules)
     except OSError:
         os.close(ruleset)
