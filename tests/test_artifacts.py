@@ -20,7 +20,7 @@ import redis
 
 import gpumesh
 from gpumesh.models import JobOptions
-from gpumesh.sandbox import outputs
+from gpumesh.sandbox import outputs, taskdir
 from gpumesh.sandbox.runner import Attempt
 from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
@@ -107,7 +107,8 @@ def test_pull_brings_every_file_back_byte_for_byte_and_again_is_harmless(env, r,
         assert (dest / "1" / "top.json").read_bytes() == content("top.json", 1, 7)
         assert [p.name for p in job.pull(dest, task=0, glob="ckpt/*", force=True)] == ["model.bin"]
     assert staged_keys(r) == []  # every winner's staging became its files
-    leftover = {d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("gpumesh-task-")}
+    ours = f"gpumesh-task-{taskdir._owner()}-"  # this process's worker's (tests beside this one make theirs)
+    leftover = {d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith(ours)}
     assert leftover == set()  # the attempts' directories are still removed
 
 
