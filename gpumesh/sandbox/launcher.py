@@ -547,10 +547,10 @@ def supervise(
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
     _OnTerm(grace)
     status = _wait_for(_fork_script(script, rules, ruleset))
-    # The script is gone; nothing it started may outlive it.
+    # The script is gone; nothing it started may outlive it (none left: nothing to reap either).
     if _has_children():
         _signal_tree(signal.SIGKILL)
-    _reap_all()
+        _reap_all()
     if _parent_gone(int(parent)):
         remove_dir_of(script, TASK_DIR_PREFIX)
     return _end_like(status)
@@ -1191,10 +1191,10 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
         os.close(fd)
     take_prepared(None, "/")  # the child's rules: this process holds nothing of them
     status = _wait_for(child)
-    # The script is gone; nothing it started may outlive it.
+    # The script is gone; nothing it started may outlive it (none left: nothing to reap either).
     if _has_children():
         _signal_tree(signal.SIGKILL)
-    _reap_all()
+        _reap_all()
     signal.alarm(0)
     return status
 
