@@ -32,6 +32,7 @@ import pytest
 
 from gpumesh.sandbox import landlock, tree
 from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.launcher import SOURCE_INLINE_MAX
 from gpumesh.sandbox.warm import Zygote
 
 from .conftest import Workers, gpumesh, pid_alive, wait_until
@@ -989,3 +990,48 @@ def test_a_rule_set_built_ahead_is_not_used_for_a_script_directory_that_is_one_o
     out = subprocess.run([sys.executable, "-c", check, *names], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {names[0]: True, names[1]: False, names[2]: False}
+
+
+def test_a_warm_supervisor_compiles_a_script_without_opening_the_file_its_name_names(tmp_path: Path):
+    """Python reads the file a code's name names to show a syntax error's or a warning's line. The supervisor (root,
+    unconfined) compiles the script the worker sent: never through the attempt's file, which a task's user may have
+    swapped for a FIFO (a hang) or a link to a file only root reads (its line in a log, or cached for later tasks)."""
+    fifo = tmp_path / "task.py"
+    os.mkfifo(fifo)
+    check = textwrap.dedent(
+        """
+        import json, linecache, sys
+        from gpumesh.sandbox import launcher
+        took = {}
+        for name, source in (("warning", "x = 1\\nif x is 1: pass\\n"), ("syntax error", "return 5\\n"),
+                             ("fine", "x = 1\\n")):
+            code = launcher._compiled(source, sys.argv[1])
+            took[name] = code is not None and code.co_filename == sys.argv[1]
+        print(json.dumps({"took": took, "cached": sys.argv[1] in linecache.cache}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", check, str(fifo)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"took": {"warning": False, "syntax error": False, "fine": True}, "cached": False}
+    assert "is" not in out.stderr, "no warning of the task's shown by the supervisor"
+
+
+def test_a_warm_task_finds_nothing_of_another_job_s_script_in_its_supervisor(tmp_path: Path):
+    """A supervisor serves attempts of any job, and each script's process is a copy of it: the script it compiled for
+    one job is gone once an attempt of another job comes, inlined or not (a script over the inline size is read from
+    its file by its own process)."""
+    z = Zygote()
+    z.start()
+    try:
+        lim = sandbox.Limits(timeout=30, memory_bytes=0, grace=1.0)
+        for _ in range(3):  # every supervisor the zygote keeps has compiled it
+            out = sandbox.run("SECRET = 'job-a-secret'\n", "a.py", "{}", {}, lim, lambda s, line: None, lambda: None, z)
+            assert out.returncode == 0
+        peek = "import sys\nprint('job-a-' + 'secret' in repr(sys._getframe(1).f_globals.get('_CODE')))\n"
+        big = peek + "#" * SOURCE_INLINE_MAX + "\n"  # not inlined
+        for source in (big, peek + "# job b\n"):
+            out = sandbox.run(source, "b.py", "{}", {}, lim, lambda s, line: None, lambda: None, z)
+            assert out.returncode == 0, list(out.stderr_tail)
+            assert out.last_line == "False"
+    finally:
+        z.close()

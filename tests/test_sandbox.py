@@ -177,6 +177,15 @@ def test_each_attempt_of_one_script_names_its_own_file_in_a_traceback_and_a_synt
 
 
 @pytest.mark.core
+def test_a_script_s_coding_declaration_counts_as_python_counts_it_in_every_mode():
+    """A script is compiled from its file, whose coding declaration Python obeys (a warm supervisor's compile of
+    the text it was sent would ignore it): an unknown codec is the task's SyntaxError, warm as fresh."""
+    out, _ = run("# -*- coding: no-such-codec -*-\nprint('ran')\n")
+    assert out.returncode == 1 and out.last_line != "ran"
+    assert out.stderr_tail[-1].startswith("SyntaxError") and "no-such-codec" in out.stderr_tail[-1]
+
+
+@pytest.mark.core
 def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Path):
     pidfile = tmp_path / "pids"
     started = time.monotonic()

@@ -426,27 +426,49 @@ def _default_handlers() -> None:
         _signal.signal(sig, _signal.SIG_DFL)
 
 
-SOURCE_INLINE_MAX = 128 * 1024  # bytes: a warm request carries the script's source when the whole message fits
-_CODE: tuple[str, str, Any] | None = None  # a warm supervisor's last script: (source, file name, code)
+# Bytes: a warm request carries the script's source when the whole message fits. The supervisor compiles it outside
+# the task's limits (a 128 KiB script of f-strings took 1.3 s): kept small, as task scripts are.
+SOURCE_INLINE_MAX = 32 * 1024
+_CODE: tuple[str, Any] | None = None  # a warm supervisor's last script: (source, code)
+_UNNAMED = "<gpumesh-task>"  # what the supervisor compiles a script as: a name that is no path
 
 
 def _compiled(source: str | None, script: str) -> Any:
     """The code of ``source`` (the script's text, which the worker wrote to ``script``) in a warm supervisor, for the
     script's process it forks: compiled once while attempts bring the same source, and named for each attempt's
-    own file. None (the script's process compiles the file itself, where an error is the task's to see) when
-    there is no source or it does not compile."""
+    own file. None (the script's process compiles the file itself, as the task's user and confined, where an error
+    or a warning is the task's to see) when there is no source, it declares an encoding, or it does not compile
+    without a warning.
+
+    Compiled as no file: Python reads the file a code's name names to show a syntax error's or a warning's line, and
+    this process (root, unconfined) never reads what a task's user could have put in that file's place."""
+    import warnings  # warm mode only: imported before any fork
+
     global _CODE
-    if source is None:
+    if source is None or _declares_encoding(source):
+        _CODE = None  # nothing of another job's script left for this one's process to find
         return None
     if _CODE is None or _CODE[0] != source:
+        _CODE = None
         try:
-            _CODE = (source, script, compile(source, script, "exec", dont_inherit=True))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a SyntaxWarning: the task's own compile shows it, on its stderr
+                _CODE = (source, compile(source, _UNNAMED, "exec", dont_inherit=True))
         except Exception:  # noqa: BLE001 - the script's own error (syntax, a null byte): raised again in the task
-            _CODE = None
             return None
-    elif _CODE[1] != script:
-        _CODE = (source, script, _renamed(_CODE[2], script))
-    return _CODE[2]
+    return _renamed(_CODE[1], script)
+
+
+def _declares_encoding(source: str) -> bool:
+    """Whether ``source`` starts with a BOM or has a coding declaration (PEP 263) in its first two lines: compiling
+    the text ignores it where compiling the file obeys it, so such a script's own process compiles its file."""
+    if source.startswith("\ufeff"):
+        return True
+    for line in source.split("\n", 2)[:2]:
+        text = line.lstrip(" \t\f")
+        if text.startswith("#") and ("coding:" in text or "coding=" in text):
+            return True
+    return False
 
 
 def _renamed(code: Any, filename: str) -> Any:
@@ -1257,12 +1279,11 @@ def _take_env(req: dict[str, Any]) -> None:
     """Take the attempt's environment, and reset what Python caches of the environment and of the process this one
     was forked from."""
     env = req["env"]
-    # As clear() then update(), in fewer putenv calls: a warm supervisor's attempts mostly share their variables.
+    # As clear() then update(), without unsetting what is set again at once: a warm supervisor's attempts mostly
+    # share their variables.
     for key in [k for k in os.environ if k not in env]:
         del os.environ[key]
-    for key, value in env.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+    os.environ.update(env)
     if "tempfile" in sys.modules:  # imported already (by --preload): no cost, and no import the task did not ask for
         import tempfile
 

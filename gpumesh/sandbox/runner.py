@@ -360,7 +360,7 @@ def _prepare(
     workdir = os.path.dirname(script)
     name, out_name = os.path.basename(script), os.path.basename(output_dir)
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=workdir_fd)
-    with open(fd, "w") as f:
+    with open(fd, "w", encoding="utf-8") as f:
         f.write(source)
         if limits.user is not None:
             os.fchown(f.fileno(), *limits.user)

@@ -10,6 +10,7 @@ started from a clean environment (no broker URL, no credentials) and never runs 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -177,9 +178,14 @@ class Zygote:
             try:
                 req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"}
                 data = json.dumps({**req, "source": source}).encode() if source is not None else b""
-                if not data or len(data) > SOURCE_INLINE_MAX:
-                    data = json.dumps(req).encode()
-                socket.send_fds(self._ctrl, [data], [theirs.fileno(), stdin, out_w, err_w])
+                inlined = 0 < len(data) <= SOURCE_INLINE_MAX
+                fds = [theirs.fileno(), stdin, out_w, err_w]
+                try:
+                    socket.send_fds(self._ctrl, [data if inlined else json.dumps(req).encode()], fds)
+                except OSError as exc:  # a socket buffer smaller than the message: the script's process reads the file
+                    if not inlined or exc.errno != errno.EMSGSIZE:
+                        raise
+                    socket.send_fds(self._ctrl, [json.dumps(req).encode()], fds)
             except OSError as exc:
                 for fd in (out_r, err_r):
                     os.close(fd)
