@@ -352,11 +352,14 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
         return None
     built_from, ruleset, python = prepared
     static = {k: v for k, v in (rules or {}).items() if k not in ("attempt", "owner_read", "owner_write")}
+    if rules is None or static != built_from:
+        os.close(ruleset)
+        return None
     try:
         # The interpreter's paths were taken without the script's directory excluded: only if it is none of them
         # (the very directory, by device and inode, as a real path names it).
         st = os.stat(script_dir)
-        if rules is None or static != built_from or (st.st_dev, st.st_ino) in python:
+        if (st.st_dev, st.st_ino) in python:
             os.close(ruleset)
             return None
         add_attempt_rules(ruleset, rules)
