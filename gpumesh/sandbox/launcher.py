@@ -480,6 +480,13 @@ def _renamed(code: Any, filename: str) -> Any:
     return code.replace(co_filename=filename, co_consts=consts)
 
 
+def _end_what_it_left() -> None:
+    """Once the script's process is gone: nothing it started may outlive it (none left: nothing to reap either)."""
+    if _has_children():
+        _signal_tree(signal.SIGKILL)
+        _reap_all()
+
+
 def _has_children() -> bool:
     """Cheap check before walking /proc: as a subreaper, any surviving descendant is below a child of ours."""
     try:
@@ -572,10 +579,7 @@ def supervise(
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
     _OnTerm(grace)
     status = _wait_for(_fork_script(script, rules, ruleset))
-    # The script is gone; nothing it started may outlive it (none left: nothing to reap either).
-    if _has_children():
-        _signal_tree(signal.SIGKILL)
-        _reap_all()
+    _end_what_it_left()
     if _parent_gone(int(parent)):
         remove_dir_of(script, TASK_DIR_PREFIX)
     return _end_like(status)
@@ -1047,11 +1051,16 @@ def _children() -> list[int]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                out += [int(pid) for pid in f.read().split()]
+            out += children_of(tid)
         except OSError:
             pass
     return out
+
+
+def children_of(tid: int | str) -> list[int]:
+    """The children of this process's thread ``tid``, from /proc; OSError where they cannot be read."""
+    with open(f"/proc/self/task/{tid}/children", "rb") as f:
+        return [int(pid) for pid in f.read().split()]
 
 
 def spare(ctrl_fd: int, parent: int, isolation: str = "-") -> int:
@@ -1216,10 +1225,7 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
         os.close(fd)
     take_prepared(None, "/")  # the child's rules: this process holds nothing of them
     status = _wait_for(child)
-    # The script is gone; nothing it started may outlive it (none left: nothing to reap either).
-    if _has_children():
-        _signal_tree(signal.SIGKILL)
-        _reap_all()
+    _end_what_it_left()
     signal.alarm(0)
     return status
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from gpumesh.sandbox.launcher import _children, kill_and_reap
+from gpumesh.sandbox.launcher import _children, children_of, kill_and_reap
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -72,14 +72,10 @@ def _likely_children() -> list[int]:
     read. An orphan comes to the main thread (the kernel hands it to the first live thread of its subreaper), and
     an attempt's launcher is the child of the thread that started it: two reads of /proc, not one per thread (a
     worker has seven)."""
-    found: list[int] = []
-    for tid in {os.getpid(), threading.get_native_id()}:
-        try:
-            with open(f"/proc/self/task/{tid}/children", "rb") as f:
-                found += [int(pid) for pid in f.read().split()]
-        except (OSError, ValueError):
-            return children()
-    return found
+    try:
+        return [pid for tid in {os.getpid(), threading.get_native_id()} for pid in children_of(tid)]
+    except (OSError, ValueError):
+        return children()
 
 
 class launching:  # noqa: N801 - used as a context manager, like a lock
