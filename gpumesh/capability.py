@@ -7,8 +7,10 @@ Backends in order: torch (CUDA, then MPS, then CPU), numpy, pure Python; ``GPUME
 
 The score must mean the same thing each time it is measured: on a shared or throttled machine a single
 timed stretch scored from 11 to 262 GFLOP/s within minutes. Noise from other tenants, interrupts and frequency
-dips only ever slows a stretch down, so the score is the best of several short trials of a fixed-size
-matmul after a warm-up (benchmarks/bench_spread.py measures the spread of best against median).
+dips only ever slows a stretch down, so the score is the best of many short trials of a fixed-size matmul
+after a warm-up, spread over about 2.5 s so that one slow stretch of the machine cannot cover them all
+(benchmarks/bench_spread.py measures the spread over separate runs). When the trials disagree, the machine's
+speed moved while it was measured, and :func:`unsteady` says so: the score may not repeat.
 
 ``measure`` benchmarks without touching the cache, ``save`` writes the cache that workers read, and
 ``probe`` (what ``gpumesh worker`` calls) reads the cache or measures and saves on first use.
@@ -20,6 +22,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -30,8 +33,12 @@ from typing import TypedDict
 from gpumesh.errors import GpumeshError
 from gpumesh.models import Capability
 
-TRIALS = 7
-TRIAL_SECONDS = 0.08  # warm-up + 7 trials: about 0.65 s of matmul, the child's imports come on top
+# Warm-up + 30 trials: about 2.5 s of matmul, the child's imports come on top. With 7 trials (0.65 s) one slow
+# stretch of about 0.6 s, invisible to the guest (no steal time), made a whole run 25 % slow; it must now last
+# four times as long. Trials run back to back: a CPU that idles between them clocks down on bare metal.
+TRIALS = 30
+TRIAL_SECONDS = 0.08
+STEADY = 0.9  # the median trial under this fraction of the best: the speed moved during the measurement
 BACKENDS = ("torch", "numpy", "python")
 BACKEND_ENV = "GPUMESH_BENCH_BACKEND"
 
@@ -65,6 +72,25 @@ def estimate(rates: list[float]) -> float:
     runs on a quiet 2-core VM the best spread no more than the median of the same trials (numpy 35 % vs
     39 %, pure Python 32 % vs 52 %; benchmarks/bench_spread.py measures it)."""
     return max(rates, default=0.0)
+
+
+def unsteady(rates: list[float]) -> str | None:
+    """One line when the trials disagree (the median under STEADY of the best), else None.
+
+    Trials of one fixed matmul agree within a few per cent on an idle machine. When they do not, something
+    else used the CPU meanwhile (a process here, or another tenant of a VM's host, which the guest cannot
+    see), and a second run may score otherwise: say so where the score is shown or first saved."""
+    best = max(rates, default=0.0)
+    if len(rates) < 2 or best <= 0:
+        return None
+    median = statistics.median(rates)
+    if median >= STEADY * best:
+        return None
+    return (
+        f"warning: this machine's speed moved while it was measured (the median trial ran at {median / best:.0%} "
+        "of the best): another process, or another tenant of its host, was using the CPU, so the score may be "
+        "low and may not repeat; fix: measure again when the machine is idle (gpumesh bench, then gpumesh bench --save)"
+    )
 
 
 def _gib(n: float) -> float:
@@ -247,23 +273,33 @@ def save(cache_dir: Path, cap: Capability) -> Path:
     return path
 
 
-def measure(timeout: float = 300) -> Capability:
-    """Benchmark this machine in a child process; caches nothing (``gpumesh bench`` without --save)."""
+def measure(timeout: float = 300) -> tuple[Capability, list[float]]:
+    """Benchmark this machine in a child process; caches nothing (``gpumesh bench`` without --save). Also
+    the timed trials' GFLOP/s in order, the score being their best (:func:`unsteady` reads them)."""
     return _run_child([], timeout)
 
 
-def probe(cache_dir: Path, refresh: bool = False, score: float | None = None, timeout: float = 300) -> Capability:
+def probe(
+    cache_dir: Path,
+    refresh: bool = False,
+    score: float | None = None,
+    timeout: float = 300,
+    warn: Callable[[str], object] | None = None,
+) -> Capability:
     """This machine's capability: cached per host and visible GPUs, else measured in a child process and
-    cached, so a worker's score stays what it was until someone re-measures on purpose.
+    cached, so a worker's score stays what it was until someone re-measures on purpose. ``warn`` gets the
+    :func:`unsteady` line of a measurement whose trials disagreed (the score is cached all the same).
 
     With ``score``, only the device is probed (no benchmark, nothing cached) and the score is taken as given."""
     if score is not None:
-        cap = _run_child(["--probe-only"], timeout)
+        cap, _ = _run_child(["--probe-only"], timeout)
         # The operator vouches for an assumed score, whatever backend would have measured it.
         return cap.model_copy(update={"score_gflops": score, "backend": cap.backend + "+assumed", "comparable": True})
     if not refresh and (cached := load(cache_dir)) is not None:
         return cached
-    cap = measure(timeout)
+    cap, rates = measure(timeout)
+    if warn is not None and (line := unsteady(rates)) is not None:
+        warn(line)
     try:
         save(cache_dir, cap)
     except OSError:
@@ -271,9 +307,9 @@ def probe(cache_dir: Path, refresh: bool = False, score: float | None = None, ti
     return cap
 
 
-def _run_child(args: list[str], timeout: float) -> Capability:
+def _run_child(args: list[str], timeout: float) -> tuple[Capability, list[float]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpumesh.capability", *args],
+        [sys.executable, "-m", "gpumesh.capability", "--rates", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -284,12 +320,13 @@ def _run_child(args: list[str], timeout: float) -> Capability:
         raise GpumeshError(
             f"the hardware probe failed (exit {proc.returncode}: {tail[0]}); pass --score to skip the benchmark"
         )
-    return Capability.model_validate_json(proc.stdout.strip().splitlines()[-1])
+    *_, rates, cap = proc.stdout.strip().splitlines()
+    return Capability.model_validate_json(cap), [float(r) for r in json.loads(rates)["rates"]]
 
 
 def main(argv: list[str]) -> int:
     """The child: ``[--probe-only] [--rates]``; prints the capability as the last line of stdout, after
-    the trial rates as ``{"rates": [...]}`` with --rates (benchmarks/bench_spread.py reads them)."""
+    the trial rates as ``{"rates": [...]}`` with --rates (the parent and benchmarks/bench_spread.py read them)."""
     backend = os.environ.get(BACKEND_ENV) or None  # the only place the variable is read
     if backend is not None and backend not in BACKENDS:
         print(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(BACKENDS)}", file=sys.stderr)

@@ -178,14 +178,15 @@ def bench(as_json: bool, save: bool) -> None:
 
     settings = Settings.load()
     if not as_json:
-        err.print("benchmarking (matmul, about a second)…")
-    cap = capability.measure()
+        err.print("benchmarking (matmul, about 3 seconds)…")
+    cap, rates = capability.measure()
     if as_json:
         emit_json(cap.model_dump())
     else:
         render.out().print(render.capability_table(cap))
-    if (warning := capability.warning(cap)) is not None:
-        click.echo(warning, err=True)  # one line, never wrapped to a console's width: grep-able in logs
+    for warning in (capability.warning(cap), capability.unsteady(rates)):
+        if warning is not None:
+            click.echo(warning, err=True)  # one line, never wrapped to a console's width: grep-able in logs
     if save:
         try:
             path = capability.save(settings.cache_dir, cap)

@@ -57,7 +57,7 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
     if verifier is not None:  # dispatch gives this worker only tasks signed by one of these keys
         declared[TRUSTS] = ",".join(sorted(verifier.keys))
     sandbox_user = check_sandbox_user(opts.sandbox_user, broker.settings.sandbox_python or sys.executable)
-    cap = capability.probe(broker.settings.cache_dir, refresh=opts.rebench, score=opts.score)
+    cap = capability.probe(broker.settings.cache_dir, refresh=opts.rebench, score=opts.score, warn=log.warning)
     warning = capability.warning(cap)
     if warning:
         log.warning(warning)
