@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from gpumesh.capability import probe
+from gpumesh.capability import load
 from gpumesh.errors import GpumeshError
 from gpumesh.server.broker_server import BrokerServer, free_port
 from gpumesh.settings import Settings
@@ -47,8 +47,11 @@ class LocalMesh:
         self.server.start()
         settings = self.settings.model_copy(update={"url": self.server.url})
         self.broker = Broker(settings)
-        # One benchmark (cached) for the machine; the local workers share it, so they share its score.
-        score = probe(settings.cache_dir).score_gflops
+        # The local workers share one machine, so one score, which ranks nothing among them: the cached one,
+        # else an assumed 1 rather than a benchmark of about 3 s before the first result (`gpumesh worker`
+        # measures the machine when it first starts).
+        cached = load(settings.cache_dir)
+        score = cached.score_gflops if cached is not None else 1.0
         env = {**os.environ, "GPUMESH_URL": self.server.url}
         for i in range(self.n):
             with open(self.tmp / f"worker-{i}.log", "wb") as log:
