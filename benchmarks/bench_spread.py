@@ -1,6 +1,6 @@
 """Does the capability score agree with itself? Its spread over separate runs on one machine.
 
-    .venv/bin/python benchmarks/bench_spread.py [--runs 10] [--backends numpy,python] [--against HEAD]
+    .venv/bin/python benchmarks/bench_spread.py [--runs 10] [--blocks 1] [--backends numpy,python] [--against HEAD]
 
 Runs the benchmark child that `gpumesh bench` and `gpumesh worker` run (`python -m gpumesh.capability`,
 here with --rates) --runs times per backend, each a separate process with GPUMESH_BENCH_BACKEND set, and
@@ -12,6 +12,9 @@ prints per backend and estimator min, median, max and spread = (max - min) / med
                  hidden from it by import, as it has no backend switch).
 A machine that is busy while this runs measures its load, not itself: on Linux each run also reports how
 many cores' worth of CPU other processes used meanwhile, and "busy" counts the runs where that passed 0.1.
+"unsteady" counts the runs whose trials disagreed, where `gpumesh bench` warns (its median trial under
+capability.STEADY of its best): the speed of the machine moved while it was measured, which a VM's guest
+sees no other way. With --blocks K the whole comparison runs K times in a row, a table row per block.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 
 from common import ROOT, machine, table
+
+from gpumesh import capability
 
 # Runs a capability.py of another revision as the child would: as gpumesh.capability's __main__, with the
 # backends it must not pick hidden from its imports (None in sys.modules makes `import x` raise ImportError).
@@ -83,17 +88,20 @@ def old(path: Path, backend: str) -> tuple[float, float | None]:
     return cap["score_gflops"], others
 
 
-def row(backend: str, estimator: str, xs: list[float], others: list[float | None]) -> list[str]:
+def row(
+    block: int, backend: str, estimator: str, xs: list[float], others: list[float | None], unsteady: str
+) -> list[str]:
     med = statistics.median(xs)
     fmt = "{:.3g}".format
     busy = "?" if None in others else str(sum(o > BUSY for o in others if o is not None))
     spread = f"{(max(xs) - min(xs)) / med:.1%}"
-    return [backend, estimator, str(len(xs)), fmt(min(xs)), fmt(med), fmt(max(xs)), spread, busy]
+    return [str(block), backend, estimator, str(len(xs)), fmt(min(xs)), fmt(med), fmt(max(xs)), spread, busy, unsteady]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=1, help="repeat the whole comparison this many times in a row")
     ap.add_argument("--backends", default="numpy,python", help="comma-separated: torch, numpy, python")
     ap.add_argument("--against", metavar="REV", help="also run gpumesh/capability.py of this git revision")
     args = ap.parse_args()
@@ -111,27 +119,31 @@ def main() -> None:
             ).stdout  # fmt: skip
             old_path = Path(tmp) / "capability_old.py"
             old_path.write_text(source)
-        for backend in args.backends.split(","):
-            best, median, others, before, others_before = [], [], [], [], []
-            for i in range(args.runs):
-                score, rates, busy = current(backend)
-                best.append(score)
-                median.append(statistics.median(rates))
-                others.append(busy)
-                line = f"  {backend} run {i + 1}/{args.runs}: best {score:.3g} (others {busy or 0:.2f} cores)"
-                if old_path:
-                    score, busy = old(old_path, backend)
-                    before.append(score)
-                    others_before.append(busy)
-                    line += f", {args.against} {score:.3g} (others {busy or 0:.2f} cores)"
-                print(line, flush=True)
-            n = len(rates)
-            rows += [row(backend, f"best of {n} (shipped)", best, others)]
-            rows += [row(backend, f"median of {n}", median, others)]
-            if before:
-                rows.append(row(backend, f"{args.against} (old)", before, others_before))
+        for block in range(1, args.blocks + 1):
+            for backend in args.backends.split(","):
+                best, median, others, before, others_before, unsteady = [], [], [], [], [], 0
+                for i in range(args.runs):
+                    score, rates, busy = current(backend)
+                    best.append(score)
+                    median.append(statistics.median(rates))
+                    others.append(busy)
+                    unsteady += capability.unsteady(rates) is not None
+                    line = f"  block {block} {backend} run {i + 1}/{args.runs}: best {score:.3g}, median trial "
+                    line += f"{median[-1] / score:.0%} of it (others {busy or 0:.2f} cores)"
+                    if old_path:
+                        score, busy = old(old_path, backend)
+                        before.append(score)
+                        others_before.append(busy)
+                        line += f", {args.against} {score:.3g} (others {busy or 0:.2f} cores)"
+                    print(line, flush=True)
+                n = len(rates)
+                rows += [row(block, backend, f"best of {n} (shipped)", best, others, str(unsteady))]
+                rows += [row(block, backend, f"median of {n}", median, others, "")]
+                if before:
+                    rows.append(row(block, backend, f"{args.against} (old)", before, others_before, ""))
     print(f"load average {os.getloadavg()[0]:.2f} at end\n")
-    print(table(["backend", "estimator", "runs", "min GFLOP/s", "median", "max", "spread", "busy"], rows))
+    headers = ["block", "backend", "estimator", "runs", "min GFLOP/s", "median", "max", "spread", "busy", "unsteady"]
+    print(table(headers, rows))
 
 
 if __name__ == "__main__":
