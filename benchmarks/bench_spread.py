@@ -5,8 +5,8 @@
 Runs the benchmark child that `gpumesh bench` and `gpumesh worker` run (`python -m gpumesh.capability`,
 here with --rates) --runs times per backend, each a separate process with GPUMESH_BENCH_BACKEND set, and
 prints per backend and estimator min, median, max and spread = (max - min) / median:
-  * best of N:   the score as shipped, the best of the child's timed trials;
-  * median of N: the median of the same trials, the estimator it was chosen over;
+  * best trial:   the score as shipped, the best of the child's timed trials;
+  * median trial: the median of the same trials, the estimator it was chosen over;
   * REV:         with --against REV, gpumesh/capability.py as of that git revision, run in alternation
                  with the current one so that drift on the machine hits both alike (numpy and torch are
                  hidden from it by import, as it has no backend switch).
@@ -128,17 +128,18 @@ def main() -> None:
                     median.append(statistics.median(rates))
                     others.append(busy)
                     unsteady += capability.unsteady(rates) is not None
-                    line = f"  block {block} {backend} run {i + 1}/{args.runs}: best {score:.3g}, median trial "
-                    line += f"{median[-1] / score:.0%} of it (others {busy or 0:.2f} cores)"
+                    line = (
+                        f"  block {block} {backend} run {i + 1}/{args.runs}: best {score:.3g} of {len(rates)} trials, "
+                    )
+                    line += f"median trial {median[-1] / score:.0%} of it (others {busy or 0:.2f} cores)"
                     if old_path:
                         score, busy = old(old_path, backend)
                         before.append(score)
                         others_before.append(busy)
                         line += f", {args.against} {score:.3g} (others {busy or 0:.2f} cores)"
                     print(line, flush=True)
-                n = len(rates)
-                rows += [row(block, backend, f"best of {n} (shipped)", best, others, str(unsteady))]
-                rows += [row(block, backend, f"median of {n}", median, others, "")]
+                rows += [row(block, backend, "best trial (shipped)", best, others, str(unsteady))]
+                rows += [row(block, backend, "median trial", median, others, "")]
                 if before:
                     rows.append(row(block, backend, f"{args.against} (old)", before, others_before, ""))
     print(f"load average {os.getloadavg()[0]:.2f} at end\n")

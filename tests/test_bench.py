@@ -1,6 +1,6 @@
 """`gpumesh bench` and the capability cache: shown by default, saved only with --save, resources probed.
 
-Real `gpumesh bench` processes (each runs the real benchmark child, about 3 seconds) with HOME and
+Real `gpumesh bench` processes (each runs the real benchmark child, 1.5 to 8 s) with HOME and
 XDG_CACHE_HOME in a temp dir, so the cache they would write is private to the test."""
 
 from __future__ import annotations
@@ -134,9 +134,43 @@ def test_warning_only_for_a_score_that_cannot_be_compared():
 
 @pytest.mark.core
 def test_a_measurement_whose_trials_disagree_says_so_in_one_line():
-    steady = [100.0, 98.0, 99.5, 97.0, 100.0]
-    assert capability.unsteady(steady) is None
+    assert capability.unsteady([100.0, 98.0, 99.5, 97.0, 100.0]) is None
     assert capability.unsteady([]) is None and capability.unsteady([5.0]) is None  # nothing to compare
     moved = [100.0, 55.0, 52.0, 60.0, 99.0]  # a host's other tenant took half the CPU for most of the trials
     line = capability.unsteady(moved)
     assert line is not None and "\n" not in line and "60%" in line and "gpumesh bench --save" in line
+
+
+class FakeClock:
+    """The benchmark's clock, advanced by the step alone: a machine whose speed is exactly what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.mark.core
+def test_a_slow_stretch_of_the_machine_does_not_set_the_score_and_a_moving_speed_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    clock = FakeClock()
+    monkeypatch.setattr(capability, "time", clock)
+    span = (capability.TRIALS + 1) * capability.TRIAL_SECONDS  # the warm-up, then the timed trials
+
+    def slow_second() -> None:  # 1 GFLOP a step; a neighbour halves the speed for the first second
+        clock.now += 0.002 if clock.now < 1 else 0.001
+
+    rates = capability.trial_rates(slow_second, 1e9)
+    assert capability.estimate(rates) == pytest.approx(1000)  # with 7 trials (0.65 s) it was 500
+    assert capability.unsteady(rates) is None and span <= clock.now < span + 0.1  # steps overshoot a trial
+
+    clock.now = 0.0
+
+    def moving() -> None:  # full speed for 0.3 s in every 1.3 s, half speed in between
+        clock.now += 0.001 if 0.5 <= clock.now % 1.3 < 0.8 else 0.002
+
+    rates = capability.trial_rates(moving, 1e9)
+    assert capability.estimate(rates) == pytest.approx(1000)
+    assert capability.unsteady(rates) is not None  # the score may not repeat: the user is told
