@@ -15,6 +15,11 @@ many cores' worth of CPU other processes used meanwhile, and "busy" counts the r
 "unsteady" counts the runs whose trials disagreed, where `gpumesh bench` warns (its median trial under
 capability.STEADY of its best): the speed of the machine moved while it was measured, which a VM's guest
 sees no other way. With --blocks K the whole comparison runs K times in a row, a table row per block.
+
+With --trace SECONDS it measures the machine instead of the benchmark: each backend's matmul step runs
+back to back for SECONDS in windows of 20 ms, and a table gives, per second, the median and the best window
+against the best of all, and the longest stretch of windows under 90 % of that best. An idle machine holds
+near 100 % throughout; a VM whose host lends its CPU to other tenants shows where its speed went.
 """
 
 from __future__ import annotations
@@ -88,6 +93,31 @@ def old(path: Path, backend: str) -> tuple[float, float | None]:
     return cap["score_gflops"], others
 
 
+def trace(backend: str, seconds: float, window: float = 0.02) -> list[list[str]]:
+    """Rows of the machine's speed over ``seconds`` of back-to-back steps, in this process."""
+    _, step, flops = capability._SETUP[backend]()  # the benchmark's own step, no child: nothing in between
+    capability.trial_rates(step, flops, trials=1, seconds=0.1)  # warm-up
+    rates: list[tuple[float, float]] = []
+    t0 = time.perf_counter()
+    while (now := time.perf_counter()) - t0 < seconds:
+        rates.append((now - t0, capability.trial_rates(step, flops, trials=1, seconds=window)[0]))
+    best = max(r for _, r in rates)
+    longest = run = 0.0
+    for _, r in rates:
+        run = run + window if r < 0.9 * best else 0.0
+        longest = max(longest, run)
+    per_second: dict[int, list[float]] = {}
+    for t, r in rates:
+        per_second.setdefault(int(t), []).append(r / best)
+    medians = " ".join(f"{statistics.median(v):.0%}" for _, v in sorted(per_second.items()))
+    bests = " ".join(f"{max(v):.0%}" for _, v in sorted(per_second.items()))
+    overall = statistics.median(r for _, r in rates) / best
+    return [
+        [backend, "median window, per second", medians, f"{overall:.0%}", f"{longest:.1f} s"],
+        [backend, "best window, per second", bests, "", ""],
+    ]
+
+
 def row(
     block: int, backend: str, estimator: str, xs: list[float], others: list[float | None], unsteady: str
 ) -> list[str]:
@@ -104,10 +134,16 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1, help="repeat the whole comparison this many times in a row")
     ap.add_argument("--backends", default="numpy,python", help="comma-separated: torch, numpy, python")
     ap.add_argument("--against", metavar="REV", help="also run gpumesh/capability.py of this git revision")
+    ap.add_argument("--trace", type=float, metavar="SECONDS", help="measure the machine's speed over time instead")
     args = ap.parse_args()
     command = " ".join([".venv/bin/python", "benchmarks/bench_spread.py", *sys.argv[1:]])
     print(f"rerun: {command}")
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f} at start")
+    if args.trace:
+        rows = [r for backend in args.backends.split(",") for r in trace(backend, args.trace)]
+        headers = ["backend", "of the best window of all", "each second in turn", "median", "longest under 90 %"]
+        print(table(headers, rows))
+        return
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpumesh-spread-") as tmp:
