@@ -320,8 +320,13 @@ def _run_child(args: list[str], timeout: float) -> tuple[Capability, list[float]
         raise GpumeshError(
             f"the hardware probe failed (exit {proc.returncode}: {tail[0]}); pass --score to skip the benchmark"
         )
-    *_, rates, cap = proc.stdout.strip().splitlines()
-    return Capability.model_validate_json(cap), [float(r) for r in json.loads(rates)["rates"]]
+    try:  # the last two lines: a library may print before them
+        *_, rates, cap = proc.stdout.strip().splitlines()
+        return Capability.model_validate_json(cap), [float(r) for r in json.loads(rates)["rates"]]
+    except (ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        raise GpumeshError(
+            f"the hardware probe printed no result ({type(e).__name__}); pass --score to skip the benchmark"
+        ) from e
 
 
 def main(argv: list[str]) -> int:
