@@ -5,6 +5,7 @@ writes a 100,000-shard job (benchmarks/submit.py measures that)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -130,3 +131,30 @@ def test_a_retry_after_a_submitter_died_while_staging_takes_the_job_over_at_once
     assert [j.job_id for j in broker.jobs()] == [res.job_id], "one job, whole"
     again = broker.submit(SCRIPT, "t.py", payloads(), JobOptions(), idempotency_key="nightly-8")
     assert again.job_id == res.job_id and len(broker.jobs()) == 1
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "one-multi"])
+def test_every_task_keeps_its_exact_payload_cost_and_requirement_class(
+    broker: Broker, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, staged: bool
+):
+    if not staged:
+        monkeypatch.setattr(submit_module, "STAGE_ABOVE", 1000)
+    odd = {"text": 'é\nline two\t"quoted" \\ 日本', "x": 0.1 + 0.2, "big": 10**30, "none": None}
+    loads = [
+        {"i": i, **(odd if i % 4 == 0 else {}), **({"cost": 2.5} if i % 3 == 1 else {"cost": 1.0} if i % 3 == 2 else {}),
+         **({"requires": ["vram_gb>=40"]} if i % 5 == 0 else {})}
+        for i in range(N)
+    ]  # fmt: skip
+    res = broker.submit(SCRIPT, "t.py", loads, JobOptions(requires=("device=cpu",)))
+    for i, payload in enumerate(loads):
+        task = r.hgetall(keys.task(keys.task_id(res.job_id, i)))
+        assert json.loads(task["payload"]) == payload and task["payload"] == json.dumps(payload)
+        assert task["index"] == str(i) and task["status"] == "queued"
+        assert task.get("cost") == ("2.5" if i % 3 == 1 else None)  # a default cost is not written
+        assert task.get("class") == ("1" if i % 5 == 0 else None)  # nor the job's own class
+    by_class = {k: r.zrange(keys.pending(res.job_id, k), 0, -1, withscores=True) for k in (0, 1)}
+    assert sorted(int(m) for m, _ in by_class[1]) == list(range(0, N, 5))
+    assert sorted(int(m) for m, _ in by_class[0]) == [i for i in range(N) if i % 5]
+    assert all(cost == (2.5 if int(m) % 3 == 1 else 1.0) for k in (0, 1) for m, cost in by_class[k])
+    assert broker.task_ids(res.job_id) == [keys.task_id(res.job_id, i) for i in range(N)]

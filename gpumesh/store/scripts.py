@@ -362,16 +362,21 @@ def _read_lease(f: dict[str, Any], token: str) -> Lease:
     )
 
 
-def stage(s: Scripts, client: Any, job_id: str, tasks: list[tuple[int, str, float, int]]) -> Any:
-    """Write a chunk of a job's tasks (index, payload JSON, cost, class) in one call; not yet visible.
+def stage(
+    s: Scripts, client: Any, job_id: str, first: int, payloads: list[str], costs: list[float], classes: list[int]
+) -> Any:
+    """Write a chunk of a job's tasks, indexes ``first`` on, in one call; not yet visible. A payload is JSON
+    text as ``json.dumps`` writes it (ASCII, no newline).
 
     The raw reply: [1, 'staged', 'tasks', n]."""
-    args: list[Any] = [job_id]
-    for index, payload, cost, klass in tasks:
-        args += [index, payload, repr(cost) if cost != 1.0 else "1", klass]
-    return s["stage"](
-        keys=[keys.job_tasks(job_id), *[keys.task(keys.task_id(job_id, t[0])) for t in tasks]], args=args, client=client
-    )
+    args = [
+        job_id,
+        first,
+        "\n".join(payloads),
+        "" if all(c == 1.0 for c in costs) else "\n".join(map(repr, costs)),
+        "" if not any(classes) else "\n".join(map(str, classes)),
+    ]
+    return s["stage"](keys=[keys.job_tasks(job_id)], args=args, client=client)
 
 
 def wake(s: Scripts, client: Any) -> Any:
