@@ -1,6 +1,6 @@
 """Submit cost: seconds and Redis memory per queued task, for 10,000, 100,000 and 1,000,000 shards.
 
-    python benchmarks/submit.py [--sizes 10000,100000,1000000] [--repeat 3] [--rq-max 100000]
+    python benchmarks/submit.py [--sizes 10000,100000,1000000] [--repeat 3] [--rq-max 100000] [--against REV]
 
 Each round starts from an empty private Redis and submits one job of no-op shards through
 Broker.submit; Redis's used_memory is read before and after, and the RQ job hashes present after
@@ -10,17 +10,21 @@ run: RQ's own `enqueue_many` of the same number of jobs, one RQ job per task (wh
 submit pays at least); it is skipped above --rq-max shards (a million RQ jobs take minutes to write
 and several hundred MB of Redis), and the table shows instead what the largest size measured
 extrapolates to. Client peak memory is read in a
-child process per round (ru_maxrss), so rounds do not share a high-water mark.
+child process per round (ru_maxrss), so rounds do not share a high-water mark. With --against REV, each
+round also submits with the package as of that git revision (alternating with this checkout's), and the
+table gains its median and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
-from common import PrivateRedis, med, publish, rounds, table
+from common import PrivateRedis, first_version, med, publish, rounds, table
 
 from gpumesh.store.submit import STAGE_ABOVE, STAGE_CHUNK
 
@@ -57,8 +61,13 @@ print(json.dumps({"s": elapsed, "bytes_per_task": (mem["used_memory"] - base) / 
 """
 
 
-def one(url: str, n: int, what: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", ROUND, url, str(n), what], capture_output=True, text=True, check=True)
+def one(url: str, n: int, what: str, tree: Path | None = None) -> dict[str, float]:
+    """One round in a child process; with ``tree``, the package extracted there (run from outside the checkout)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+    out = subprocess.run(
+        [sys.executable, "-c", ROUND, url, str(n), what], capture_output=True, text=True, check=True, env=env,
+        cwd=tree.parent if tree else None,
+    )  # fmt: skip
     return json.loads(out.stdout)
 
 
@@ -70,15 +79,21 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rq-max", type=int, default=100_000, help="skip the RQ contender above this many shards")
+    ap.add_argument("--against", metavar="REV", help="also submit with gpumesh as of this git revision")
     args = ap.parse_args()
     server = PrivateRedis()
+    tree = first_version(args.against, server.tmp / "against") if args.against else None
     rows = []
     rq_rate: tuple[float, float] | None = None
     try:
         for n in sorted(map(int, args.sizes.split(","))):
-            mesh, plain = [], []
-            for _ in range(args.repeat):
+            mesh, plain, before = [], [], []
+            for i in range(args.repeat):
+                if tree is not None and i % 2:  # which goes first alternates
+                    before.append(one(server.url, n, "gpumesh", tree))
                 mesh.append(one(server.url, n, "gpumesh"))
+                if tree is not None and not i % 2:
+                    before.append(one(server.url, n, "gpumesh", tree))
                 if n <= args.rq_max:
                     plain.append(one(server.url, n, "rq"))
             ms = [r["s"] for r in mesh]
@@ -107,12 +122,16 @@ def main() -> None:
                 f"{med([r['redis_peak_mib'] for r in mesh]):.0f}", f"{med([r['client_extra_mib'] for r in mesh]):.0f}",
                 rq_s, ratio, rq_bytes,
             ))  # fmt: skip
+            if before:
+                bs = [r["s"] for r in before]
+                rows[-1] += (f"{med(bs):.2f} ({rounds(bs)})", f"{med(ms) / med(bs):.2f}")
     finally:
         server.stop()
     body = table(
         ["shards", "gpumesh submit, s (median)", "rounds", "target", "met", "Redis bytes per queued task",
          "RQ job hashes after the submit", "Redis peak, MiB", "client peak growth, MiB",
-         "RQ enqueue_many alone, s", "gpumesh ÷ RQ", "RQ: Redis bytes per job"],
+         "RQ enqueue_many alone, s", "gpumesh ÷ RQ", "RQ: Redis bytes per job",
+         *([f"{args.against}, s (rounds)", f"÷ {args.against}"] if tree else [])],
         rows,
     )  # fmt: skip
     body += (
@@ -125,7 +144,8 @@ def main() -> None:
     )
     publish(
         "submit", "Submit", body,
-        f"python benchmarks/submit.py --sizes {args.sizes} --repeat {args.repeat} --rq-max {args.rq_max}",
+        f"python benchmarks/submit.py --sizes {args.sizes} --repeat {args.repeat} --rq-max {args.rq_max}"
+        + (f" --against {args.against}" if args.against else ""),
     )  # fmt: skip
 
 
