@@ -134,12 +134,14 @@ def test_a_retry_after_a_submitter_died_while_staging_takes_the_job_over_at_once
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("staged", [True, False], ids=["staged", "one-multi"])
+@pytest.mark.parametrize("path", ["staged", "one-multi", "chunks-by-bytes"])
 def test_every_task_keeps_its_exact_payload_cost_and_requirement_class(
-    broker: Broker, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, staged: bool
+    broker: Broker, r: redis.Redis, monkeypatch: pytest.MonkeyPatch, path: str
 ):
-    if not staged:
+    if path == "one-multi":
         monkeypatch.setattr(submit_module, "STAGE_ABOVE", 1000)
+    if path == "chunks-by-bytes":  # a chunk also ends at a size: one, two or three payloads a call here
+        monkeypatch.setattr(submit_module, "STAGE_BYTES", 100)
     odd = {"text": 'é\nline two\t"quoted" \\ 日本', "x": 0.1 + 0.2, "big": 10**30, "none": None}
     loads = [
         {"i": i, **(odd if i % 4 == 0 else {}), **({"cost": 2.5} if i % 3 == 1 else {"cost": 1.0} if i % 3 == 2 else {}),

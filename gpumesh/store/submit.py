@@ -10,7 +10,9 @@ it whole. :class:`gpumesh.store.broker.Broker` submits through a :class:`Submitt
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import time
 import uuid
@@ -35,8 +37,20 @@ def _c_payload_json() -> Callable[[Any], str]:
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return json.dumps
-    args = (None, None, json.encoder.encode_basestring_ascii, None, ": ", ", ", False, False, True)
-    encode = make(*args)  # (markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan)
+    # (markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan); json.dumps's default, so
+    # what was not checked (a Payloads made by hand) fails with json.dumps's TypeError
+    args = (
+        None,
+        json.JSONEncoder().default,
+        json.encoder.encode_basestring_ascii,
+        None,
+        ": ",
+        ", ",
+        False,
+        False,
+        True,
+    )
+    encode = make(*args)
     return lambda payload: "".join(encode(payload, 0))
 
 
@@ -44,6 +58,9 @@ _payload_json = _c_payload_json()
 
 STAGE_ABOVE = 10_000  # a larger job is written in stages (Submitter._submit_staged); a smaller one in one MULTI/EXEC
 STAGE_CHUNK = 5_000  # tasks per round trip while staging
+# A chunk's payloads travel as one argument, and Redis refuses one over 512 MB (proto-max-bulk-len): a chunk
+# also ends once its payloads pass this many bytes, which bounds what Redis and this process hold for one call.
+STAGE_BYTES = 32 * 2**20
 # A staging claim's score is its submitter's last progress (server ms). One that made none for this long was
 # abandoned (the submitter died): the reaper deletes what it wrote, and a retry with its idempotency key
 # takes the job id over at once instead of waiting.
@@ -265,10 +282,15 @@ class Submitter:
 
         A task hash holds only what differs between tasks (the job hash holds the rest), and a
         default cost or class is not written: a queued task costs a few hundred bytes."""
-        for lo in range(start, stop, STAGE_CHUNK):
-            hi = min(stop, lo + STAGE_CHUNK)
-            payloads = [_payload_json(payload) for payload in job.payloads[lo:hi]]
+        lo = start
+        while lo < stop:
+            payloads = [_payload_json(payload) for payload in job.payloads[lo : min(stop, lo + STAGE_CHUNK)]]
+            if sum(map(len, payloads)) > STAGE_BYTES:  # ASCII: characters are bytes
+                fit = bisect.bisect_left(list(itertools.accumulate(map(len, payloads))), STAGE_BYTES)
+                payloads = payloads[: max(1, fit)]
+            hi = lo + len(payloads)
             scripts.stage(self.scripts, p, job.id, lo, payloads, job.costs[lo:hi], job.classes[lo:hi])
+            lo = hi
 
     def _make_visible(self, p: Any, job: _Job) -> None:
         """The job hash, the jobs index and the ready index: after this the job exists for everyone, and

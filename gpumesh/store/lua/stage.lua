@@ -29,6 +29,10 @@ end
 local payloads = lines(ARGV[3])
 local costs = ARGV[4] ~= '' and lines(ARGV[4]) or nil
 local classes = ARGV[5] ~= '' and lines(ARGV[5]) or nil
+if (costs and #costs ~= #payloads) or (classes and #classes ~= #payloads) then
+  return redis.error_reply('stage: ' .. #payloads .. ' payloads but ' .. (costs and #costs or #payloads) ..
+    ' costs and ' .. (classes and #classes or #payloads) .. ' classes (a payload with a newline?)')
+end
 
 local task_prefix = PREFIX .. 'task:' .. job_id .. '-'
 local ids = {}
