@@ -335,3 +335,25 @@ def test_worker_exception_mid_attempt_kills_the_task(tmp_path: Path, reason: str
     with pytest.raises(SystemExit):
         run(f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)", should_stop=stop)
     wait_until(lambda: not pid_alive(int(pidfile.read_text())), timeout=5, what="the task to die")
+
+
+@pytest.mark.security
+def test_what_a_task_writes_in_its_own_directory_goes_with_the_directory():
+    """A task's temp files (TMPDIR is its attempt's directory) go with it, in every mode: a warm attempt's
+    directory was left in /tmp, holding them, whenever its script and output directory went first."""
+    out, _ = run(
+        """
+        import json, os, tempfile
+        here = os.environ["TMPDIR"]
+        open(os.path.join(here, "scratch.txt"), "w").write("x")
+        os.makedirs(os.path.join(here, "cache", "deeper"))
+        open(os.path.join(here, "cache", "deeper", "f"), "w").write("y")
+        tempfile.mkstemp()  # in TMPDIR
+        print(json.dumps({"dir": here}))
+        """
+    )
+    assert out.returncode == 0, out.describe_exit()
+    left = Path(json.loads(out.last_line or "")["dir"])
+    assert left.name.startswith("gpumesh-task-")
+    run("print('{}')")  # a next attempt: a confined attempt's directory may go while it runs
+    wait_until(lambda: not left.exists(), timeout=5, what=f"{left} to be removed")

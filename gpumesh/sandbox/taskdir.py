@@ -125,20 +125,32 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
         if script is not None:
             os.unlink(os.path.basename(script), dir_fd=dir_fd)
         os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
-    except OSError:
-        for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW
-            try:
-                if _is_dir(name, dir_fd):
-                    shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
-                else:
-                    os.unlink(name, dir_fd=dir_fd)
-            except OSError:
-                pass
-    try:
-        if os.path.samestat(os.stat(workdir, follow_symlinks=False), os.fstat(dir_fd)):
-            os.rmdir(workdir)  # still the directory we made, not a symlink put in its place
+        if _rmdir_made(workdir, dir_fd):
+            return
     except OSError:
         pass
+    # What else the task left there (its temp files: TMPDIR is this directory), then the directory itself.
+    for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW
+        try:
+            if _is_dir(name, dir_fd):
+                shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+            else:
+                os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+    _rmdir_made(workdir, dir_fd)
+
+
+def _rmdir_made(workdir: str, dir_fd: int) -> bool:
+    """Remove ``workdir`` if it is still the directory ``dir_fd`` holds (not a symlink put in its place) and
+    empty; whether it is gone."""
+    try:
+        if os.path.samestat(os.stat(workdir, follow_symlinks=False), os.fstat(dir_fd)):
+            os.rmdir(workdir)
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def _is_dir(name: str, dir_fd: int) -> bool:
