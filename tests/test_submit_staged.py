@@ -160,3 +160,10 @@ def test_every_task_keeps_its_exact_payload_cost_and_requirement_class(
     assert sorted(int(m) for m, _ in by_class[0]) == [i for i in range(N) if i % 5]
     assert all(cost == (2.5 if int(m) % 3 == 1 else 1.0) for k in (0, 1) for m, cost in by_class[k])
     assert broker.task_ids(res.job_id) == [keys.task_id(res.job_id, i) for i in range(N)]
+
+
+@pytest.mark.core
+def test_a_chunk_whose_lists_disagree_writes_nothing(broker: Broker, r: redis.Redis):
+    with pytest.raises(redis.ResponseError, match="2 payloads but 1 costs"):
+        scripts.stage(broker.scripts, r, "jobx", 0, ['{"a": 1}', '{"a": 2}'], [2.0], [0, 0])
+    assert r.keys("gpumesh:task:jobx-*") == [] and r.llen(keys.job_tasks("jobx")) == 0
