@@ -97,15 +97,21 @@ def trace(backend: str, seconds: float, window: float = 0.02) -> list[list[str]]
     """Rows of the machine's speed over ``seconds`` of back-to-back steps, in this process."""
     _, step, flops = capability._SETUP[backend]()  # the benchmark's own step, no child: nothing in between
     capability.trial_rates(step, flops, trials=1, seconds=0.1)  # warm-up
-    rates: list[tuple[float, float]] = []
-    t0 = time.perf_counter()
-    while (now := time.perf_counter()) - t0 < seconds:
-        rates.append((now - t0, capability.trial_rates(step, flops, trials=1, seconds=window)[0]))
+    rates: list[tuple[float, float]] = []  # (start, GFLOP/s) of each window, back to back
+    t0 = start = time.perf_counter()
+    while start - t0 < seconds:
+        n = 0
+        while not n or (now := time.perf_counter()) - start < window:
+            step()
+            n += 1
+        rates.append((start - t0, flops * n / (now - start) / 1e9))
+        start = now
     best = max(r for _, r in rates)
-    longest = run = 0.0
-    for _, r in rates:
-        run = run + window if r < 0.9 * best else 0.0
-        longest = max(longest, run)
+    longest, slow_since = 0.0, None  # the longest run of windows under 90 % of the best, in seconds
+    for (t, r), t_next in zip(rates, [t for t, _ in rates[1:]] + [start - t0]):
+        slow_since = (t if slow_since is None else slow_since) if r < 0.9 * best else None
+        if slow_since is not None:
+            longest = max(longest, t_next - slow_since)
     per_second: dict[int, list[float]] = {}
     for t, r in rates:
         per_second.setdefault(int(t), []).append(r / best)
