@@ -123,6 +123,15 @@ def test_malformed_requirements_exit_2_and_write_nothing(env, r: redis.Redis):
     assert r.dbsize() == before, "nothing was written"
 
 
+@pytest.mark.processes
+def test_submit_says_what_it_queued_and_at_which_priority(env):
+    script = ROOT / "examples/grid_search.py"
+    p = gpumesh("submit", str(script), "--payloads", "-", "--priority", "5", env=env, input='[{"lr": 1}, {"lr": 2}]')
+    assert p.returncode == 0, p.stderr
+    assert f"submitted job {p.stdout.strip()}: 2 tasks at priority 5" in p.stderr, p.stderr
+    assert "tier" not in p.stderr, "no placement is forecast at submit: a worker decides when it asks"
+
+
 # -- the placement rule, one dispatch at a time ------------------------------------------------------
 
 

@@ -84,9 +84,9 @@ def submit(
             if as_json:
                 emit_json(res.model_dump())
             else:
-                tiers = ", ".join(f"tier {t}: {n}" for t, n in res.tiers.items())
-                if not res.existing:
-                    err.print(f"submitted job {res.job_id}: {res.tasks} tasks ({tiers})")
+                if not res.existing:  # no tier forecast here: placement is decided when a worker asks
+                    at = f" at priority {res.priority}" if res.priority else ""
+                    err.print(f"submitted job {res.job_id}: {res.tasks} task{'s' if res.tasks != 1 else ''}{at}")
                 click.echo(res.job_id)
             return
         if not as_json and not res.existing:
