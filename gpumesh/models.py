@@ -528,10 +528,12 @@ class Capability(Model):
     comparable: bool = True
 
     def resources(self) -> dict[str, str | float]:
-        """What tasks can require of this worker (``--require vram_gb>=40``); unknown ones are left out."""
+        """What tasks can require of this worker (``--require vram_gb>=40``); unknown ones are left out. The
+        device's name is ``gpu`` on a GPU (cuda, mps) and ``cpu`` on a machine without one, so that
+        ``gpu~…`` never matches a processor."""
         res: dict[str, str | float] = {
             "device": self.device,
-            "gpu": self.device_name,
+            "cpu" if self.device == "cpu" else "gpu": self.device_name,
             "cpu_cores": self.cpu_cores,
             "ram_gb": self.ram_gb,
         }

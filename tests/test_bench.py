@@ -118,7 +118,8 @@ def test_cache_from_before_the_resource_fields_still_loads(tmp_path: Path):
 def test_resources_shape():
     cpu = Capability(device="cpu", device_name="Xeon", memory_bytes=2**34, score_gflops=100, backend="numpy",
                      cpu_cores=8, ram_gb=16.0)  # fmt: skip
-    assert cpu.resources() == {"device": "cpu", "gpu": "Xeon", "cpu_cores": 8, "ram_gb": 16.0}
+    # a machine without a GPU offers no `gpu` (`--require gpu~…` must not match a processor's name)
+    assert cpu.resources() == {"device": "cpu", "cpu": "Xeon", "cpu_cores": 8, "ram_gb": 16.0}
     gpu = cpu.model_copy(update={"device": "cuda", "device_name": "NVIDIA H100", "vram_gb": 79.1, "vram_free_gb": 78.5})
     assert gpu.resources() == {"device": "cuda", "gpu": "NVIDIA H100", "cpu_cores": 8, "ram_gb": 16.0,
                                "vram_gb": 79.1, "vram_free_gb": 78.5}  # fmt: skip
