@@ -84,6 +84,7 @@ def test_pages_show_the_mesh_and_escape_what_tasks_and_submitters_set(ran: gpume
         f'<tr class="worker" data-worker="{html.escape(worker.id)}">' in page.text
         and 'data-live="/live/workers"' in page.text
     )
+    assert worker.device == "cpu" and '<td class="gpu">—</td>' in page.text, "a processor is not shown as a GPU"
     no_raw_markup(page.text)
 
     jobs = client.get("/jobs").text

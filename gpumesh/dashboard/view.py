@@ -138,7 +138,8 @@ class View:
     def _worker_row(w: WorkerInfo, now: float) -> dict[str, Any]:
         vram = w.resources.get("vram_gb")
         return {
-            "id": w.id, "name": w.name, "hostname": w.hostname, "device": w.device, "gpu": w.device_name or "—",
+            "id": w.id, "name": w.name, "hostname": w.hostname, "device": w.device,
+            "gpu": w.resources.get("gpu") or "—",  # probed on a GPU, or declared; a processor is no GPU
             "vram": f"{vram:g} GiB" if isinstance(vram, int | float) else "—", "score": f"{w.score_gflops:g}",
             "tier": w.tier, "resources": [f"{k}={v}" for k, v in sorted(w.resources.items())],
             "task": w.current_task or "idle", "busy": w.current_task is not None, "age": _age(now, w.last_heartbeat),
