@@ -255,6 +255,23 @@ def test_jobs_of_equal_priority_share_the_workers(broker: Broker, r: redis.Redis
     assert status_counts(broker, big)["running"] == 2 and status_counts(broker, small)["running"] == 2
 
 
+@pytest.mark.core
+def test_a_lone_worker_takes_a_small_job_s_task_before_the_rest_of_a_big_one(broker: Broker, r: redis.Redis):
+    """Alone, the worker's own task has just ended whenever it asks: every job runs nothing then, and the
+    oldest won every tie (a one-task job waited for all six of a job ahead of it)."""
+    big = broker.submit("print(1)", "t.py", [{"i": i} for i in range(6)], JobOptions()).job_id
+    register(r, "solo", 1.0)
+    first = take(broker, r, "solo", 1.0)
+    assert isinstance(first, scripts.Lease) and first.job_id == big
+    small = broker.submit("print(1)", "t.py", [{"i": 0}], JobOptions()).job_id
+    second = scripts.complete(broker.scripts, r, first, "solo", "{}", 0.1, 1.0, then=scripts.Next(60_000, 1.0, "t2"))
+    assert isinstance(second.next, scripts.Lease) and second.next.job_id == small, "the small job's task next"
+    third = scripts.complete(
+        broker.scripts, r, second.next, "solo", "{}", 0.1, 1.0, then=scripts.Next(60_000, 1.0, "t3")
+    )
+    assert isinstance(third.next, scripts.Lease) and third.next.job_id == big, "then the big job again"
+
+
 # -- real workers ----------------------------------------------------------------------------------
 
 

@@ -1,7 +1,9 @@
 -- dispatch: give this worker the task it should run now, decided against the live fleet, or nothing.
 -- Late binding: nothing about placement is fixed at submit. In one atomic step:
 --  1. jobs: the highest priority with a queued task whose requirements this worker meets; among
---     jobs of that priority, the one with the fewest running tasks (then the oldest): fair share;
+--     jobs of that priority, the one with the fewest running tasks, then the least queued work (a small job
+--     goes first even where every job runs nothing at the moment of asking: a worker alone), then the
+--     oldest: fair share;
 --  2. the task, by cost, from that job's queued tasks: a worker alone takes the lightest (its makespan
 --     is the same in any order, and heavy tasks stay for stronger workers that may join); otherwise
 --     the heaviest it can finish within the horizon, i.e. cost <= score * max(W / S, c_max / s_max)
@@ -238,7 +240,7 @@ end
 local skip = {}  -- ready members left to other workers in this dispatch (see avoided)
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or a task is left to others
   local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
-  local best, best_prio, best_running, best_created, best_job, best_class, best_fields
+  local best, best_prio, best_running, best_left, best_created, best_job, best_class, best_fields
   for i = 1, #entries, 2 do
     local member, prio = entries[i], tonumber(entries[i + 1])
     if best and prio < best_prio then
@@ -262,9 +264,10 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
           ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
         end
         if ok then
-          local running, created = tonumber(job[2]) or 0, tonumber(job[3]) or 0
-          if not best or running < best_running or (running == best_running and created < best_created) then
-            best, best_prio, best_running, best_created = member, prio, running, created
+          local running, left, created = tonumber(job[2]) or 0, tonumber(job[4]) or 0, tonumber(job[3]) or 0
+          if not best or running < best_running or (running == best_running and (left < best_left or
+              (left == best_left and created < best_created))) then
+            best, best_prio, best_running, best_left, best_created = member, prio, running, left, created
             best_job, best_class, best_fields = job_id, klass, job
           end
         end
