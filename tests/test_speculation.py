@@ -64,6 +64,9 @@ def test_the_first_completion_wins_and_the_other_copy_learns_it_lost(broker: Bro
     )
     task = r.hgetall(keys.task(tid))
     assert task["result"] == '{"by": "backup"}' and task["attempts"] == "1" and task["backup"] == ""
+    assert task["worker"] == "fast", "the task names the worker whose copy made its result"
+    (row,) = broker.results(job)
+    assert row.worker == "fast" and row.result == {"by": "backup"}
     assert r.hget(keys.STATS, "speculative_wins") == "1" and r.hget(keys.job(job), "status") == "done"
     beat = scripts.heartbeat(broker.scripts, r, "slow", 60_000, primary, LEASE_MS, r.get(keys.EPOCH) or "")
     assert beat.lease == "lost"
@@ -167,6 +170,7 @@ def test_an_idle_strong_worker_backs_up_a_straggler_and_wins(env, workers: Worke
     task = r.hgetall(keys.task(tid))
     strong = [w for w, score in r.zrange(keys.SCORES, 0, -1, withscores=True) if score == 10]
     assert json.loads(task["result"])["worker"] == strong[0], "the strong worker's copy produced the result"
+    assert task["worker"] == strong[0], "and the task names it"
     assert elapsed < 20, f"the backup finished the 60 s straggler in {elapsed:.1f} s"
     assert task["attempts"] == "1" and r.hget(keys.STATS, "speculative_wins") == "1"
     wait_until(lambda: not pid_alive(slow_pid), timeout=10, what="the losing copy to be killed")

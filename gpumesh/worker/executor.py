@@ -408,7 +408,10 @@ class Executor:
         if isinstance(res.next, scripts.Lease):
             self.w.got_next(res.next, asked)
         if not res.accepted:
-            log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
+            if res.status == "done":  # the race a backup copy runs (speculation): nothing went wrong here
+                log.info("%s: another copy finished first; this one's result is not used", lease.task_id)
+            else:
+                log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
         return "done"

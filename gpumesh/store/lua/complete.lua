@@ -54,8 +54,10 @@ if copy == 'backup' then
   incr(stats_key, 'speculative_wins', 1)
 end
 local primary = attempt_rec('primary', t, 3)
+local won  -- the backup copy's record when it won (read before clear_backup empties its fields)
 if copy == 'backup' then
-  attempt_log(job_key, attempt_of(task_key, 'backup'), 'done', nil, ms)
+  won = attempt_of(task_key, 'backup')
+  attempt_log(job_key, won, 'done', nil, ms)
   attempt_log(job_key, primary, 'superseded', nil, ms)
 else
   attempt_log(job_key, primary, 'done', nil, ms)
@@ -69,6 +71,9 @@ end
 local cost = tonumber(t[9] or 1) or 1  -- read before the result's fields are written
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
   'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))
+if won then  -- the result is the backup's: `results`, `status` and the dashboard name the worker that made it
+  redis.call('HSET', task_key, 'worker', won.worker, 'started_at', won.started)
+end
 for i = 11, #ARGV - 1, 2 do
   redis.call('HSET', task_key, ARGV[i], ARGV[i + 1])
 end
