@@ -294,10 +294,16 @@ def test_second_sigterm_hands_the_task_back_at_once_without_spending_an_attempt(
     wait_until(lambda: written(tmp_path / "pid-1"), what="the task to start")
     sandbox = int((tmp_path / "pid-1").read_text())
     w.send_signal(signal.SIGTERM)
-    time.sleep(1.5)  # RQ ignores a second signal within a second of the first
+    time.sleep(0.3)
+    w.send_signal(signal.SIGTERM)  # within a second of the first: taken for the same stop, and said so
+    time.sleep(1.5)
     assert w.poll() is None, "the first SIGTERM waits for the task"
     w.send_signal(signal.SIGTERM)
     w.wait(timeout=20)
+    log = workers.log(0)
+    assert f"SIGTERM: stopping after {tid}" in log and "taken for the same stop" in log, log
+    assert f"SIGTERM again: stopping now; {tid} goes back to the queue" in log, log
+    assert "Traceback" not in log and "exception raised" not in log, "a stop is not the task's failure"
     wait_until(lambda: not pid_alive(sandbox), timeout=10, what="the task to be killed")
     task = r.hgetall(keys.task(tid))
     assert task["status"] == "queued" and task["attempts"] == "0", task

@@ -166,7 +166,8 @@ def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opt
     """Benchmark this machine, join the mesh at URL and run tasks until stopped.
 
     The benchmark runs once per machine and is cached; --score skips it. SIGTERM or Ctrl-C
-    finishes the current task and exits; a second one hands the task back to the queue at once.
+    finishes the current task and exits; a second one, a second or more later, hands the task
+    back to the queue at once.
     Tuning: GPUMESH_LEASE_TTL (30 s), GPUMESH_HEARTBEAT_INTERVAL (5 s), GPUMESH_TIERS (3).
     """
     _run_worker(ctx, broker_url or url, opts)

@@ -20,6 +20,7 @@ revoke``) stops at once without RQ's bookkeeping, which it can no longer write.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ import redis
 from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
@@ -181,6 +183,7 @@ class MeshWorker(LeanRQWorker):
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
+        self.stopping_now = False  # a second signal: the current task handed back (request_force_stop)
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
         self.isolation, self.isolation_said = isolation_of(self.settings)
         root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
@@ -196,6 +199,40 @@ class MeshWorker(LeanRQWorker):
         )
 
     # -- RQ hooks --------------------------------------------------------------------------------
+
+    # Stopping. RQ's handlers, with what each signal does said at the default log level (RQ says it at
+    # DEBUG, through a logger gpumesh keeps at WARNING), and a second signal's stop without a traceback.
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """The first SIGTERM or SIGINT: finish the current task, take no other (RQ's warm shutdown)."""
+        running = self.executor.current
+        if running is not None:
+            log.info("%s: stopping after %s; the same signal again, a second or more from now, hands it back to "
+                     "the queue and stops at once", signal.Signals(signum).name, running.lease.task_id)  # fmt: skip
+        else:
+            log.info("%s: stopping", signal.Signals(signum).name)
+        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        """A second signal: stop now, the current task handed back without spending an attempt (the executor
+        does it as the SystemExit passes through the attempt). One that comes within a second of the first is
+        taken for the same stop, as RQ does: a terminal's Ctrl-C reaches every process of its group, and
+        `pkill -f 'gpumesh worker'` a supervised worker as well as its supervisor, which passes it on."""
+        name = signal.Signals(signum).name
+        first = self._shutdown_requested_date  # set by request_stop, just before it installed this handler
+        if first is not None and rq_now() - first < datetime.timedelta(seconds=1):
+            log.info("%s again within a second of the first: taken for the same stop; send it again to hand the "
+                     "task back and stop at once", name)  # fmt: skip
+            return
+        self.stopping_now = True
+        running = self.executor.current
+        log.warning("%s again: stopping now%s", name,
+                    f"; {running.lease.task_id} goes back to the queue" if running is not None else "")  # fmt: skip
+        raise SystemExit()
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        if self.stopping_now and exc_info and exc_info[0] is SystemExit:
+            return  # the stop said above, not the task's failure: no traceback in the log
+        super().handle_exception(job, *exc_info)
 
     @property
     def dequeue_timeout(self) -> int:
