@@ -89,6 +89,11 @@ def parse_resource(text: str) -> tuple[str, str]:
             f"--resource {text!r}: expected KEY=VALUE with a resource name of letters, digits, _ . - "
             "(e.g. --resource vram_gb=80 or --resource gpu=A100)"
         )
+    if key == "trusts":  # worker/build.py's TRUSTS: what --trust publishes, and the dispatcher obeys
+        raise UsageError(
+            f"--resource {text!r}: 'trusts' is the resource --trust sets (this worker would run only tasks signed "
+            "by those keys); to do that, use --trust KEY"
+        )
     return key, value
 
 

@@ -124,6 +124,16 @@ def test_malformed_requirements_exit_2_and_write_nothing(env, r: redis.Redis):
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize("resource", ["trusts=mine", "vram_gb", "=80", "vram gb=80"])
+def test_a_resource_a_worker_may_not_declare_is_refused_with_one_line(env, r: redis.Redis, resource: str):
+    """`trusts` is what --trust publishes: declared by hand it made a worker run only signed tasks, unsaid."""
+    p = gpumesh("worker", "--resource", resource, "--score", "1", env=env)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "--resource" in p.stderr and ("--trust KEY" in p.stderr) == resource.startswith("trusts")
+    assert r.zcard(keys.WORKERS) == 0, "no worker joined"
+
+
+@pytest.mark.processes
 def test_submit_says_what_it_queued_and_at_which_priority(env):
     script = ROOT / "examples/grid_search.py"
     p = gpumesh("submit", str(script), "--payloads", "-", "--priority", "5", env=env, input='[{"lr": 1}, {"lr": 2}]')

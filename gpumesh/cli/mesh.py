@@ -108,8 +108,8 @@ def worker_options(f: Any) -> Any:
                 multiple=True,
                 metavar="KEY=VALUE",
                 help="Declare a resource tasks may require (repeatable), next to what the probe finds (device, "
-                "gpu, vram_gb, vram_free_gb, cpu_cores, ram_gb) and overriding it, e.g. --resource vram_gb=80 "
-                "--resource dataset=imagenet.",
+                "gpu or cpu, vram_gb, vram_free_gb, cpu_cores, ram_gb, task_memory_gb) and overriding it, e.g. "
+                "--resource vram_gb=80 --resource dataset=imagenet. Names are case-sensitive.",
             ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
