@@ -140,6 +140,8 @@ def test_submit_says_what_it_queued_and_at_which_priority(env):
     assert p.returncode == 0, p.stderr
     assert f"submitted job {p.stdout.strip()}: 2 tasks at priority 5" in p.stderr, p.stderr
     assert "tier" not in p.stderr, "no placement is forecast at submit: a worker decides when it asks"
+    shown = gpumesh("status", p.stdout.strip(), env=env)
+    assert shown.stdout.startswith(f"{p.stdout.strip()} queued (priority 5): 0/2 done"), shown.stdout
 
 
 # -- the placement rule, one dispatch at a time ------------------------------------------------------

@@ -119,8 +119,9 @@ def job_options(f: Any) -> Any:
                 type=int,
                 default=0,
                 show_default=True,
-                help="Higher runs first: a worker takes work of the highest priority it can run. Jobs of equal "
-                "priority share the workers out, so a small job is not stuck behind a big one.",
+                help="Higher runs first (an integer from -1000000 to 1000000): a worker takes work of the highest "
+                "priority it can run. Jobs of equal priority share the workers out, so a small job is not stuck "
+                "behind a big one.",
             ),  # fmt: skip
             click.option(
                 "--require",

@@ -86,11 +86,11 @@ def submit(
             else:
                 if not res.existing:  # no tier forecast here: placement is decided when a worker asks
                     at = f" at priority {res.priority}" if res.priority else ""
-                    err.print(f"submitted job {res.job_id}: {res.tasks} task{'s' if res.tasks != 1 else ''}{at}")
+                    err.print(f"submitted job {res.job_id}: {render.tasks(res.tasks)}{at}")
                 click.echo(res.job_id)
             return
         if not as_json and not res.existing:
-            err.print(f"submitted job {res.job_id}: {res.tasks} tasks (Ctrl-C stops waiting, not the job)")
+            err.print(f"submitted job {res.job_id}: {render.tasks(res.tasks)} (Ctrl-C stops waiting, not the job)")
         st = wait_for(ctx, broker, res.job_id, quiet=as_json)
     except KeyboardInterrupt:
         stopped_waiting(ctx, res.job_id, waiting=wait)

@@ -87,10 +87,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def tasks(n: int) -> str:
+    """``1 task``, ``2 tasks``."""
+    return f"{n} task" if n == 1 else f"{n} tasks"
+
+
 def status_line(st: JobStatus, rate: Rate | None = None) -> str:
     t = st.tasks
+    at = f" (priority {st.priority})" if st.priority else ""  # the default, 0, goes unsaid
     line = (
-        f"{st.job_id} {st.status}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, {t.failed} failed"
+        f"{st.job_id} {st.status}{at}: {t.done}/{t.total} done, {t.running} running, {t.queued} queued, "
+        f"{t.failed} failed"
     )
     if t.failed and st.failed_by_kind:  # how they failed: "3 failed (script 2, memory 1)"
         line += " (" + ", ".join(f"{k} {n}" for k, n in st.failed_by_kind.items()) + ")"

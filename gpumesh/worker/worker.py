@@ -331,8 +331,10 @@ class MeshWorker(LeanRQWorker):
         stalled = time.monotonic() - self._beat_ok_at > self.settings.lease_ttl
         if stalled and not self._stalled_said:
             log.warning(
-                "no heartbeat has succeeded for %.0fs (the lease TTL): taking no new task until one does",
+                "no heartbeat has succeeded for %.0f s, longer than the lease TTL (%g s): taking no new task "
+                "until one does",
                 time.monotonic() - self._beat_ok_at,
+                self.settings.lease_ttl,
             )
         elif not stalled and self._stalled_said:
             log.info("heartbeats succeed again: taking work")
