@@ -313,8 +313,11 @@ def test_the_reaper_fails_the_delivery_a_revoked_worker_left_started(env, r, bro
     wid, tid = revoke_mid_task(r, workers, script, user, url, "deleted")
     assert registries(broker, wid)["started"] == 1  # the worker could not record anything once revoked
     time.sleep(broker.settings.worker_ttl + 0.5)  # its registration lapses: the reaper counts it dead
+    assert wid in {w.name for w in Worker.all(connection=broker.rq)}, "RQ still lists the dead worker"
     assert reap_once(broker)["workers_dropped"] == 1
     assert registries(broker, wid)["started"] == 0
+    assert wid not in {w.name for w in Worker.all(connection=broker.rq)}, "`rq info` no longer shows it"
+    assert not r.exists(f"rq:worker:{wid}")
     assert rq_job(broker, tid).get_status() == "failed"
 
 

@@ -16,7 +16,8 @@ import redis
 from rq.queue import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+from rq.worker import Worker
+from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from gpumesh.models import TERMINAL
 from gpumesh.store import keys, scripts
@@ -103,7 +104,12 @@ def _drop_rq_records(b: Broker, dead: list[str]) -> None:
                 queue.intermediate_queue_key,
                 FinishedJobRegistry(name, connection=b.rq).key,
                 WORKERS_BY_QUEUE_KEY % name,
+                # RQ's record of the worker itself (its name is the worker id): a killed one never registered
+                # its death, and its key's TTL, set to the delivery's timeout when a task starts, kept it in
+                # `rq info` as busy for up to an hour
+                Worker.redis_worker_namespace_prefix + w,
             )
+            p.srem(REDIS_WORKER_KEYS, Worker.redis_worker_namespace_prefix + w)
             p.expire(FailedJobRegistry(name, connection=b.rq).key, FAILURE_TTL)
             p.execute()
 
