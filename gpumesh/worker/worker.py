@@ -702,8 +702,9 @@ class MeshWorker(LeanRQWorker):
         if not beat.registered:
             log.warning("registration had expired (paused or cut off?); registering again")
             self._register()
-            with contextlib.suppress(ValueError, redis.RedisError):  # ValueError: RQ's key is back already
-                self.register_birth()  # type: ignore[no-untyped-call]  # RQ leaves it untyped; its record, dropped as dead
+            # RQ's record of this worker too, which the reaper dropped as dead (ValueError: it is back already)
+            with contextlib.suppress(ValueError, redis.RedisError):
+                self.register_birth()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
             scripts.heartbeat(
                 self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0, self.epoch
             )
