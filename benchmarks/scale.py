@@ -480,7 +480,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant (and per version with --against)")
     ap.add_argument(
         "--groups",
-        type=int,
+        type=lambda v: max(1, int(v)),  # at least one group
         default=3,
         help="groups of workers in flight at once, each on its own connection (see above)",
     )

@@ -294,14 +294,14 @@ def test_second_sigterm_hands_the_task_back_at_once_without_spending_an_attempt(
     wait_until(lambda: written(tmp_path / "pid-1"), what="the task to start")
     sandbox = int((tmp_path / "pid-1").read_text())
     w.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_until(lambda: "SIGTERM: stopping after the current task" in workers.log(0), what="the first signal's line")
     w.send_signal(signal.SIGTERM)  # within a second of the first: taken for the same stop, and said so
-    time.sleep(1.5)
+    wait_until(lambda: "taken for the same stop" in workers.log(0), what="the second signal's line")
+    time.sleep(1.2)
     assert w.poll() is None, "the first SIGTERM waits for the task"
     w.send_signal(signal.SIGTERM)
     w.wait(timeout=20)
     log = workers.log(0)
-    assert f"SIGTERM: stopping after {tid}" in log and "taken for the same stop" in log, log
     assert f"SIGTERM again: stopping now; {tid} goes back to the queue" in log, log
     assert "Traceback" not in log and "exception raised" not in log, "a stop is not the task's failure"
     wait_until(lambda: not pid_alive(sandbox), timeout=10, what="the task to be killed")

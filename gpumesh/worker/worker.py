@@ -203,11 +203,11 @@ class MeshWorker(LeanRQWorker):
     # Stopping. RQ's handlers, with what each signal does said at the default log level (RQ says it at
     # DEBUG, through a logger gpumesh keeps at WARNING), and a second signal's stop without a traceback.
     def request_stop(self, signum: int, frame: Any) -> None:
-        """The first SIGTERM or SIGINT: finish the current task, take no other (RQ's warm shutdown)."""
-        running = self.executor.current
-        if running is not None:
-            log.info("%s: stopping after %s; the same signal again, a second or more from now, hands it back to "
-                     "the queue and stops at once", signal.Signals(signum).name, running.lease.task_id)  # fmt: skip
+        """The first SIGTERM or SIGINT: finish the current task, take no other (RQ's warm shutdown). A task
+        started ahead of its delivery (executor.begin) is handed back as the worker stops, so none is named."""
+        if self.executor.current is not None:
+            log.info("%s: stopping after the current task; the same signal again, a second or more from now, "
+                     "hands it back to the queue and stops at once", signal.Signals(signum).name)  # fmt: skip
         else:
             log.info("%s: stopping", signal.Signals(signum).name)
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]  # RQ leaves it untyped
@@ -218,10 +218,15 @@ class MeshWorker(LeanRQWorker):
         taken for the same stop, as RQ does: a terminal's Ctrl-C reaches every process of its group, and
         `pkill -f 'gpumesh worker'` a supervised worker as well as its supervisor, which passes it on."""
         name = signal.Signals(signum).name
+        if self.stopping_now:
+            # The same press again (a supervisor passes on what the terminal sent the whole group): a second
+            # SystemExit would land in the hand-back of the first, and leave the task to its lease's lapse.
+            log.debug("%s again while stopping at once: ignored", name)
+            return
         first = self._shutdown_requested_date  # set by request_stop, just before it installed this handler
         if first is not None and rq_now() - first < datetime.timedelta(seconds=1):
-            log.info("%s again within a second of the first: taken for the same stop; send it again to hand the "
-                     "task back and stop at once", name)  # fmt: skip
+            again = "; send it again to hand the task back and stop at once" if self.executor.current else ""
+            log.info("%s again within a second of the first: taken for the same stop%s", name, again)
             return
         self.stopping_now = True
         running = self.executor.current
@@ -705,6 +710,7 @@ class MeshWorker(LeanRQWorker):
             # RQ's record of this worker too, which the reaper dropped as dead (ValueError: it is back already)
             with contextlib.suppress(ValueError, redis.RedisError):
                 self.register_birth()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+                self._state_written = None  # its record starts without a state: the next one is written
             scripts.heartbeat(
                 self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0, self.epoch
             )

@@ -72,7 +72,10 @@ local cost = tonumber(t[9] or 1) or 1  -- read before the result's fields are wr
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
   'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))
 if won then  -- the result is the backup's: `results`, `status` and the dashboard name the worker that made it
-  redis.call('HSET', task_key, 'worker', won.worker, 'started_at', won.started)
+  redis.call('HSET', task_key, 'worker', won.worker)
+  if won.started ~= '' then
+    redis.call('HSET', task_key, 'started_at', won.started)
+  end
 end
 for i = 11, #ARGV - 1, 2 do
   redis.call('HSET', task_key, ARGV[i], ARGV[i + 1])
