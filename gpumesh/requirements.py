@@ -55,8 +55,27 @@ def _text(value: object) -> str:
     return str(value)
 
 
+_STRICT = re.compile(r"=?([<>])(?!=)")  # '>', '<', '=>' or '=<' where '>=' or '<=' was meant
+
+
 def parse(expr: object, where: str = "--require") -> Requirement:
-    """One EXPR, or a UsageError that says what is wrong with it and what is expected."""
+    """One EXPR, or a UsageError that says what is wrong with it and what is expected (and, for a
+    comparison written ``>``, ``<``, ``=>`` or ``=<``, the one it likely meant)."""
+    try:
+        return _parse(expr, where)
+    except UsageError as wrong:
+        meant = _STRICT.sub(r"\1=", expr, count=1) if isinstance(expr, str) else expr
+        if meant == expr:
+            raise
+        try:
+            _parse(meant, where)
+        except UsageError:
+            raise wrong from None
+        said = f"{where}: {expr!r} is not a requirement: numbers compare with >= and <= only; did you mean {meant!r}?"
+        raise UsageError(said[:300]) from None
+
+
+def _parse(expr: object, where: str) -> Requirement:
     if not isinstance(expr, str):
         raise UsageError(f'{where}: a requirement must be a string such as "vram_gb>=40", got {expr!r}'[:200])
     m = _EXPR.match(expr)

@@ -5,6 +5,7 @@ share, against a real Redis and real worker processes (scores and resources emul
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from datetime import datetime
@@ -105,6 +106,17 @@ def test_requirements_mean_the_same_in_python_and_in_the_dispatcher(broker: Brok
 def test_a_malformed_requirement_is_refused_with_one_line(expr: str):
     with pytest.raises(UsageError, match="expected KEY=VALUE"):
         requirements.parse(expr)
+
+
+@pytest.mark.parametrize(
+    "expr, meant", [("vram_gb>40", "vram_gb>=40"), ("vram_gb=>40", "vram_gb>=40"), ("ram_gb<8", "ram_gb<=8"),
+                    ("ram_gb=<8", "ram_gb<=8")],
+)  # fmt: skip
+@pytest.mark.core
+def test_a_comparison_written_gt_or_lt_is_refused_with_the_one_it_likely_meant(expr: str, meant: str):
+    with pytest.raises(UsageError, match=f"did you mean '{re.escape(meant)}'"):
+        requirements.parse(expr)
+    assert str(requirements.parse(meant)) == meant
 
 
 @pytest.mark.processes
