@@ -191,6 +191,21 @@ def data(driver: Any, selector: str) -> dict[str, str] | None:
                                  selector)  # fmt: skip
 
 
+def click(driver: Any, selector: str, timeout: float = 5) -> None:
+    """Click what ``selector`` finds, found again when a live update swapped it out between the find and the
+    click (Selenium's StaleElementReferenceException: a person's click lands on what is there)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            driver.find_element("css selector", selector).click()
+            return
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+
+
 def exists(driver: Any, selector: str) -> bool:
     return bool(driver.execute_script("return document.querySelector(arguments[0]) !== null;", selector))
 

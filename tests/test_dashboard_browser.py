@@ -30,7 +30,7 @@ import gpumesh
 from gpumesh.server import acl
 
 from . import browser
-from .browser import Dashboard, data, exists, open_page, rows, screenshot
+from .browser import Dashboard, click, data, exists, open_page, rows, screenshot
 from .conftest import FAST, RedisServer, Workers, pid_alive, wait_until, written
 
 HEARTBEAT_S = float(FAST["GPUMESH_HEARTBEAT_INTERVAL"])
@@ -266,7 +266,7 @@ def test_cancel_from_the_job_page_stops_the_running_tasks(
     assert data(driver, "#job-summary")["status"] == "running"
     assert not exists(driver, "#retry"), "nothing failed or was cancelled yet"
     clicked = time.monotonic()
-    driver.find_element("css selector", "form[action$='/cancel'] button#cancel").click()
+    click(driver, "form[action$='/cancel'] button#cancel")
     wait_until(lambda: (data(driver, "#job-summary") or {}).get("status") == "cancelled", timeout=10,
                what="the job page to say cancelled")  # fmt: skip
     assert driver.current_url.rstrip("/") == dash.url(f"/jobs/{job.id}"), "303 back to the job page"
