@@ -62,7 +62,7 @@ for k = 1, #payloads do
     by_class[klass] = members
   end
   members[#members + 1] = cost
-  members[#members + 1] = string.format('%08d', n)
+  members[#members + 1] = pad(n)
 end
 for i = 1, #ids, 1000 do
   redis.call('RPUSH', tasks_key, unpack(ids, i, math.min(i + 999, #ids)))
