@@ -24,12 +24,13 @@ from starlette.testclient import TestClient
 import gpumesh
 from gpumesh.dashboard import timeline
 from gpumesh.dashboard.app import create_app
+from gpumesh.extras import install_hint
 from gpumesh.server.broker_server import ROLES, prepare
 from gpumesh.settings import Settings
 from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
-from .conftest import MeshWorkers, RedisServer, cli, free_port
+from .conftest import ROOT, MeshWorkers, RedisServer, cli, free_port
 
 EVIL = "<script>alert(1)</script>"
 FILE = "out <script>x.txt"  # a file name cannot hold the "/" of "</script>"
@@ -257,7 +258,8 @@ def test_without_its_extra_the_command_says_what_to_install(env: dict[str, str],
         monkeypatch.setitem(sys.modules, name, None)  # what an install without the extra finds
     ran = cli("dashboard")
     assert ran.returncode == 2, ran.stderr
-    assert ran.stderr.strip() == "gpumesh dashboard needs its extra: pip install 'gpumesh-pool[dashboard]'"
+    assert ran.stderr.strip() == f"gpumesh dashboard needs its extra: {install_hint('dashboard')}"
+    assert f"{ROOT}[dashboard]" in ran.stderr  # this checkout's extra: the name is not on the package index
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ import redis
 
 from gpumesh import capability
 from gpumesh.cli import doctor
+from gpumesh.extras import install_hint
 from gpumesh.models import Capability
 from gpumesh.settings import Settings
 
-from .conftest import MeshWorkers, RedisServer, cli, free_port
+from .conftest import ROOT, MeshWorkers, RedisServer, cli, free_port
 
 pytestmark = pytest.mark.core
 
@@ -222,7 +223,8 @@ def test_the_other_project_named_gpumesh_3x_installed_warns(tmp_path: Path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     line = doctor.distribution_line()
     assert line.status == "warn" and line.detail.startswith("gpumesh 3.1.0 is installed: that is another project")
-    assert line.fix == "Run pip uninstall gpumesh, then pip install gpumesh-pool."
+    assert line.fix == f"Run pip uninstall gpumesh, then reinstall this project: {install_hint()}"
+    assert "-m pip install -e" in line.fix and str(ROOT) in line.fix  # this checkout, not a name on the index
 
 
 def test_python_below_3_11_fails():

@@ -11,7 +11,7 @@ from gpumesh.cli.helpers import url_option
 from gpumesh.server.broker_server import is_loopback, lan_address
 
 EXTRA = ("starlette", "uvicorn", "jinja2", "markupsafe", "anyio")
-MISSING = "gpumesh dashboard needs its extra: pip install 'gpumesh-pool[dashboard]'"
+MISSING = "gpumesh dashboard needs its extra: {}"
 LOOPBACK_NAMES = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
@@ -59,7 +59,9 @@ def dashboard(
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] not in EXTRA:
             raise
-        click.echo(MISSING, err=True)
+        from gpumesh.extras import install_hint
+
+        click.echo(MISSING.format(install_hint("dashboard")), err=True)
         ctx.exit(2)
     if not is_loopback(host):
         click.secho(

@@ -23,7 +23,9 @@ def _prometheus() -> Any:
     try:
         import prometheus_client
     except ImportError:
-        raise UsageError("metrics need prometheus-client: pip install 'gpumesh-pool[metrics]'") from None
+        from gpumesh.extras import install_hint
+
+        raise UsageError(f"metrics need prometheus-client (the metrics extra): {install_hint('metrics')}") from None
     return prometheus_client
 
 

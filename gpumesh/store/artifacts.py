@@ -294,8 +294,11 @@ class ObjectStore:
         try:
             import fsspec
         except ImportError:
+            from gpumesh.extras import install_hint
+
             raise UsageError(
-                f"GPUMESH_ARTIFACTS={url} needs fsspec (and s3fs for s3://): pip install 'gpumesh-pool[artifacts]'"
+                f"GPUMESH_ARTIFACTS={url} needs fsspec (and s3fs for s3://), the artifacts extra: "
+                + install_hint("artifacts")
             ) from None
         self.url = url.rstrip("/")
         try:
