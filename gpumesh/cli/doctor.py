@@ -31,6 +31,7 @@ import redis
 import gpumesh
 from gpumesh.cli.helpers import emit_json, json_option, url_option
 from gpumesh.errors import UsageError
+from gpumesh.extras import install_hint
 from gpumesh.models import Capability
 from gpumesh.settings import Settings
 from gpumesh.store.connection import client, command, mask_url, text, translate
@@ -78,7 +79,7 @@ def python_line(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Line:
         return fail(
             "python",
             f"{shown} ({sys.executable}): gpumesh needs 3.11 or newer",
-            "Install Python 3.11 or newer and reinstall gpumesh-pool with it (pip install gpumesh-pool).",
+            "Install Python 3.11 or newer and install gpumesh with it (in a checkout: python3.11 -m pip install -e .).",
         )
     return ok("python", f"{shown} ({sys.executable})")
 
@@ -123,7 +124,7 @@ def distribution_line() -> Line:
         return warn(
             "distribution",
             f"{', '.join(other)} is installed: that is another project on PyPI, not this one (gpumesh-pool)",
-            "Run pip uninstall gpumesh, then pip install gpumesh-pool.",
+            f"Run pip uninstall gpumesh, then reinstall this project: {install_hint()}",
         )
     if len(providers) > 1:
         return warn(
@@ -233,7 +234,7 @@ def torch_line(torch: Torch | None, driver: str | None) -> Line:
                 "torch",
                 f"not installed, though this machine has an NVIDIA GPU (driver {driver}): tasks and the benchmark "
                 "run on the CPU",
-                "Run pip install torch (the gpu extra: pip install 'gpumesh-pool[gpu]').",
+                "Run pip install torch (what the gpu extra installs).",
             )
         return ok("torch", "not installed (tasks and the benchmark use the CPU)")
     if torch.error:
@@ -664,7 +665,8 @@ def doctor(ctx: click.Context, url: str | None, as_json: bool) -> None:
 
     \b
     Example:
-      gpumesh doctor --url redis://:PASSWORD@10.0.0.5:6379/0
+      gpumesh doctor --url redis://submitter:PASSWORD@10.0.0.5:6390/0   # a serve broker
+      gpumesh doctor --url redis://:PASSWORD@10.0.0.5:6379/0            # the compose broker
       gpumesh doctor --json | jq '.[] | select(.status != "ok")'
     """
     lines = run_checks(url)

@@ -191,7 +191,7 @@ def results(
 @json_option
 @click.pass_context
 def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
-    """List live workers with their device, score and tier."""
+    """List live workers with their device, score and tier (score band: 0 the weakest)."""
     rows = open_mesh(ctx, url).workers()
     if as_json:
         emit_json([r.model_dump(mode="json") for r in rows])

@@ -190,8 +190,10 @@ def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opt
 def join(ctx: click.Context, /, address: str, token: str, ca_fingerprint: str | None, **opts: Any) -> None:
     """Join the mesh at HOST:PORT with a token: `gpumesh worker` in the original tool's form.
 
-    Same as `gpumesh worker redis://:TOKEN@HOST:PORT/0`; a redis:// or rediss:// ADDRESS keeps its scheme.
-    With --ca-fingerprint: `gpumesh worker rediss://:TOKEN@HOST:PORT/0?ca_fingerprint=sha256:HEX`.
+    Same as `gpumesh worker redis://worker:TOKEN@HOST:PORT/0` (a TOKEN of the form USER:PASSWORD, from
+    `gpumesh access add`, keeps its user); a redis:// or rediss:// ADDRESS keeps its scheme. With
+    --ca-fingerprint: `gpumesh worker rediss://worker:TOKEN@HOST:PORT/0?ca_fingerprint=sha256:HEX`.
+    A `gpumesh serve` broker signs its jobs: pass its --trust ed25519:... key as its worker line does.
     """
     scheme, rest = ("redis", address)
     if "://" in address:
@@ -235,7 +237,7 @@ def join(ctx: click.Context, /, address: str, token: str, ca_fingerprint: str | 
     help="TLS only (rediss://), with a CA and server certificate made at the first --tls start and kept in the "
     "data dir; the printed lines pin the CA by fingerprint. Default: as the data dir was last served.",
 )
-@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (pip install 'gpumesh-pool[tunnel]').")
+@click.option("--public", is_flag=True, help="Open a public ngrok TCP tunnel (needs the tunnel extra, pyngrok).")
 @click.option(
     "--insecure-public",
     is_flag=True,
@@ -288,7 +290,7 @@ def serve(
     `gpumesh results` verifies results with. --no-sign prints unsigned lines.
     """
     from gpumesh import logfmt
-    from gpumesh.server.broker_server import BrokerServer, default_data_dir, has_tls, is_loopback, lan_address
+    from gpumesh.server.broker_server import BrokerServer, default_data_dir, has_tls, is_loopback, reachable_host
 
     logfmt.setup("INFO", log_format)
     data_dir = data_dir or default_data_dir()
@@ -304,7 +306,9 @@ def serve(
         try:
             from pyngrok import ngrok
         except ImportError:
-            raise UsageError("--public needs pyngrok: pip install 'gpumesh-pool[tunnel]'") from None
+            from gpumesh.extras import install_hint
+
+            raise UsageError(f"--public needs pyngrok (the tunnel extra): {install_hint('tunnel')}") from None
     server = BrokerServer(data_dir, host=host, port=port, tls=tls, fsync=fsync).start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -319,7 +323,7 @@ def serve(
 
             serve_metrics(broker, metrics_port)
             logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
-        join_host = lan_address() if host in ("0.0.0.0", "::") else ("127.0.0.1" if host == "localhost" else host)
+        join_host = reachable_host(host)
         lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
         if tls:
             lines.append(f"TLS only; CA fingerprint {server.fingerprint} (CA in {server.data_dir / 'tls' / 'ca.pem'})")
@@ -353,6 +357,8 @@ def serve(
             "Submit a job:",
             f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json{sign_key} --url '{submit_url}' "
             "--wait",
+            "Or store that URL and key once, then submit with no --url or --sign-key:",
+            f"  gpumesh config init --url '{submit_url}'{sign_key}",
             "",
             "A credential per person (revocable): gpumesh access add NAME",
             f"Admin URL: in {server.data_dir / 'credentials.json'} (mode 0600)",
@@ -383,9 +389,11 @@ def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str
         broker.r.hset(keys.RESULT_KEYS, "worker", signing.result_public("worker", server.passwords["worker"]))
     except UsageError:  # no cryptography package: results go unsigned
         if not no_sign:
+            from gpumesh.extras import pip_command
+
             raise UsageError(
-                "serve signs jobs by default and needs the cryptography package: pip install "
-                "'gpumesh-pool[signing]' (or pass --no-sign for unsigned jobs)"
+                "serve signs jobs by default and needs the cryptography package, a dependency of gpumesh: "
+                f"{pip_command(['cryptography>=42'])} (or pass --no-sign for unsigned jobs)"
             ) from None
     if no_sign:
         return "", ""

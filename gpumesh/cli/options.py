@@ -11,7 +11,9 @@ import click
 url_option = click.option(
     "--url",
     metavar="URL",
-    help="Broker URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss:// for TLS, "
+    help="Broker URL: redis://[USER:PASSWORD@]HOST:PORT/DB (USER worker or submitter for a `gpumesh serve` broker, "
+    "as its lines print; empty for a Redis with only a requirepass password, such as the compose file's), "
+    "rediss:// for TLS, "
     "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] for a broker that fails over "
     "(default: $GPUMESH_URL, then the config file, then redis://127.0.0.1:6379/0).",
 )
