@@ -29,15 +29,20 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    url: str = DEFAULT_URL
+    url: str = Field(DEFAULT_URL, description="the broker: redis://, rediss:// or redis+sentinel:// (see URLs)")
     lease_ttl: float = Field(
         DEFAULT_LEASE_TTL, gt=0, description="a task's lease lapses this long after the last heartbeat"
     )
     heartbeat_interval: float = Field(
         DEFAULT_HEARTBEAT_INTERVAL, gt=0, description="how often a worker renews its registration and lease"
     )
-    tiers: int = Field(3, ge=1, le=16, description="number of capability tiers (RQ queues)")
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    tiers: int = Field(
+        3, ge=1, le=16, description="tiers (score bands) that `workers` and submit's forecast show; placement ignores them"
+    )
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="the benchmark cache: $XDG_CACHE_HOME/gpumesh, else ~/.cache/gpumesh",
+    )
     log_max_bytes: int = Field(1_000_000, ge=1024, description="stdout+stderr kept per attempt")
     result_max_bytes: int = Field(1_000_000, ge=64, description="largest accepted result line")
     task_memory_mb: int = Field(
@@ -53,7 +58,8 @@ class Settings(BaseModel):
         300.0,
         ge=0,
         le=86400,
-        description="how long submit --wait, status --watch, logs -f and top wait for an unreachable broker",
+        description="how long submit --wait, status --watch, retry --wait, logs -f and top wait out an unreachable "
+        "broker (saying so once, and once when it is back)",
     )
     artifacts: str = Field(
         "", description="where tasks' output files go: empty = the broker; else an fsspec URL (s3://bucket/prefix)"
