@@ -60,7 +60,8 @@ def connect(url: str | None = None) -> Mesh:
     Raises :class:`gpumesh.BrokerError` when the broker cannot be reached or refuses the password, and
     :class:`gpumesh.UsageError` for a malformed URL. Use it as a context manager to close the connection.
 
-    >>> with gpumesh.connect("redis://:secret@10.0.0.5:6379/0") as mesh:   # doctest: +SKIP
+    >>> url = "redis://submitter:PASSWORD@10.0.0.5:6390/0"    # the submitter URL `gpumesh serve` printed
+    >>> with gpumesh.connect(url) as mesh:                      # doctest: +SKIP
     ...     print(len(mesh.workers()), "workers")
     3 workers
     """

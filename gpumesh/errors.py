@@ -40,8 +40,8 @@ class UsageError(GpumeshError):
 class BrokerError(GpumeshError):
     """Redis cannot be reached, refused the credentials, or answered nonsense.
 
-    >>> gpumesh.connect("redis://:wrong@10.0.0.5:6379/0")      # doctest: +SKIP
-    gpumesh.errors.BrokerError: the broker at redis://:***@10.0.0.5:6379/0 refused the credentials (...)
+    >>> gpumesh.connect("redis://submitter:wrong@10.0.0.5:6390/0")      # doctest: +SKIP
+    gpumesh.errors.BrokerError: the broker at redis://submitter:***@10.0.0.5:6390/0 refused the credentials (...)
     """
 
     exit_code = 3

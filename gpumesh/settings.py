@@ -37,7 +37,10 @@ class Settings(BaseModel):
         DEFAULT_HEARTBEAT_INTERVAL, gt=0, description="how often a worker renews its registration and lease"
     )
     tiers: int = Field(
-        3, ge=1, le=16, description="tiers (score bands) that `workers` and submit's forecast show; placement ignores them"
+        3,
+        ge=1,
+        le=16,
+        description="tiers (score bands) that `workers` and submit's forecast show; placement ignores them",
     )
     cache_dir: Path = Field(
         default_factory=_default_cache_dir,

@@ -1,22 +1,26 @@
-"""The CLI and settings reference, generated from the code: every command's ``--help`` and every setting.
+"""The references generated from the code: every command's ``--help`` and every setting, and the Python API
+from its docstrings.
 
-    python -m gpumesh.cli.reference > docs/reference/cli.md
+    python -m gpumesh.cli.reference cli > docs/reference/cli.md
+    python -m gpumesh.cli.reference python > docs/reference/python-api.md
 
-``tests/test_docs.py`` fails when the committed page and this output disagree, so the page is never stale.
+``tests/test_docs.py`` fails when a committed page and this output disagree, so the pages are never stale.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import click
 from click.testing import CliRunner
 
 HEADER = """# CLI and settings reference
 
-Generated from the code by `python -m gpumesh.cli.reference > docs/reference/cli.md`; a test fails when
+Generated from the code by `python -m gpumesh.cli.reference cli > docs/reference/cli.md`; a test fails when
 this page and the commands disagree, so what is below is what `gpumesh COMMAND --help` prints.
 
 Every command that talks to the broker takes `--url`; reading commands take `--json` (one JSON document
@@ -85,5 +89,89 @@ def render() -> str:
     return "\n".join(parts)
 
 
+PYTHON_HEADER = """# Python API
+
+Generated from the docstrings by `python -m gpumesh.cli.reference python > docs/reference/python-api.md`;
+a test fails when this page and the code disagree. These are the names `gpumesh.__all__` exports; how to
+use them: [Python and notebooks](../how-to/python.md).
+"""
+
+
+def _doc(obj: object) -> str:
+    return inspect.cleandoc(obj.__doc__ or "").strip()
+
+
+def _signature(name: str, obj: Any) -> str:
+    try:
+        return f"{name}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return (
+        str(annotation).replace("typing.", "").replace("datetime.datetime", "datetime").replace("gpumesh.models.", "")
+    )
+
+
+def _members(cls: type) -> Iterator[tuple[str, Any]]:
+    """The public methods and properties ``cls`` itself defines, in source order."""
+    for name, member in vars(cls).items():
+        if name.startswith("_") and name not in ("__enter__", "__exit__"):
+            continue
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if callable(member) or isinstance(member, property):
+            yield name, member
+
+
+def _class(name: str, cls: type) -> list[str]:
+    from pydantic import BaseModel
+
+    out = [f"### `{name}`", "", _doc(cls), ""]
+    if issubclass(cls, BaseModel):
+        out += ["| field | type | default |", "| --- | --- | --- |"]
+        for field, info in cls.model_fields.items():
+            default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
+            shown = _type_name(info.annotation).replace("|", "\\|")  # a table cell: | would end it
+            out.append(f"| `{field}` | `{shown}` | {default} |")
+        out.append("")
+        return out
+    if issubclass(cls, BaseException):
+        code = getattr(cls, "exit_code", None)
+        base = cls.__mro__[1].__name__
+        out[2:2] = [f"A subclass of `{base}`" + (f"; exit code {code}." if code is not None else "."), ""]
+        return out
+    for member_name, member in _members(cls):
+        target = member.fget if isinstance(member, property) else member
+        shown = member_name if isinstance(member, property) else _signature(member_name, member)
+        out += [f"- `{name}.{shown}`" + (" (property)" if isinstance(member, property) else ""), ""]
+        doc = _doc(target)
+        if doc:
+            out += ["  " + line if line else "" for line in doc.splitlines()] + [""]
+    return out
+
+
+def render_python_api() -> str:
+    import gpumesh
+
+    parts = [PYTHON_HEADER]
+    for name in gpumesh.__all__:
+        obj = getattr(gpumesh, name)
+        if name == "__version__":
+            continue
+        if inspect.isclass(obj):
+            parts.append("\n".join(_class(name, obj)))
+        else:
+            parts.append("\n".join([f"### `{_signature(name, obj)}`", "", _doc(obj), ""]))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+PAGES = {"cli": render, "python": render_python_api}
+
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if len(sys.argv) != 2 or sys.argv[1] not in PAGES:
+        sys.exit(f"usage: python -m gpumesh.cli.reference {'|'.join(PAGES)}")
+    sys.stdout.write(PAGES[sys.argv[1]]())
