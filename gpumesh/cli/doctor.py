@@ -666,7 +666,7 @@ def doctor(ctx: click.Context, url: str | None, as_json: bool) -> None:
     \b
     Example:
       gpumesh doctor --url redis://submitter:PASSWORD@10.0.0.5:6390/0   # a serve broker
-      gpumesh doctor --url redis://:PASSWORD@10.0.0.5:6379/0            # the compose broker
+      gpumesh doctor --url redis://:PASSWORD@10.0.0.5:6390/0            # the compose broker
       gpumesh doctor --json | jq '.[] | select(.status != "ok")'
     """
     lines = run_checks(url)

@@ -118,7 +118,7 @@ EXAMPLES = {
     "bench": ["gpumesh bench --save"],
     "config": ["gpumesh config init --url 'redis://submitter:PASSWORD@10.0.0.5:6390/0' --sign-key signing.key   # serve prints it"],
     "config init": ["gpumesh config init --url 'redis://submitter:PASSWORD@10.0.0.5:6390/0' --sign-key signing.key   # serve prints it",
-                    "gpumesh config init --url 'redis://:PASSWORD@10.0.0.5:6379/0'   # the compose broker (requirepass)"],
+                    "gpumesh config init --url 'redis://:PASSWORD@10.0.0.5:6390/0'   # the compose broker (one password)"],
     "config show": ["gpumesh config show"],
     "dashboard": ["gpumesh dashboard --port 9181", "gpumesh dashboard --url 'redis://submitter:PASSWORD@10.0.0.5:6390/0'"],
     "doctor": ["gpumesh doctor", "gpumesh doctor --json"],
