@@ -25,7 +25,7 @@ import pytest
 
 from .conftest import ROOT, free_port, wait_until
 
-# Where the pages' screenshots go: docs/screenshots/ (the README shows them) when GPUMESH_SCREENSHOTS=1,
+# Where the pages' screenshots go: docs/screenshots/ (docs/how-to/watch.md shows them) when GPUMESH_SCREENSHOTS=1,
 # so a test run leaves the checkout as it was; a temporary directory otherwise (still taken: a page that
 # cannot be captured fails its test).
 SCREENSHOTS = ROOT / "docs" / "screenshots"

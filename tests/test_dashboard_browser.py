@@ -3,7 +3,7 @@ processes), a real `gpumesh dashboard` process and a headless Chromium. Each tes
 screen: live workers and their disappearance, progress that moves without a reload, a task's error, the
 cancel button that stops running tasks, one timeline bar per attempt in its worker's lane, and what a
 read-only credential and hostile task output cannot do. With GPUMESH_SCREENSHOTS=1 the pages' screenshots
-refresh docs/screenshots/ (the README shows them).
+refresh docs/screenshots/ (docs/how-to/watch.md shows them).
 
 The live regions are server-sent events swapped into the page about once a second; a marker left on the
 window when the page loaded (tests/browser.py) tells an update in place from a reload."""
