@@ -1,4 +1,4 @@
-"""What the sandbox's layers cost one warm attempt (issue 18): no-op attempts forked from one zygote through
+"""What the sandbox's layers cost one warm attempt : no-op attempts forked from one zygote through
 ``sandbox.run`` (no Redis, no RQ), with and without Landlock and the per-attempt cgroup, alternating rounds.
 
     python benchmarks/attempt_cost.py [--attempts 150] [--rounds 3]

@@ -1,4 +1,4 @@
-"""How fast the CLI answers (issue 18 item 3): `gpumesh --help` and `gpumesh status JOB --json`, side by side
+"""How fast the CLI answers : `gpumesh --help` and `gpumesh status JOB --json`, side by side
 with the peer (K4 gpumesh 3.2.0 from PyPI, installed into its own venv under the benchmark's temp dir, or
 the one --peer-venv names), alternating, medians.
 
@@ -121,7 +121,7 @@ def main() -> None:
     ]
     body = (
         table(["command", "median ms", "best ms", "vs the peer's --help"], rows)
-        + "\n\nTargets (issue 18): `--help` at most 1.5x the peer's `--help`, `status JOB --json` at most 2.5x it."
+        + "\n\nTargets: `--help` at most 1.5x the peer's `--help`, `status JOB --json` at most 2.5x it."
     )
     publish("cli-start", "How fast the CLI answers", body, f"python benchmarks/cli_start.py --runs {args.runs}")
 

@@ -1,16 +1,16 @@
-"""Throughput per worker, side by side in one run on this machine, against the first version too.
+"""Throughput per worker, side by side in one run on this machine, against an older revision too.
 
-    python benchmarks/core.py [--shards 100] [--warm-shards 500] [--repeat 3] [--first-version 8c0e58b]
+    python benchmarks/core.py [--shards 100] [--warm-shards 500] [--repeat 3] [--baseline 8c0e58b]
                               [--versions-only]
 
 Starts its own redis-server on a free port and measures, alternating the contenders each round:
   * gpumesh: one `gpumesh worker` draining a job of no-op shards (submit to last result), in
              fresh mode (a new interpreter per task, started while the one before runs) and warm
              mode (`--warm`, forked from a zygote);
-  * first version: the same, with the first version's package (git archive of --first-version,
-             run through PYTHONPATH from a directory outside the checkout): its worker and its submit,
-             same shard counts, rounds interleaved with this version's. The issue asks this version
-             to stay within 5 % of it (current ÷ first version ≥ 0.95), fresh and warm;
+  * baseline: the same, with the package of an older revision (git archive of --baseline, 8c0e58b by
+             default, whose placement is fixed at submit; run through PYTHONPATH from a directory outside
+             the checkout): its worker and its submit, same shard counts, rounds interleaved with this
+             version's. The target: this version within 5 % of it (current ÷ baseline ≥ 0.95), fresh and warm;
   * floor:   a loop spawning `python -c <no-op script>` with a JSON payload on stdin (what any
              fresh-interpreter executor pays per task);
   * one core: the floor and the fresh-mode worker again, each pinned to CPU 0 (`taskset -c 0`), so the
@@ -19,8 +19,8 @@ Starts its own redis-server on a free port and measures, alternating the contend
   * plain RQ: one RQ SimpleWorker (JSON serializer) whose jobs each run the same script in a fresh
              `python -c` subprocess (benchmarks/rq_noop.py), enqueue to last result;
   * RQ's ceiling: the same RQ worker running a function that returns at once (RQ's own cost per job).
---versions-only measures the two versions alone (fresh and warm), nothing else. --first-version takes any git
-revision: `--first-version REV --versions-only` compares this checkout with REV, fresh and warm.
+--versions-only measures the two versions alone (fresh and warm), nothing else. --baseline takes any git
+revision: `--baseline REV --versions-only` compares this checkout with REV, fresh and warm.
 Every gpumesh round, either version's, is driven the same way: a driver process of that version
 (PYTHONPATH, working directory outside the checkout) submits the job and polls it to the end, timing
 inside itself. Each contender has its own Redis database, so idle workers never take another's work.
@@ -37,14 +37,14 @@ import time
 from pathlib import Path
 
 import redis
-from common import ROOT, PrivateRedis, first_version, med, publish, rounds, stop, table
+from common import ROOT, PrivateRedis, med, publish, revision_tree, rounds, stop, table
 
 NOOP = "import json, sys\npayload = json.load(sys.stdin)\nprint(json.dumps({'i': payload['i']}))\n"
 DRIVE = r"""
 import json, sys, time
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]  # not this checkout's modules, for a REV's
 import gpumesh
-try:  # the layout since the structure issue; the first version had gpumesh/broker.py
+try:  # the package's layout now; 8c0e58b had gpumesh/broker.py
     from gpumesh.store.broker import Broker
 except ImportError:
     from gpumesh.broker import Broker
@@ -136,7 +136,9 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=100, help="no-op shards per fresh-interpreter round")
     ap.add_argument("--warm-shards", type=int, default=500, help="no-op shards per warm and RQ-ceiling round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; medians are reported")
-    ap.add_argument("--first-version", default="8c0e58b", help="git revision of the first version")
+    ap.add_argument(
+        "--baseline", "--first-version", dest="first_version", default="8c0e58b", help="git revision to compare with"
+    )
     ap.add_argument("--versions-only", action="store_true", help="only this version against the first, fresh and warm")
     args = ap.parse_args()
 
@@ -146,7 +148,12 @@ def main() -> None:
     run_dir = tmp / "run"  # the versions' working directory: not the checkout
     run_dir.mkdir()
     current = Version("this version", ROOT, run_dir, env)
-    v1 = Version(f"first version ({args.first_version})", first_version(args.first_version, tmp / "v1"), run_dir, env)
+    v1 = Version(
+        f"gpumesh {args.first_version} (placement at submit)",
+        revision_tree(args.first_version, tmp / "v1"),
+        run_dir,
+        env,
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
         # (version, mode) -> its own database; every one of them gets a worker of its own
@@ -154,7 +161,7 @@ def main() -> None:
         if not args.versions_only:
             dbs[("current", "pinned")] = 3
         versions = {"current": current, "v1": v1}
-        # The first version ran fresh by default and knows no --fresh; a later revision (--first-version REV, to
+        # 8c0e58b ran fresh by default and knows no --fresh; a later revision (--baseline REV, to
         # compare with any) runs warm by default, and is told --fresh as this one is.
         knows_fresh = {"current": True, "v1": any("--fresh" in f.read_text() for f in v1.root.rglob("*.py"))}
         for (ver, mode), db in dbs.items():
@@ -199,14 +206,14 @@ def main() -> None:
 
         rows = [
             row("**gpumesh worker** (fresh interpreter per task, started ahead)", "current fresh"),
-            row(f"first version ({rev}), fresh", "v1 fresh"),
+            row(f"gpumesh {rev} (placement at submit), fresh", "v1 fresh"),
             row("**gpumesh worker --warm** (forked from a zygote)", "current warm"),
-            row(f"first version ({rev}), --warm", "v1 warm"),
+            row(f"gpumesh {rev} (placement at submit), --warm", "v1 warm"),
         ]
         fresh_ratio, warm_ratio = m["current fresh"] / m["v1 fresh"], m["current warm"] / m["v1 warm"]
         ratios = [
-            ("gpumesh fresh ÷ first version fresh (target ≥ 0.95)", f"**{fresh_ratio:.2f}**"),
-            ("gpumesh --warm ÷ first version --warm (target ≥ 0.95)", f"**{warm_ratio:.2f}**"),
+            (f"gpumesh fresh ÷ {rev} fresh (target ≥ 0.95)", f"**{fresh_ratio:.2f}**"),
+            (f"gpumesh --warm ÷ {rev} --warm (target ≥ 0.95)", f"**{warm_ratio:.2f}**"),
         ]
         if not args.versions_only:
             rows = [
@@ -228,14 +235,14 @@ def main() -> None:
             ]
         body = (
             f"One worker, no-op shards: {args.shards} per fresh round, {args.warm_shards} per warm round; "
-            f"{args.repeat} rounds, the first version's and this version's interleaved (which goes first alternates).\n\n"
+            f"{args.repeat} rounds, {rev}'s and this version's interleaved (which goes first alternates).\n\n"
             + table(["contender (one worker, no-op shards)", "tasks/s, median", "rounds"], rows)
             + "\n\n"
             + table(["ratio", "value"], ratios)
         )
         cmd = (
             f"python benchmarks/core.py --shards {args.shards} --warm-shards {args.warm_shards} --repeat {args.repeat}"
-            f" --first-version {rev}" + (" --versions-only" if args.versions_only else "")
+            f" --baseline {rev}" + (" --versions-only" if args.versions_only else "")
         )
         publish("core", "Throughput per worker", body, cmd)
     finally:

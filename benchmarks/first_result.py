@@ -1,4 +1,4 @@
-"""First result fast (issue 18 item 4): the grid-search example from one command to its results, on this
+"""First result fast : the grid-search example from one command to its results, on this
 machine with 2 workers. gpumesh: `gpumesh run examples/grid_search.py --payloads examples/payloads.json
 --local 2` (a private broker and 2 workers, started and stopped by the command). The peer (K4 gpumesh
 3.2.0, installed as benchmarks/cli_start.py does): its `serve`, 2 `join` workers and `submit --wait`,

@@ -1,7 +1,7 @@
 """Makespan on an emulated uneven fleet that is settled, forming, joining or changing: gpumesh's
-dispatcher against one FIFO queue and against the first version (tiers fixed at submit).
+dispatcher against one FIFO queue and against an older revision whose tiers are fixed at submit.
 
-    python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 2] [--first-version 8c0e58b]
+    python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 2] [--baseline 8c0e58b]
 
 Real worker processes emulate a fleet whose strengths are 1, 2, 4 and 8 (`--score S`); each task
 sleeps cost × unit ÷ S, so a worker twice as strong finishes twice as fast. The same skewed mix of
@@ -13,11 +13,11 @@ four fleets, each started anew for every run:
   * changing: settled, then the score-4 worker is stopped (SIGTERM) 3 s after the submit and a new
     score-4 worker is started at 5 s.
 Contenders: this gpumesh (placement at dispatch; backup copies on by default), the same with
---no-speculate, the first version (git archive of --first-version, through PYTHONPATH, tiers bound
+--no-speculate, gpumesh 8c0e58b (git archive of --baseline, through PYTHONPATH, tiers bound
 at submit), and four plain RQ workers on one FIFO queue with the same strengths.
 The lower bound of each run is the least T at which the fleet's capacity, Σ s_i · (T − t_i) over the
 workers registered at t_i (after the submit; 0 when before), covers Σ cost, and at least
-min_i (t_i + c_max ÷ s_i) (DESIGN §5). Each contender's workers start as fast as they start, so each
+min_i (t_i + c_max ÷ s_i). Each contender's workers start as fast as they start, so each
 run has its own bound; the table gives the median of the per-run ratios. The changing fleet's bound
 counts the stopped worker as if it stayed, so it is lower than the true one.
 """
@@ -45,7 +45,7 @@ time.sleep(p["cost"] * p["unit"] / float(os.environ["GPUMESH_WORKER_SCORE"]))
 print(json.dumps({"cost": p["cost"]}))
 """
 COSTS = [1.0] * 40 + [4.0] * 6 + [12.0] * 3 + [30.0]  # skewed: most light, a few heavy, one very heavy
-# Run with the first version on PYTHONPATH. This venv's editable install of the checkout would supply a module the first
+# Run with the baseline revision on PYTHONPATH. This venv's editable install of the checkout would supply a module the first
 # version lacks (gpumesh.store: its layout was flat, gpumesh/broker.py), mixing two versions in one process: its finder goes.
 SUBMIT_V1 = """import json, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
@@ -135,7 +135,7 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
             procs = [c.worker(s) for s in scores]
             while c.registered() < len(scores):
                 time.sleep(0.05)
-            time.sleep(2.5)  # the first version's workers learn their tiers at a heartbeat (1 s here)
+            time.sleep(2.5)  # the baseline's workers learn their tiers at a heartbeat (1 s here)
         elif fleet == "forming":
             procs = [c.worker(s) for s in scores]
             time.sleep(2.0)
@@ -170,8 +170,8 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
     return makespan, lower_bound(starts, [p["cost"] * p["unit"] for p in payloads])
 
 
-def first_version(rev: str, dest: Path) -> Path:
-    """The first version's package, from git, to run through PYTHONPATH."""
+def baseline_tree(rev: str, dest: Path) -> Path:
+    """The baseline revision's package, from git, to run through PYTHONPATH."""
     data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gpumesh"], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
@@ -183,18 +183,24 @@ def main() -> None:
     ap.add_argument("--scores", default="1,2,4,8")
     ap.add_argument("--unit", type=float, default=1.0, help="seconds one unit of cost takes on a score-1 worker")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--first-version", default="8c0e58b", help="git revision of the first version (tiers)")
+    ap.add_argument(
+        "--baseline",
+        "--first-version",
+        dest="first_version",
+        default="8c0e58b",
+        help="git revision to compare with (tiers)",
+    )
     ap.add_argument("--fleets", default="settled,forming,joining,changing")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
     fleets = args.fleets.split(",")
     server = PrivateRedis()
     env = {"XDG_CACHE_HOME": str(server.tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1", "GPUMESH_LEASE_TTL": "5"}
-    v1 = first_version(args.first_version, server.tmp / "v1")
+    v1 = baseline_tree(args.first_version, server.tmp / "v1")
     contenders = [
         Contender("gpumesh (dispatch, backups on)", server.db(1), server.tmp, env),
         Contender("gpumesh --no-speculate", server.db(2), server.tmp, env, speculate=False),
-        Contender(f"first version ({args.first_version}, tiers)", server.db(3), server.tmp, env, v1=v1),
+        Contender(f"gpumesh {args.first_version} (tiers fixed at submit)", server.db(3), server.tmp, env, v1=v1),
         Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True),
     ]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -219,7 +225,7 @@ def main() -> None:
                          f"**{med(ratios):.2f}**", rounds(ratios)))  # fmt: skip
     body = (
         f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} (Σ {sum(COSTS):.0f}); "
-        f"unit {args.unit} s; heartbeat 1 s. Targets (DESIGN §5): settled and forming ≤ 1.15 × the bound, "
+        f"unit {args.unit} s; heartbeat 1 s. Targets: settled and forming ≤ 1.15 × the bound, "
         "joining ≤ 1.25 ×.\n\n"
         + table(
             [
@@ -236,7 +242,7 @@ def main() -> None:
     publish(
         "makespan", "Makespan on settled, forming, joining and changing fleets", body,
         f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
-        f" --first-version {args.first_version}",
+        f" --baseline {args.first_version}",
     )  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""End to end against the peer (issue 18 item 2): N no-op shards through ONE worker, timed from `submit --wait`
+"""End to end against the peer : N no-op shards through ONE worker, timed from `submit --wait`
 in a shell to its exit, gpumesh (warm, the default, and --fresh) beside K4 gpumesh 3.2.0 from PyPI (installed
 into its own venv under the benchmark's temp dir, or the one --peer-venv names), alternating, medians.
 
@@ -95,7 +95,7 @@ def main() -> None:
     body = (
         f"{args.tasks} no-op shards through one worker, from `submit --wait` to its exit:\n\n"
         + table(["", "median s", "rounds", "tasks/s", "vs the peer"], rows)
-        + "\n\nTarget (issue 18): at least 2.5x the peer per worker."
+        + "\n\nTarget: at least 2.5x the peer per worker."
     )
     publish("peer", "End to end against the peer", body,
             f"python benchmarks/peer.py --tasks {args.tasks} --rounds {args.rounds}")  # fmt: skip

@@ -53,7 +53,7 @@ from urllib.parse import urlparse
 
 import hiredis
 import redis
-from common import PrivateRedis, first_version, publish, table
+from common import PrivateRedis, publish, revision_tree, table
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -391,7 +391,7 @@ def library_of(rev: str, tmp: Path) -> tuple[str, str, bool, bool]:
     """(name, code) of the Lua library as git revision ``rev`` builds it, by its own scripts.library(), and
     how its worker delivered: whether it read each delivery back (HGETALL; before its pop rode in the
     delivery's transaction) and whether its delivery first cleared a resent transaction's copy (two LREMs)."""
-    root = first_version(rev, tmp / f"rev-{rev}")
+    root = revision_tree(rev, tmp / f"rev-{rev}")
     broker_py = next((root / p for p in ("gpumesh/store/broker.py", "gpumesh/broker.py") if (root / p).exists()), None)
     source = broker_py.read_text() if broker_py else ""
     read_back = "take: bool" not in source

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import PrivateRedis, first_version, med, publish, rounds, table
+from common import PrivateRedis, med, publish, revision_tree, rounds, table
 
 from gpumesh.store.submit import STAGE_ABOVE, STAGE_CHUNK
 
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="also submit with gpumesh as of this git revision")
     args = ap.parse_args()
     server = PrivateRedis()
-    tree = first_version(args.against, server.tmp / "against") if args.against else None
+    tree = revision_tree(args.against, server.tmp / "against") if args.against else None
     rows = []
     rq_rate: tuple[float, float] | None = None
     try:
@@ -140,7 +140,7 @@ def main() -> None:
         f"job is written at submit: a worker enqueues one to its own queue when dispatch.lua gives it a task. A job "
         f"above {STAGE_ABOVE:,} tasks is written in stages ({STAGE_CHUNK:,} tasks per round trip, invisible), then "
         "one MULTI/EXEC makes it visible at once, so neither the client nor Redis's MULTI buffer holds it whole. "
-        "The RQ contender writes one RQ job per task, as the first version's submit did."
+        "The RQ contender writes one RQ job per task, as 8c0e58b's submit did (placement fixed at submit)."
     )
     publish(
         "submit", "Submit", body,
