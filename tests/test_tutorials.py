@@ -80,11 +80,12 @@ class Machine:
 
 
 class Broker:
-    """`gpumesh serve --tls --host 0.0.0.0` as a page runs it, and the lines it prints."""
+    """`gpumesh serve --tls --host 0.0.0.0` (or the ``args`` given) as a page runs it, and the lines it prints."""
 
-    def __init__(self, machine: Machine, data: Path) -> None:
+    def __init__(self, machine: Machine, data: Path, args: tuple[str, ...] = ("--tls", "--host", "0.0.0.0")) -> None:
         self.data = data
-        argv = ["serve", "--tls", "--host", "0.0.0.0", "--port", str(free_port()), "--data-dir", str(data)]
+        scheme = "rediss" if "--tls" in args else "redis"
+        argv = ["serve", *args, "--port", str(free_port()), "--data-dir", str(data)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpumesh", *argv], env=machine.env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -96,8 +97,8 @@ class Broker:
             if line.strip().startswith("gpumesh config init"):
                 break
         text = "\n".join(lines)
-        worker = re.search(r"^gpumesh worker 'rediss://worker:.*$", text, flags=re.M)
-        config = re.search(r"^gpumesh config init --url 'rediss://submitter:.* --sign-key .*$", text, flags=re.M)
+        worker = re.search(rf"^gpumesh worker '{scheme}://worker:.*$", text, flags=re.M)
+        config = re.search(rf"^gpumesh config init --url '{scheme}://submitter:.* --sign-key .*$", text, flags=re.M)
         assert worker and config, (text, self.proc.stderr.read() if self.proc.poll() is not None else "")
         self.worker_line, self.config_line = worker.group(0), config.group(0)
 
@@ -206,4 +207,31 @@ def test_your_own_training_script_as_the_tutorial_says(env, tmp_path: Path):
         assert json.loads(rows[0]["result"])["lr"] == 0.5
     finally:
         other.stop()
+        broker.stop()
+
+
+def test_your_first_job_as_the_tutorial_says(env, tmp_path: Path):
+    tutorial = page("docs/tutorials/first-job.md")
+    run = "gpumesh run " + " ".join(EXAMPLE) + " --local 2"
+    looks = ["gpumesh status JOB", "gpumesh results JOB", "gpumesh logs JOB", "gpumesh workers"]
+    on_page(
+        tutorial, run, "gpumesh serve\n", "gpumesh worker 'redis://worker:", "gpumesh config init --url 'redis://submitter:",
+        "gpumesh submit " + " ".join(EXAMPLE) + " --wait", *looks,
+    )  # fmt: skip
+    here = Machine(env, tmp_path / "here", cwd=ROOT)
+    local = here.run(run)
+    assert local.returncode == 0 and local.stdout.count("done") == 6, local.stdout + local.stderr
+    broker = Broker(here, tmp_path / "here" / "broker", args=())  # plain `gpumesh serve`: this machine only
+    try:
+        assert "@127.0.0.1:" in broker.worker_line
+        here.start(broker.worker_line, tmp_path / "worker.log")
+        assert here.run(broker.config_line).returncode == 0
+        wait_until(lambda: workers_live(here, 1), timeout=60, what="the worker to join")
+        job = submitted(here.run("gpumesh submit " + " ".join(EXAMPLE) + " --wait"))
+        for look in looks:
+            ran = here.run(look.replace("JOB", job))
+            assert ran.returncode == 0, (look, ran.stderr)
+        assert "done" in here.run(f"gpumesh status {job}").stderr + here.run(f"gpumesh status {job}").stdout
+    finally:
+        here.stop()
         broker.stop()
