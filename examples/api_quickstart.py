@@ -1,7 +1,7 @@
 """The Python API in one file: map a function, submit a script, stream results, catch a failure.
 
 Start a mesh first (any of: `gpumesh serve` and `gpumesh worker URL` on each machine, or the
-README's docker compose), point GPUMESH_URL at it, then:
+docker compose broker of docs/how-to/broker.md), point GPUMESH_URL at it (or `gpumesh config init`), then:
 
     python examples/api_quickstart.py
 

@@ -95,7 +95,7 @@ def worker_options(f: Any) -> Any:
                 show_default=True,
                 help="warm: fork each attempt from a zygote that started Python (and --preload) once: the same "
                 "sandbox, none of the start-up cost. fresh: a new interpreter for each attempt, for scripts "
-                "that must not share the zygote's imported modules or sys.path (see the README).",
+                "that must not share the zygote's imported modules or sys.path (docs/explanation/warm-and-fresh.md).",
             ),
             click.option(
                 "--preload",

@@ -335,7 +335,7 @@ class Executor:
         return staged
 
     def _task_env(self, lease: scripts.Lease) -> dict[str, str]:
-        """What the script learns about its task and its worker (README: Writing a task script)."""
+        """What the script learns about its task and its worker (docs/reference/task-environment.md)."""
         env = {
             "GPUMESH_DEVICE": self.w.capability.device,
             "GPUMESH_JOB_ID": lease.job_id,
