@@ -29,7 +29,7 @@ command than Redis spends on most of them, so commands are packed and replies pa
 on bare sockets. The fleet is split in --groups groups (3), each on its own connection: while one
 group's round runs in Redis and the next waits in its socket, the harness parses another's replies
 and packs its next round. With two, Redis waited for the harness in the delivery variant (93 % of a
-core against 99 % bare, 2026-12-05): a third in flight took it from 9,980 to 10,553/s at the same
+core against 99 % bare, on a 2-core Intel Xeon): a third in flight took it from 9,980 to 10,553/s at the same
 89-93 µs of Redis a task, and a fourth added nothing (10,525/s). Dispatch
 latency is measured apart, by one real worker client in its own process (registered in the same
 fleet, taking tasks from the same jobs): scripts.dispatch, then Broker.deliver and LPOP (delivery
