@@ -87,7 +87,17 @@ def worker_options(f: Any) -> Any:
                 "write_path",
                 multiple=True,
                 metavar="PATH",
-                help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS).",
+                help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS). Every "
+                "job's tasks share it: not for caches on a mesh with several submitters (see --cache-path).",
+            ),
+            click.option(
+                "--cache-path",
+                "cache_path",
+                multiple=True,
+                metavar="PATH",
+                help="Under isolation, a cache tasks read (a Hugging Face or torch hub cache you fill yourself): "
+                "each attempt sees it through an overlay of its own, whose writes go when the attempt ends, so no "
+                "job leaves code there for another (repeatable; also GPUMESH_CACHE_PATHS).",
             ),
             click.option(
                 "--warm/--fresh",
@@ -142,16 +152,23 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 
 
 def _isolation_flags(opts: dict[str, Any]) -> None:
-    """--no-isolation, --read-path, --write-path: as the settings they stand for (flags over the environment),
+    """--no-isolation, --read-path, --write-path, --cache-path: as the settings they stand for (flags over the environment),
     so that the worker's settings, and the per-GPU workers that --gpus starts, see them."""
     import os
 
     for path in (*opts["read_path"], *opts["write_path"]):
         if not os.path.exists(path):
             raise UsageError(f"--read-path/--write-path {path}: no such file or directory")
+    for path in opts["cache_path"]:
+        if not os.path.isdir(path):
+            raise UsageError(f"--cache-path {path}: no such directory; make it (and fill it) first")
+        if any(c in os.path.abspath(path) for c in ",:\\"):
+            raise UsageError(f"--cache-path {path}: a cache's path may not hold ',', ':' or '\\'; link it elsewhere")
     if opts["no_isolation"]:
         os.environ["GPUMESH_ISOLATION"] = "false"
-    for flag, var in (("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS")):
+    for flag, var in (
+        ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
+    ):  # fmt: skip
         paths = [os.path.abspath(p) for p in opts[flag]]
         if paths:
             os.environ[var] = os.pathsep.join([*paths, *([os.environ[var]] if os.environ.get(var) else [])])
