@@ -336,3 +336,14 @@ def test_a_job_cannot_plant_code_in_a_cache_that_another_job_imports(env, worker
     log = workers.log(0)
     assert "its own overlay of the cache " + str(cache) in log, log
     assert "every job's tasks write there" in log and "use --cache-path" in log, log
+
+
+def test_doctor_says_whether_attempts_get_namespaces_of_their_own(env):
+    """`gpumesh doctor` says what holds on this machine: here (Linux with user namespaces), every attempt's own
+    IPC, /dev/shm and keyrings, as root and as an unprivileged user."""
+    p = gpumesh("doctor", "--json", env=env, timeout=120)
+    (row,) = [row for row in json.loads(p.stdout) if row["check"] == "namespaces"]
+    if namespaces.unavailable() is None:
+        assert row["status"] == "ok" and "/dev/shm (within its memory cap)" in row["detail"], row
+    else:
+        assert row["status"] == "warn" and "tasks share /dev/shm" in row["detail"] and row["fix"], row
