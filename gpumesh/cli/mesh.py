@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -145,10 +146,19 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 
     for r in options.resources:  # a bad --resource is a usage error before anything connects
         parse_resource(r)
+    if options.name is not None and not WORKER_NAME.fullmatch(options.name):
+        raise UsageError(
+            f"--name {options.name!r}: a worker's name is 1 to 64 letters, digits and . _ - @ + : (starting with a "
+            "letter or digit), as others' terminals and pages show it; e.g. --name lab-a100"
+        )
     _isolation_flags(opts)
     code = build.run(connect(ctx, url, worker=True), options)
     if code:
         ctx.exit(code)
+
+
+# What a worker may call itself: plain characters (no control, no markup, no space), as a host name would be.
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+:-]{0,63}")
 
 
 def _isolation_flags(opts: dict[str, Any]) -> None:
@@ -342,9 +352,10 @@ def serve(
             lines.append(f"TLS only; CA fingerprint {server.fingerprint} (CA in {server.data_dir / 'tls' / 'ca.pem'})")
         if not is_loopback(host):
             err.print(
-                f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
+                f"WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
                 "password can run code on every worker. Keep the password secret"
-                + ("; traffic is TLS.[/]" if tls else "; prefer a VPN or --tls.[/]")
+                + ("; traffic is TLS." if tls else "; prefer a VPN or --tls."),
+                style="bold red",
             )
         join = server.url_for("worker", join_host)
         submit_url = server.url_for("submitter", join_host)
@@ -354,14 +365,15 @@ def serve(
             tunnel_url = server.url_for("worker", public_host, int(public_port))
             submit_url = server.url_for("submitter", public_host, int(public_port))
             err.print(
-                "[bold red]WARNING: the broker is now reachable from the whole internet at "
+                "WARNING: the broker is now reachable from the whole internet at "
                 f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
                 + (
-                    "Traffic through the tunnel is TLS, checked against the pinned CA.[/]"
+                    "Traffic through the tunnel is TLS, checked against the pinned CA."
                     if tls
                     else "Redis traffic through the tunnel is NOT encrypted (--insecure-public): "
-                    "anyone on the path can read the password; use --tls.[/]"
-                )
+                    "anyone on the path can read the password; use --tls."
+                ),
+                style="bold red",
             )
         lines += [
             "",
