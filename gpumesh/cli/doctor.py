@@ -361,17 +361,17 @@ NAMESPACES_FIX = (
 def namespaces_line() -> Line:
     """Whether each attempt gets its own IPC, /dev/shm and keyring here: as this user, and as an unprivileged one
     (what a non-root worker and --sandbox-user get) when this is root."""
-    from gpumesh.sandbox import namespaces
+    from gpumesh.worker.build import namespaces_unavailable
 
     what = "each attempt has its own SysV IPC, /dev/shm (within its memory cap), keyrings and --cache-path overlays"
-    mine = namespaces.unavailable()
+    mine = namespaces_unavailable()
     if os.geteuid() != 0:
         if mine is None:
             return ok("namespaces", f"{what} (user namespaces, no privilege needed)")
         return warn("namespaces", f"{mine}: tasks share /dev/shm, SysV IPC and the user keyring", NAMESPACES_FIX)
     try:
         entry = pwd.getpwnam("nobody")
-        unprivileged = namespaces.unavailable(entry.pw_uid, entry.pw_gid)
+        unprivileged = namespaces_unavailable(entry.pw_uid, entry.pw_gid)
     except KeyError:
         unprivileged = "no user nobody to try as"
     if mine is None and unprivileged is None:
