@@ -347,3 +347,18 @@ def test_doctor_says_whether_attempts_get_namespaces_of_their_own(env):
         assert row["status"] == "ok" and "/dev/shm (within its memory cap)" in row["detail"], row
     else:
         assert row["status"] == "warn" and "tasks share /dev/shm" in row["detail"] and row["fix"], row
+
+
+@needs_landlock
+@needs_namespaces
+@pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox-user needs a root worker")
+def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(env, tmp_path: Path):
+    """Each attempt would fail to lay its overlay: the worker says so in one line and does not start."""
+    private = tmp_path / "root-only"
+    (private / "cache").mkdir(parents=True)
+    private.chmod(0o700)
+    p = gpumesh("worker", "--score", "1", "--burst", "--sandbox-user", "nobody", "--cache-path",
+                str(private / "cache"), env={**env, "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}, timeout=60)  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
+    assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [p.stderr.strip().splitlines()[-1]]

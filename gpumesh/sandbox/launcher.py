@@ -400,7 +400,10 @@ def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str |
         _mount("tmpfs", SHM, "tmpfs", MS_NOSUID | MS_NODEV, f"{size}mode=1777")
         own.append(SHM)
     for i, path in enumerate(private.get("caches") or ()):
-        if attempt_dir is None or not os.path.isdir(path):
+        try:
+            if attempt_dir is None or not _is_dir(os.stat(path).st_mode):
+                continue
+        except FileNotFoundError:  # gone since the worker started: the task finds nothing there
             continue
         base = os.path.join(attempt_dir, f"{CACHE_DIR_PREFIX}{i}")
         upper, work = os.path.join(base, "upper"), os.path.join(base, "work")
@@ -421,15 +424,24 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
         raise OSError(ctypes.get_errno(), f"mount {fstype or 'MS_PRIVATE'} on {target}")
 
 
-def private_namespaces_probe(uid: int, gid: int) -> str:
-    """Whether an attempt can have namespaces of its own here, as the user ``uid`` (-1: this process's): "" if so, else
-    why not. Run in a process of its own (it changes this one's namespaces and user)."""
+def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> str:
+    """Whether an attempt can have namespaces of its own here, as the user ``uid`` (-1: this process's), with an
+    overlay on each of ``caches``: "" if so, else why not. Run in a process of its own (it changes this one's
+    namespaces and user)."""
+    import shutil
+    import tempfile
+
+    attempt = None
     try:
         if uid >= 0 and uid != os.getuid():
             _become_user(str(uid), str(gid))
-        enter_namespaces({}, 1 << 20, None)
+        attempt = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX + "probe-") if caches else None
+        enter_namespaces({"caches": list(caches)}, 1 << 20, attempt)
     except OSError as exc:
-        return f"{exc.filename or ''}: {os.strerror(exc.errno) if exc.errno else exc}".lstrip(": ")
+        return f"{exc.filename or exc.strerror}: {os.strerror(exc.errno)}" if exc.errno else str(exc)
+    finally:
+        if attempt is not None:
+            shutil.rmtree(attempt, ignore_errors=True)  # its overlay's work dir stays 000 only while mounted
     return ""
 
 

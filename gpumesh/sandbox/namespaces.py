@@ -16,20 +16,21 @@ import subprocess
 import sys
 import tempfile
 
-PROBE = "import sys; from gpumesh.sandbox.launcher import private_namespaces_probe as p; print(p({}, {}))"
+PROBE = "from gpumesh.sandbox.launcher import private_namespaces_probe as p; print(p({}, {}, {!r}))"
 
 
 @functools.cache
-def unavailable(uid: int = -1, gid: int = -1) -> str | None:
-    """Why an attempt run as ``uid`` (-1: this process's user) cannot have namespaces of its own here, or None when
-    it can. Asked of a process of its own (the probe changes its namespaces and user)."""
+def unavailable(uid: int = -1, gid: int = -1, caches: tuple[str, ...] = ()) -> str | None:
+    """Why an attempt run as ``uid`` (-1: this process's user) cannot have namespaces of its own here (with an
+    overlay on each of ``caches``), or None when it can. Asked of a process of its own (the probe changes its
+    namespaces and user)."""
     if not sys.platform.startswith("linux"):
         return f"not Linux ({sys.platform})"
     if os.path.commonpath([os.path.realpath(tempfile.gettempdir()), "/dev/shm"]) == "/dev/shm":
         return "the worker's temp dir is under /dev/shm, which each attempt's own /dev/shm would hide"
     try:
         done = subprocess.run(
-            [sys.executable, "-c", PROBE.format(int(uid), int(gid))],
+            [sys.executable, "-c", PROBE.format(int(uid), int(gid), list(caches))],
             capture_output=True, text=True, timeout=30, cwd="/", env={"PATH": os.environ.get("PATH", "")},
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:

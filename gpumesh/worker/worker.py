@@ -88,6 +88,15 @@ def isolation_of(settings: Any, user: tuple[int, int] | None = None) -> tuple[la
     no_namespaces = namespaces.unavailable(*(user or (-1, -1)))
     said = f"tasks isolated with Landlock (ABI {landlock.abi()}): they read only the system and Python"
     said += "".join(f", {p}" for p in read) + ", and write only their own directory" + "".join(f", {p}" for p in write)
+    if no_namespaces is None and cache:
+        refused = namespaces.unavailable(*(user or (-1, -1)), tuple(os.path.abspath(p) for p in cache))
+        if refused is not None:
+            from gpumesh.errors import UsageError
+
+            raise UsageError(
+                f"--cache-path: an attempt could not lay its overlay ({refused}); the tasks' user must be able to "
+                "read each cache (with --sandbox-user, that user)"
+            )
     if no_namespaces is None:
         said += "; each attempt has its own IPC, /dev/shm (within its memory cap) and keyring"
         said += "".join(f", and its own overlay of the cache {p}" for p in cache)
