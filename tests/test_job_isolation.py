@@ -219,7 +219,8 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
     host_key = f"gpumesh-host-{secrets.token_hex(4)}"
     mine = _LIBC.syscall(248, b"user", host_key.encode(), b"the user's own", 14, ctypes.c_int(-4))
     assert mine >= 0, os.strerror(ctypes.get_errno())
-    payload = {"name": name, "key": IPC_KEY, "host_key": host_key}
+    key = secrets.randbelow(1 << 30) + (1 << 20)  # no segment of another run's
+    payload = {"name": name, "key": key, "host_key": host_key}
     runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
     try:
         _, left = runner.run(LEAVE, payload, _limits(user))
@@ -227,7 +228,7 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
         _, seen = runner.run(FIND, payload, _limits(user))
         assert seen == {"shm": False, "sysv": False, "user_key": False, "session_key": False, "host_key": False}
         assert not Path("/dev/shm", name).exists()
-        assert _LIBC.shmget(IPC_KEY + 1, 0, 0) == -1
+        assert _LIBC.shmget(key + 1, 0, 0) == -1
         found = _LIBC.syscall(250, 10, ctypes.c_int(-4), b"user", name.encode(), 0)
         assert found < 0, "job A's key is in the worker user's keyring"
     finally:
