@@ -1,5 +1,6 @@
-"""What the sandbox's layers cost one warm attempt : no-op attempts forked from one zygote through
-``sandbox.run`` (no Redis, no RQ), with and without Landlock and the per-attempt cgroup, alternating rounds.
+"""What the sandbox's layers cost one warm attempt: no-op attempts forked from one zygote through ``sandbox.run``
+(no Redis, no RQ), with and without Landlock, the attempt's own namespaces (IPC, /dev/shm, keyring) and the
+per-attempt cgroup, alternating rounds.
 
     python benchmarks/attempt_cost.py [--attempts 150] [--rounds 3]
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import med, publish, rounds, table  # noqa: E402
 
-from gpumesh.sandbox import landlock, tree  # noqa: E402
+from gpumesh.sandbox import landlock, namespaces, tree  # noqa: E402
 from gpumesh.sandbox import runner as sandbox  # noqa: E402
 from gpumesh.sandbox.warm import Zygote  # noqa: E402
 
@@ -53,10 +54,15 @@ def main() -> None:
     cases: dict[str, tuple[landlock.Isolation | None, bool]] = {"neither": (None, False)}
     if iso is not None:
         cases["Landlock"] = (iso, False)
+    private = landlock.Isolation(private=True) if iso is not None and namespaces.unavailable() is None else None
+    if private is not None:
+        cases["Landlock + namespaces"] = (private, False)
     if has_cgroup:
         cases["per-attempt cgroup"] = (None, True)
         if iso is not None:
-            cases["both (the default here)"] = (iso, True)
+            cases["Landlock + cgroup"] = (iso, True)
+        if private is not None:
+            cases["all three (the default here)"] = (private, True)
     times: dict[str, list[float]] = {name: [] for name in cases}
     zygote = Zygote()
     zygote.start()

@@ -24,7 +24,8 @@ DEFAULT_HEARTBEAT_INTERVAL = 5.0  # s
 # config file's keys a command that reads some settings here may meet.
 NAMES = (
     "url", "lease_ttl", "heartbeat_interval", "tiers", "cache_dir", "log_max_bytes", "result_max_bytes",
-    "task_memory_mb", "job_retention", "sandbox_python", "isolation", "read_paths", "write_paths", "signing_key",
+    "task_memory_mb", "job_retention", "sandbox_python", "isolation", "read_paths", "write_paths", "cache_paths",
+    "signing_key",
     "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
     "trusted_keys",
 )  # fmt: skip

@@ -56,6 +56,9 @@ class Settings(BaseModel):
     isolation: bool = Field(True, description="worker: confine tasks with Landlock where the kernel has it")
     read_paths: str = Field("", description="worker: more paths tasks may read under isolation (':' or ',')")
     write_paths: str = Field("", description="worker: more paths tasks may write under isolation (':' or ',')")
+    cache_paths: str = Field(
+        "", description="worker: caches tasks read, each attempt's writes kept in an overlay of its own (':' or ',')"
+    )
     signing_key: str = Field("", description="submit: sign every task with this Ed25519 private key file")
     outage_patience: float = Field(
         300.0,

@@ -90,6 +90,7 @@ class Dashboard:
     printed, ``mode`` what it said it may do ("read-only" or "may cancel and retry")."""
 
     LINE = re.compile(r"gpumesh dashboard: (http://\S+?)/? \((read-only|may cancel and retry)\)")
+    TOKEN = re.compile(r"to cancel and retry, open (http://\S+\?token=\S+)")
 
     def __init__(self, env: dict[str, str], url: str, tmp: Path) -> None:
         self.port = free_port()
@@ -112,6 +113,11 @@ class Dashboard:
             self.stop()
             pytest.fail(f"`gpumesh dashboard` did not print its address: {self.output()}")
         self.base, self.mode = match.group(1), match.group(2)
+        self.login = ""  # the address with the access token a dashboard that may write prints next
+        if self.mode != "read-only":
+            wait_until(lambda: any(self.TOKEN.search(line) for line in self.lines), timeout=10,
+                       what="the dashboard to print its access token")  # fmt: skip
+            self.login = next(m.group(1) for m in map(self.TOKEN.search, self.lines) if m)
 
     def _read(self, found: queue.Queue[re.Match[str] | None]) -> None:
         assert self.proc.stdout

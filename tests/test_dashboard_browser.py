@@ -84,6 +84,8 @@ class Dashboards:
     def start(self, url: str | None = None) -> Dashboard:
         d = Dashboard(self.env, url or self.env["GPUMESH_URL"], self.tmp)
         self.started.append(d)
+        if d.login:  # as its user does: the address it printed, with its access token
+            self.driver.get(d.login)
         return d
 
     def stop_all(self) -> None:

@@ -21,7 +21,19 @@ from .conftest import ROOT, MeshWorkers, RedisServer, cli, free_port
 
 pytestmark = pytest.mark.core
 
-MACHINE = ("python", "gpumesh", "distribution", "device", "torch", "nvidia-smi", "numpy", "cache", "landlock", "cgroup")
+MACHINE = (
+    "python",
+    "gpumesh",
+    "distribution",
+    "device",
+    "torch",
+    "nvidia-smi",
+    "numpy",
+    "cache",
+    "landlock",
+    "namespaces",
+    "cgroup",
+)
 BROKER = ("broker", "persistence", "maxmemory-policy", "acl", "clock", "workers")
 
 

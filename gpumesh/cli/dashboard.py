@@ -46,7 +46,8 @@ def own_names(host: str) -> list[str]:
 @click.option(
     "--read-only",
     is_flag=True,
-    help="Never cancel or retry, whatever the credential may do (no buttons; the endpoints refuse).",
+    help="Never cancel or retry, whatever the credential may do (no buttons; the endpoints refuse). Use it on "
+    "a machine that runs a worker: a dashboard that may write takes writes only with the access token it prints.",
 )
 @click.pass_context
 def dashboard(

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import platform
+import pwd
 import shutil
 import subprocess
 import sys
@@ -351,6 +352,41 @@ def landlock_line() -> Line:
     )
 
 
+NAMESPACES_FIX = (
+    "Let users make user namespaces (sysctl user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 on "
+    "Debian kernels; kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10+), or run the worker as root "
+    "with --sandbox-user."
+)
+
+
+def namespaces_line() -> Line:
+    """Whether each attempt gets its own IPC, /dev/shm and keyring here: as this user, and as an unprivileged one
+    (what a non-root worker and --sandbox-user get) when this is root."""
+    from gpumesh.worker.build import namespaces_unavailable
+
+    what = "each attempt has its own SysV IPC, /dev/shm (within its memory cap), keyrings and --cache-path overlays"
+    mine = namespaces_unavailable()
+    if os.geteuid() != 0:
+        if mine is None:
+            return ok("namespaces", f"{what} (user namespaces, no privilege needed)")
+        return warn("namespaces", f"{mine}: tasks share /dev/shm, SysV IPC and the user keyring", NAMESPACES_FIX)
+    try:
+        entry = pwd.getpwnam("nobody")
+        unprivileged = namespaces_unavailable(entry.pw_uid, entry.pw_gid)
+    except KeyError:
+        unprivileged = "no user nobody to try as"
+    if mine is None and unprivileged is None:
+        return ok("namespaces", f"{what}, for a root worker and as an unprivileged user (--sandbox-user, non-root)")
+    if mine is None:
+        return warn(
+            "namespaces",
+            f"{what} for a root worker, but not as an unprivileged user ({unprivileged}): with --sandbox-user, and "
+            "for non-root workers, tasks share /dev/shm, SysV IPC and the user keyring",
+            NAMESPACES_FIX,
+        )
+    return warn("namespaces", f"{mine}: tasks share /dev/shm, SysV IPC and the user keyring", NAMESPACES_FIX)
+
+
 def own_cgroup(version: str, proc_cgroup: str) -> Path | None:
     """This process's own cgroup directory: the v2 one, or v1's memory controller's."""
     for row in proc_cgroup.splitlines():
@@ -413,6 +449,7 @@ def machine_lines(settings: Settings) -> list[Line]:
         ("numpy", numpy_line),
         ("cache", lambda: cache_line(settings.cache_dir)),
         ("landlock", landlock_line),
+        ("namespaces", namespaces_line),
         ("cgroup", cgroup_line),
     ]
     return [guarded(name, check) for name, check in checks]

@@ -97,7 +97,7 @@ def submit(
     if as_json:  # the job has ended: Ctrl-C from here is a plain interruption (cli.group)
         emit_json(st.model_dump(mode="json"))
     else:
-        click.echo(f"{st.job_id} {st.status}")
+        click.echo(render.plain(f"{st.job_id} {st.status}"))
         explain_failures(mesh, st)
     exit_for(ctx, st)
 
@@ -109,7 +109,7 @@ def show_status(ctx: click.Context, job_id: str, watch: bool, url: str | None, a
     if as_json:
         emit_json(st.model_dump(mode="json"))
     elif not watch:
-        click.echo(render.status_line(st) + (f"  [{st.name}]" if st.name else ""))
+        click.echo(render.status_line(st) + (f"  [{render.plain(st.name)}]" if st.name else ""))
         for w in st.waiting_for:
             click.echo("  " + render.waiting_line(w))
     if not as_json:
@@ -240,11 +240,12 @@ def logs(ctx: click.Context, target: str, follow: bool, url: str | None) -> None
     broker = open_mesh(ctx, url).broker
     try:
         for tid, stream, line in follow_logs(broker, target, follow, 0.5, err.print):  # a job's or a task's
-            prefix = f"[{tid}] " if tid != target else ""
+            # A task's output as text: its control characters (colours included) neutralised, as all it stored.
+            prefix = f"[{render.plain(tid)}] " if tid != target else ""
             if stream == "gpumesh":
-                click.echo(f"{prefix}--- {line} ---", err=True)
+                click.echo(f"{prefix}--- {render.plain(line)} ---", err=True)
             else:
-                click.echo(f"{prefix}{line}", err=stream == "stderr")
+                click.echo(f"{prefix}{render.plain(line)}", err=stream == "stderr")
     except KeyboardInterrupt:
         ctx.exit(130)
 

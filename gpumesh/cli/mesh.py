@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -87,7 +88,17 @@ def worker_options(f: Any) -> Any:
                 "write_path",
                 multiple=True,
                 metavar="PATH",
-                help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS).",
+                help="Under isolation, let tasks write PATH too (repeatable; also GPUMESH_WRITE_PATHS). Every "
+                "job's tasks share it: not for caches on a mesh with several submitters (see --cache-path).",
+            ),
+            click.option(
+                "--cache-path",
+                "cache_path",
+                multiple=True,
+                metavar="PATH",
+                help="Under isolation, a cache tasks read (a Hugging Face or torch hub cache you fill yourself): "
+                "each attempt sees it through an overlay of its own, whose writes go when the attempt ends, so no "
+                "job leaves code there for another (repeatable; also GPUMESH_CACHE_PATHS).",
             ),
             click.option(
                 "--warm/--fresh",
@@ -135,23 +146,39 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
 
     for r in options.resources:  # a bad --resource is a usage error before anything connects
         parse_resource(r)
+    if options.name is not None and not WORKER_NAME.fullmatch(options.name):
+        raise UsageError(
+            f"--name {options.name!r}: a worker's name is 1 to 64 letters, digits and . _ - @ + : (starting with a "
+            "letter or digit), as others' terminals and pages show it; e.g. --name lab-a100"
+        )
     _isolation_flags(opts)
     code = build.run(connect(ctx, url, worker=True), options)
     if code:
         ctx.exit(code)
 
 
+# What a worker may call itself: plain characters (no control, no markup, no space), as a host name would be.
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+:-]{0,63}")
+
+
 def _isolation_flags(opts: dict[str, Any]) -> None:
-    """--no-isolation, --read-path, --write-path: as the settings they stand for (flags over the environment),
+    """--no-isolation, --read-path, --write-path, --cache-path: as the settings they stand for (flags over the environment),
     so that the worker's settings, and the per-GPU workers that --gpus starts, see them."""
     import os
 
     for path in (*opts["read_path"], *opts["write_path"]):
         if not os.path.exists(path):
             raise UsageError(f"--read-path/--write-path {path}: no such file or directory")
+    for path in opts["cache_path"]:
+        if not os.path.isdir(path):
+            raise UsageError(f"--cache-path {path}: no such directory; make it (and fill it) first")
+        if any(c in os.path.abspath(path) for c in ",:\\"):
+            raise UsageError(f"--cache-path {path}: a cache's path may not hold ',', ':' or '\\'; link it elsewhere")
     if opts["no_isolation"]:
         os.environ["GPUMESH_ISOLATION"] = "false"
-    for flag, var in (("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS")):
+    for flag, var in (
+        ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
+    ):  # fmt: skip
         paths = [os.path.abspath(p) for p in opts[flag]]
         if paths:
             os.environ[var] = os.pathsep.join([*paths, *([os.environ[var]] if os.environ.get(var) else [])])
@@ -329,9 +356,10 @@ def serve(
             lines.append(f"TLS only; CA fingerprint {server.fingerprint} (CA in {server.data_dir / 'tls' / 'ca.pem'})")
         if not is_loopback(host):
             err.print(
-                f"[bold red]WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
+                f"WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
                 "password can run code on every worker. Keep the password secret"
-                + ("; traffic is TLS.[/]" if tls else "; prefer a VPN or --tls.[/]")
+                + ("; traffic is TLS." if tls else "; prefer a VPN or --tls."),
+                style="bold red",
             )
         join = server.url_for("worker", join_host)
         submit_url = server.url_for("submitter", join_host)
@@ -341,14 +369,15 @@ def serve(
             tunnel_url = server.url_for("worker", public_host, int(public_port))
             submit_url = server.url_for("submitter", public_host, int(public_port))
             err.print(
-                "[bold red]WARNING: the broker is now reachable from the whole internet at "
+                "WARNING: the broker is now reachable from the whole internet at "
                 f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
                 + (
-                    "Traffic through the tunnel is TLS, checked against the pinned CA.[/]"
+                    "Traffic through the tunnel is TLS, checked against the pinned CA."
                     if tls
                     else "Redis traffic through the tunnel is NOT encrypted (--insecure-public): "
-                    "anyone on the path can read the password; use --tls.[/]"
-                )
+                    "anyone on the path can read the password; use --tls."
+                ),
+                style="bold red",
             )
         lines += [
             "",

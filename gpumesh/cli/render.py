@@ -10,6 +10,7 @@ import csv
 import functools
 import io
 import json
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -24,13 +25,42 @@ if TYPE_CHECKING:
 # rich is imported where something is drawn, not with this module: `status --json` and every other
 # machine-readable command never load it (tests/test_cli_start.py counts).
 
+# Every C0 control but tab and newline, DEL, and every C1 control (U+0080-U+009F: 0x9B is a CSI of its own on some
+# terminals), shown as the escape Python would write: a string a task, worker or submitter stored never moves the
+# cursor, clears the screen, recolours what follows, sets a window title, writes the clipboard (OSC 52) or makes a
+# link (OSC 8) in the terminal of the person who reads it.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0)]}
+
+
+def plain(text: object) -> str:
+    """``text`` with its control characters neutralised (tab and newline kept): what may reach a terminal of a
+    string read from Redis."""
+    return str(text).translate(_CONTROLS)
+
+
+def cell(text: object, style: str = "") -> Any:
+    """A table cell that is plain text, never rich markup: ``[red]`` in a name stays those five characters."""
+    from rich.text import Text
+
+    return Text(plain(text), style=style)
+
+
+def _console(**kw: Any) -> Console:
+    """A rich console whose markup and emoji codes are off, and which neutralises the controls of every string it
+    prints (:func:`plain`): what is drawn styled is built as rich Text, by this module."""
+    from rich.console import Console
+
+    class PlainConsole(Console):
+        def print(self, *objects: Any, **options: Any) -> None:
+            super().print(*(plain(o) if isinstance(o, str) else o for o in objects), **options)
+
+    return PlainConsole(highlight=False, markup=False, emoji=False, **kw)
+
 
 @functools.cache
 def _err() -> Console:
     """The console on stderr, made on first use."""
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line, whatever the width
+    return _console(stderr=True, soft_wrap=True)  # a message stays one line, whatever the width
 
 
 def __getattr__(name: str) -> Any:
@@ -42,10 +72,8 @@ def __getattr__(name: str) -> Any:
 
 def out() -> Console:
     """Console for tables on stdout: the terminal's width, or wide enough that piped ids are never cut."""
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    return console if console.is_terminal else Console(highlight=False, width=240)
+    console = _console()
+    return console if console.is_terminal else _console(width=240)
 
 
 def _table(*headers: str, title: str | None = None) -> Table:
@@ -107,11 +135,15 @@ def status_line(st: JobStatus, rate: Rate | None = None) -> str:
         speed, eta = rate.describe(st)
         if speed != "-":
             line += f" ({speed}, ETA {eta})"
-    return line
+    return plain(line)
 
 
 def waiting_line(w: Waiting) -> str:
     """Why queued tasks do not run: no live worker meets what they require."""
+    return plain(_waiting_line(w))
+
+
+def _waiting_line(w: Waiting) -> str:
     if w.signer == "unsigned":
         return (
             f"{w.tasks} task(s) wait: every live worker that could run them runs only signed tasks "
@@ -155,17 +187,17 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
-        TextColumn("[bold]{task.fields[job]}"),
+        TextColumn("{task.fields[job]}", style="bold", markup=False),
         BarColumn(),
         TextColumn("{task.completed:.0f}/{task.total:.0f} done"),
-        TextColumn("[red]{task.fields[failed]} failed"),
+        TextColumn("{task.fields[failed]} failed", style="red", markup=False),
         TextColumn("{task.fields[running]} running"),
         TextColumn("{task.fields[rate]}"),
         TextColumn("ETA {task.fields[eta]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task("job", total=st.tasks.total, job=st.job_id, failed=0, running=0, rate="-", eta="-")
+        task = bar.add_task("job", total=st.tasks.total, job=plain(st.job_id), failed=0, running=0, rate="-", eta="-")
         while True:
             speed, eta = rate.describe(st)
             bar.update(
@@ -191,16 +223,31 @@ def results_text(rows: list[TaskResult], fmt: str) -> str:
         w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         for d in dumped:
-            w.writerow(
-                {
-                    **d,
-                    "result": json.dumps(d["result"]) if d["result"] is not None else "",
-                    "artifacts": " ".join(a["path"] for a in d["artifacts"]),
-                    "skipped_artifacts": " ".join(a["path"] for a in d["skipped_artifacts"]),
-                }
-            )
+            row = {
+                **d,
+                "result": json.dumps(d["result"]) if d["result"] is not None else "",
+                "artifacts": " ".join(a["path"] for a in d["artifacts"]),
+                "skipped_artifacts": " ".join(a["path"] for a in d["skipped_artifacts"]),
+            }
+            w.writerow({k: csv_cell(v) for k, v in row.items()})
         return buf.getvalue()
     raise ValueError(fmt)
+
+
+_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """A CSV cell a spreadsheet shows as text, never runs: one that starts as a formula may (``=``, ``+``, ``-``,
+    ``@``, a tab or CR: ``=HYPERLINK(...)``, ``@SUM(...)``) gets a leading ``'``, as OWASP advises; a plain number
+    (``-1.5``) stays one. Its controls are neutralised as a terminal's are (:func:`plain`)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    text = str(value)
+    if text.startswith(FORMULA_STARTS) and not _NUMBER.fullmatch(text):
+        text = "'" + text
+    return plain(text)
 
 
 def results_table(rows: Iterable[TaskResult]) -> Table:
@@ -209,42 +256,40 @@ def results_table(rows: Iterable[TaskResult]) -> Table:
     table = _table("#", "status", "result", "error", "attempts", "worker", "s", *(["signed by"] if signed else []))
     for r in rows:
         table.add_row(
-            str(r.index),
-            r.status,
-            json.dumps(r.result) if r.result is not None else "",
-            error_summary(r.status, r.error, r.error_kind) if r.error else "",
-            str(r.attempts),
-            r.worker or "",
-            f"{r.duration_s:.2f}" if r.duration_s is not None else "",
+            *map(cell, (
+                str(r.index),
+                r.status,
+                json.dumps(r.result) if r.result is not None else "",
+                error_summary(r.status, r.error, r.error_kind) if r.error else "",
+                str(r.attempts),
+                r.worker or "",
+                f"{r.duration_s:.2f}" if r.duration_s is not None else "",
+            )),
             *([signed_mark(r)] if signed else []),
-        )
+        )  # fmt: skip
     return table
 
 
-def signed_mark(r: TaskResult) -> str:
-    """Who signed a result, or a loud mark when it does not verify (results --verify exits 1 for it)."""
+def signed_mark(r: TaskResult) -> Any:
+    """Who signed a result, or a loud mark when it does not verify (results --verify exits 1 for it): rich Text,
+    whose words a stored string can neither restyle nor hide (its controls are neutralised, and markup is none)."""
     if r.verified is None:
-        return ""
-    from rich.markup import escape
-
+        return cell("")
     if r.verified:
-        return escape(r.signed_by or "")
-    claimed = f" (claims {escape(r.signed_by)})" if r.signed_by else ""
-    return f"[bold red]NOT VERIFIED[/]{claimed}"
+        return cell(r.signed_by or "")
+    mark = cell("NOT VERIFIED", style="bold red")
+    if r.signed_by:
+        mark.append_text(cell(f" (claims {r.signed_by})"))
+    return mark
 
 
 def workers_table(rows: Iterable[WorkerInfo]) -> Table:
     table = _table("worker", "host", "device", "GFLOP/s", "tier", "state", "task", title="workers")
     for r in rows:
         table.add_row(
-            r.id,
-            r.hostname,
-            f"{r.device} {r.device_name}",
-            f"{r.score_gflops:.1f}",
-            str(r.tier),
-            r.state,
-            r.current_task or "",
-        )
+            *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier), r.state,
+                        r.current_task or ""))
+        )  # fmt: skip
     return table
 
 
@@ -255,10 +300,10 @@ def jobs_table(rows: Iterable[JobStatus]) -> Table:
     for r in rows:
         t = r.tasks
         created = r.created_at.strftime("%Y-%m-%d %H:%M:%S") if r.created_at else ""
-        table.add_row(
+        table.add_row(*map(cell, (
             r.job_id, r.name, r.status, str(r.priority), str(t.done), str(t.running), str(t.queued), str(t.failed),
             str(t.total), created,
-        )  # fmt: skip
+        )))  # fmt: skip
     return table
 
 
@@ -281,7 +326,7 @@ def capability_table(cap: Capability) -> Table:
     # A pure-Python score is below 0.1: show its digits, not "0.0".
     score = f"{cap.score_gflops:.1f}" if cap.score_gflops >= 10 else f"{cap.score_gflops:.3g}"
     cells += [score if cap.comparable else f"{score} (not comparable)", cap.backend]
-    table.add_row(*cells)
+    table.add_row(*map(cell, cells))
     return table
 
 

@@ -9,17 +9,22 @@ Why it is built this way:
 * Everything shown comes from tasks, payloads and workers, i.e. from whoever could submit or join: Jinja2
   autoescapes it, the SVG escapes it, the Content-Security-Policy (``default-src 'self'``) forbids inline
   script, and no secret (the broker URL is shown masked) ever reaches a page or a URL.
-* A write needs three things: a credential that may write the job index (probed once at start), the
-  page's per-process token, and a request from this host (Origin/Referer), so that another site the
-  browser has open cannot make it cancel a job.
+* A write needs four things: a credential that may write the job index (probed once at start), the
+  dashboard's access token (printed once at start, and in a 0600 file: :class:`TokenLogin`), the page's
+  per-process form token, and a request from this host (Origin/Referer). The last two stop another site the
+  browser has open; the access token stops a process of this machine (a task, over loopback), which can set
+  any Origin it likes and read any page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
+import os
 import re
+import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -96,6 +101,34 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class TokenLogin:
+    """A dashboard's access token, as Jupyter's: the address `gpumesh dashboard` prints carries it (``?token=``);
+    opening it sets a cookie (HttpOnly, SameSite=Strict) and leads to the same page without it. Pages then offer
+    cancel and retry, with their form token, only to a request with that cookie (or ``Authorization: token ...``),
+    and every write needs it: a process on this machine that reads a page (a task, over loopback) gets no form
+    token, and its POST is refused, whatever Origin it sets."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+        self.cookie = cookie_name(token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and b"token=" in scope.get("query_string", b""):
+            given = (parse_qs(scope["query_string"].decode("latin-1")).get("token") or [""])[0]
+            if hmac.compare_digest(given.encode(), self.token.encode()):
+                response = RedirectResponse(quote(scope.get("path", "/")) or "/", status_code=303)
+                response.set_cookie(self.cookie, self.token, httponly=True, samesite="strict", path="/")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def cookie_name(token: str) -> str:
+    """The cookie that holds ``token``: named after it, so two dashboards of one host (other ports) keep theirs."""
+    return "gpumesh-dashboard-" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
 def same_origin(request: Request) -> bool:
     """Whether a POST comes from a page of this host: its Origin, else its Referer, names this Host."""
     host = request.headers.get("host", "")
@@ -117,8 +150,9 @@ def sse(data: str, event: str | None = None) -> str:
 class Dashboard:
     """The routes, bound to one View and the templates."""
 
-    def __init__(self, view: View) -> None:
+    def __init__(self, view: View, token: str | None = None) -> None:
         self.view = view
+        self.token = token  # the access token (TokenLogin); None: none asked (an app made without one)
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True, undefined=jinja2.StrictUndefined
         )
@@ -142,6 +176,23 @@ class Dashboard:
         except BrokerError as exc:
             raise BrokerDown(str(exc)) from None
 
+    def holds_token(self, request: Request) -> bool:
+        """Whether ``request`` carries the dashboard's access token (its cookie, or an Authorization header)."""
+        if self.token is None:
+            return True
+        given = request.cookies.get(cookie_name(self.token), "")
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("token "):
+            given = auth[6:].strip()
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def job_data(self, request: Request, job_id: str) -> dict[str, Any]:
+        """The job page's data; its cancel and retry forms (and their form token) only for a holder of the token."""
+        data = self.view.job(job_id)
+        if not self.holds_token(request):
+            data = {**data, "can_cancel": False, "can_retry": False}
+        return data
+
     # pages
 
     async def mesh_page(self, request: Request) -> Response:
@@ -152,7 +203,7 @@ class Dashboard:
 
     async def job_page(self, request: Request) -> Response:
         job_id = request.path_params["job"]
-        data = await self.read(lambda: self.view.job(job_id))
+        data = await self.read(lambda: self.job_data(request, job_id))
         return self.html("job.html", title=f"Job {job_id}", page="jobs", job_id=job_id, **data)
 
     async def timeline_page(self, request: Request) -> Response:
@@ -194,6 +245,11 @@ class Dashboard:
         job_id = request.path_params["job"]
         if not self.view.may_write:
             raise Forbidden("this dashboard's credential is read-only: it may not cancel or retry jobs")
+        if not self.holds_token(request):
+            raise Forbidden(
+                "refused: this dashboard's access token is missing; open the address with ?token= that "
+                "`gpumesh dashboard` printed as it started (also in its token file)"
+            )
         body = await request.body()
         form = parse_qs(body[:FORM_BYTES].decode("utf-8", "replace")) if len(body) <= FORM_BYTES else {}
         token = (form.get("csrf") or [""])[0]
@@ -261,7 +317,7 @@ class Dashboard:
         await self.read(lambda: self.view.mesh.job(job_id))  # an unknown job: 404 before any stream
 
         def render() -> str:
-            return self.fragment("_job.html", job_id=job_id, **self.view.job(job_id))
+            return self.fragment("_job.html", job_id=job_id, **self.job_data(request, job_id))
 
         return self.stream(self.every_second(request, render))
 
@@ -322,14 +378,18 @@ class Dashboard:
         return PlainTextResponse("internal error (see the dashboard's log)", status_code=500)
 
 
-def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None) -> Starlette:
+def create_app(
+    mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str] | None = None, token: str | None = None
+) -> Starlette:
     """The dashboard for ``mesh``. ``may_write`` None: probe the credential once (see probe_may_write);
     False shows no cancel or retry button and refuses those requests whatever the credential may do.
     ``hosts``: the only Host names it answers (400 otherwise; None: any). `gpumesh dashboard` gives its own
     (gpumesh.cli.dashboard.own_names), so that a page of another site whose name resolves to the dashboard's
-    address (DNS rebinding) reads nothing and, with the token it could then read, writes nothing."""
+    address (DNS rebinding) reads nothing and, with the token it could then read, writes nothing.
+    ``token``: the access token (:class:`TokenLogin`) without which no page offers a write and no write is taken
+    (None: none asked; `gpumesh dashboard` always makes one for a dashboard that may write)."""
     view = View(mesh, probe_may_write(mesh) if may_write is None else may_write)
-    d = Dashboard(view)
+    d = Dashboard(view, token)
     routes = [
         Route("/", d.mesh_page),
         Route("/jobs", d.jobs_page),
@@ -353,6 +413,8 @@ def create_app(mesh: api.Mesh, *, may_write: bool | None = None, hosts: list[str
         HTTPException: d.http_error, Exception: d.crashed,
     }  # fmt: skip
     app = Starlette(routes=routes, exception_handlers=handlers)
+    if token is not None:  # inside the Host check: a rebound name never gets the cookie
+        app.add_middleware(TokenLogin, token=token)
     if hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
     app.add_middleware(SecurityHeaders)
@@ -368,16 +430,29 @@ def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None,
     import uvicorn
 
     mesh = api.connect(url)
-    app = create_app(mesh, hosts=hosts, may_write=False if read_only else None)
-    mode = "may cancel and retry" if app.state.view.may_write else "read-only"
+    may_write = False if read_only else probe_may_write(mesh)
+    token = secrets.token_urlsafe(32) if may_write else None
+    app = create_app(mesh, hosts=hosts, may_write=may_write, token=token)
+    mode = "may cancel and retry" if may_write else "read-only"
+    token_file = write_token(token) if token is not None else None
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            try:
+                await super().shutdown(sockets)
+            finally:  # here: uvicorn raises the signal that stopped it again once this returns
+                if token_file is not None:
+                    token_file.unlink(missing_ok=True)
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
                 shown = f"[{host}]" if ":" in host else host
                 print(f"gpumesh dashboard: http://{shown}:{bound}/ ({mode})", flush=True)
+                if token is not None:
+                    print(f"    to cancel and retry, open http://{shown}:{bound}/?token={token}\n"
+                          f"    (its access token, also in {token_file}, which only you can read)", flush=True)  # fmt: skip
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
                             timeout_graceful_shutdown=2, server_header=False)  # fmt: skip
@@ -387,4 +462,22 @@ def serve(url: str | None, host: str, port: int, hosts: list[str] | None = None,
         server.run()
     finally:
         mesh.close()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
         sys.stdout.flush()
+
+
+def write_token(token: str) -> Path:
+    """The access token in a file only this user may read (0600, in a 0700 directory of the cache dir), as Jupyter
+    keeps its own: ``dashboard-PID.token``, removed as the dashboard stops."""
+    from gpumesh.settings import Settings
+
+    directory = Settings.load().cache_dir / "dashboard"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    path = directory / f"dashboard-{os.getpid()}.token"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path

@@ -8,7 +8,7 @@ libraries under /usr and /proc/driver/nvidia). From ABI 6 on, the task can signa
 domain (not its supervisor, not the worker) and connect to no abstract Unix socket made outside it; from ABI 9 on,
 to no pathname Unix socket outside its write paths. Before ABI 9 it may connect to every pathname Unix socket its
 user may open (:func:`unix_socket_warnings`). The launcher applies the set in the forked script child and adds
-the interpreter it runs in (gpumesh.sandbox.launcher.apply_landlock); the network stays open.
+the interpreter it runs in (gpumesh.sandbox.launcher._run_script); the network stays open.
 
 Not readable, so: the worker's home (``~/.ssh``, the config file with the broker URL), other users' files,
 ``/proc/<worker>/mem`` and ``environ`` (Landlock forbids ptrace-like access to processes outside the domain).
@@ -51,6 +51,8 @@ class Isolation:
 
     read: tuple[str, ...] = ()
     write: tuple[str, ...] = ()
+    cache: tuple[str, ...] = ()  # read by every task; each attempt's writes go to an overlay of its own
+    private: bool = False  # each attempt gets its own IPC, /dev/shm and keyring (namespaces.probe said it can)
 
 
 @functools.cache
@@ -106,10 +108,11 @@ def devices() -> list[str]:
     return _devices[1]
 
 
-def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None) -> str:
-    """The rule set for one attempt, as the JSON the launcher takes."""
+def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None, shm_bytes: int = 0) -> str:
+    """The rule set for one attempt, as the JSON the launcher takes. ``shm_bytes``: the size of the attempt's own
+    /dev/shm (where ``isolation.private``; 0: the kernel's default, half the RAM)."""
     shared = _rules_before_attempt(isolation, kernel_abi if kernel_abi is not None else abi(), tuple(devices()))
-    return shared + json.dumps(attempt_dir) + "}"
+    return shared + json.dumps(attempt_dir) + f',"shm":{int(shm_bytes)}}}'
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,17 +123,22 @@ def _rules_before_attempt(isolation: Isolation, kernel_abi: int, found_devices: 
         {
             "abi": kernel_abi,
             "read": [*SYSTEM_READ, *ETC_READ],
-            "write": list(SYSTEM_WRITE),
+            # With namespaces of its own, /dev/shm and the caches are named from inside them, by the script's process.
+            "write": [] if isolation.private else list(SYSTEM_WRITE),
             "devices": list(found_devices),
+            "private": {"caches": [os.path.abspath(p) for p in isolation.cache]} if isolation.private else None,
             # What a task's user may be able to change (a path the owner shares with tasks, whose parent a
-            # task could write), resolved only as the task's user, at its attempt: never by a spare ahead.
-            "owner_read": [os.path.abspath(p) for p in isolation.read],
+            # task could write), resolved only as the task's user, at its attempt: never by a spare ahead. Without
+            # namespaces of its own, a task reads the caches and writes none of them.
+            "owner_read": [
+                os.path.abspath(p) for p in (*isolation.read, *([] if isolation.private else isolation.cache))
+            ],
             "owner_write": [os.path.abspath(p) for p in isolation.write],
             "attempt": None,
         },
         separators=(",", ":"),
     )
-    return text.removesuffix("null}")
+    return text.removesuffix("null}")  # the attempt's directory and /dev/shm's size follow (:func:`rules`)
 
 
 @functools.cache
@@ -139,7 +147,7 @@ def reaches(isolation: Isolation, path: str) -> bool:
     ``path`` or a directory above it). The worker keeps its attempts' directories in its temp dir: where a task
     reaches that, one attempt could see into another's directory."""
     target = os.path.realpath(path)
-    named = [*SYSTEM_READ, *ETC_READ, *SYSTEM_WRITE, *isolation.read, *isolation.write]
+    named = [*SYSTEM_READ, *ETC_READ, *SYSTEM_WRITE, *isolation.read, *isolation.write, *isolation.cache]
     for rule in named:
         rule = os.path.realpath(rule)
         if os.path.commonpath([rule, target]) == rule:

@@ -229,21 +229,6 @@ def _is_dir(mode: int) -> bool:
     return (mode & 0o170000) == 0o040000  # stat.S_ISDIR, without importing stat
 
 
-def apply_landlock(rules: dict[str, Any], script_dir: str) -> None:
-    """Confine this process and all it starts: read (and run) only ``rules["read"]``, ``rules["owner_read"]``
-    and this interpreter's files, write only ``rules["write"]``, ``rules["owner_write"]`` and the attempt's
-    directory ``rules["attempt"]``, use only the devices of ``rules["devices"]``; from ABI 6 signal no process
-    outside and connect to no abstract Unix socket made outside; from ABI 9 to no pathname Unix socket outside
-    the write paths made outside (before that, pathname sockets stay reachable). Raises OSError when the
-    kernel refuses: the caller must then not run the task."""
-    ruleset = build_ruleset(rules, script_dir)
-    try:
-        add_attempt_rules(ruleset, rules)
-        restrict_to(ruleset)
-    finally:
-        os.close(ruleset)
-
-
 def build_ruleset(rules: dict[str, Any], script_dir: str | None) -> int:
     """A Landlock rule set (its descriptor) of what ``rules`` grants of the system (its programs and libraries,
     this interpreter, /etc's few files, the devices, /dev/shm): nothing a task's user could change, so a spare
@@ -303,11 +288,12 @@ def _grant(ruleset: int, handled: int, lists: Any) -> None:
             os.close(fd)
 
 
-def restrict_to(ruleset: int) -> None:
-    """Confine this process, and all it starts, to ``ruleset``: without capabilities (uid 0) and never to gain
-    a privilege again (no_new_privs: setuid and file capabilities do nothing at execve)."""
+def restrict_to(ruleset: int, drop: bool = False) -> None:
+    """Confine this process, and all it starts, to ``ruleset``: without capabilities (uid 0, or ``drop``: those of
+    a user namespace of its own) and never to gain a privilege again (no_new_privs: setuid and file capabilities do
+    nothing at execve)."""
     syscall, libc = _syscall()
-    if os.geteuid() == 0:
+    if drop or os.geteuid() == 0:
         drop_capabilities()
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
@@ -315,6 +301,8 @@ def restrict_to(ruleset: int) -> None:
     if syscall(ctypes.c_long(restrict), ruleset, ctypes.c_uint32(0)) < 0:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
 
+
+ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm")  # what of the rules is each attempt's own
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
@@ -332,7 +320,7 @@ def prepare_landlock(isolation: str) -> None:
 
     try:
         rules = json.loads(isolation)
-        for attempts_own in ("attempt", "owner_read", "owner_write"):
+        for attempts_own in ATTEMPTS_OWN:
             rules.pop(attempts_own, None)
         python = _python_path_ids()
         _PREPARED = (rules, build_ruleset(rules, None), python)
@@ -351,7 +339,7 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
     if prepared is None:
         return None
     built_from, ruleset, python = prepared
-    static = {k: v for k, v in (rules or {}).items() if k not in ("attempt", "owner_read", "owner_write")}
+    static = {k: v for k, v in (rules or {}).items() if k not in ATTEMPTS_OWN}
     if rules is None or static != built_from:
         os.close(ruleset)
         return None
@@ -369,6 +357,94 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
     return ruleset
 
 
+# -- The attempt's own namespaces: IPC, /dev/shm, keyring, caches ------------------------------------------
+# Made in the script's process, per attempt (a warm supervisor's children each make their own), as the task's user:
+# a user namespace (which needs no privilege, where the kernel lets users make one) owning a mount and an IPC
+# namespace. The attempt then has its own SysV segments, semaphores and message queues, a tmpfs of its own on
+# /dev/shm (POSIX shared memory), a session keyring of its own (and, in its user namespace, a user keyring of its
+# own), and each --cache-path as an overlay whose writes go to the attempt's directory. All of it goes when the
+# attempt's last process does. The capabilities the new user namespace gives are dropped before the task runs.
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "arm64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+SHM = "/dev/shm"
+CACHE_DIR_PREFIX = ".gpumesh-cache-"  # in the attempt's directory: a cache overlay's writes (upper) and work dirs
+
+
+def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str | None) -> list[str]:
+    """Move this process into namespaces of its own (see above): ``private["caches"]``, the paths to lay an overlay
+    on (their writes kept in ``attempt_dir``); ``shm_bytes``, the size of /dev/shm's tmpfs (0: the kernel's default,
+    half the RAM). Returns the paths now the attempt's own to write (/dev/shm and the caches), which its Landlock
+    rules must name from inside the new mount namespace. Raises OSError where the kernel refuses any step."""
+    syscall, libc = _syscall()
+    uid, gid = os.getuid(), os.getgid()
+    # /proc/self/{uid,gid}_map belong to root while this process is not dumpable (after a change of user): dumpable
+    # while it writes them, then as it was.
+    dumpable = libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    finally:
+        libc.prctl(PR_SET_DUMPABLE, max(dumpable, 0), 0, 0, 0)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the host's namespace
+    own = []
+    if os.path.isdir(SHM):
+        size = f"size={shm_bytes}," if shm_bytes > 0 else ""
+        _mount("tmpfs", SHM, "tmpfs", MS_NOSUID | MS_NODEV, f"{size}mode=1777")
+        own.append(SHM)
+    for i, path in enumerate(private.get("caches") or ()):
+        try:
+            if attempt_dir is None or not _is_dir(os.stat(path).st_mode):
+                continue
+        except FileNotFoundError:  # gone since the worker started: the task finds nothing there
+            continue
+        base = os.path.join(attempt_dir, f"{CACHE_DIR_PREFIX}{i}")
+        upper, work = os.path.join(base, "upper"), os.path.join(base, "work")
+        os.makedirs(upper, 0o700)
+        os.mkdir(work, 0o700)
+        _mount("overlay", path, "overlay", MS_NOSUID | MS_NODEV, f"lowerdir={path},upperdir={upper},workdir={work}")
+        own.append(path)
+    keyctl = KEYCTL_SYSCALL.get(os.uname().machine)
+    if keyctl is not None and syscall(ctypes.c_long(keyctl), KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
+    return own
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    libc = _syscall()[1]
+    args = [None if v is None else os.fsencode(v) for v in (source, target, fstype)]
+    if libc.mount(*args, ctypes.c_ulong(flags), None if data is None else os.fsencode(data)) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {fstype or 'MS_PRIVATE'} on {target}")
+
+
+def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> str:
+    """Whether an attempt can have namespaces of its own here, as the user ``uid`` (-1: this process's), with an
+    overlay on each of ``caches``: "" if so, else why not. Run in a process of its own (it changes this one's
+    namespaces and user)."""
+    import shutil
+    import tempfile
+
+    attempt = None
+    try:
+        if uid >= 0 and uid != os.getuid():
+            _become_user(str(uid), str(gid))
+        attempt = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX + "probe-") if caches else None
+        enter_namespaces({"caches": list(caches)}, 1 << 20, attempt)
+    except OSError as exc:
+        return f"{exc.filename or exc.strerror}: {os.strerror(exc.errno)}" if exc.errno else str(exc)
+    finally:
+        if attempt is not None:
+            shutil.rmtree(attempt, ignore_errors=True)  # its overlay's work dir stays 000 only while mounted
+    return ""
+
+
 def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None) -> None:
     """In the forked child: confine itself (``rules``: Landlock's, or None; ``ruleset``: those rules built
     already, by a warm spare), become the script's ``__main__`` and exit with its code. ``compiled``: the script
@@ -378,11 +454,16 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
     _default_handlers()
     if rules is not None:
         try:
+            own: list[str] = []
+            if rules.get("private") is not None:  # before any rule is built: they name this namespace's paths
+                own = enter_namespaces(rules["private"], int(rules.get("shm") or 0), rules.get("attempt"))
             if ruleset is None:
-                apply_landlock(rules, os.path.dirname(script))
-            else:
-                restrict_to(ruleset)
-                os.close(ruleset)  # the task holds nothing of its confinement
+                ruleset = build_ruleset(rules, os.path.dirname(script))
+                add_attempt_rules(ruleset, rules)
+            handled = fs_rights(int(rules["abi"]))
+            _grant(ruleset, handled, ((own, handled),))
+            restrict_to(ruleset, drop=rules.get("private") is not None)
+            os.close(ruleset)  # the task holds nothing of its confinement
         except OSError as exc:  # never run a task less isolated than the worker said it would be
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
             os._exit(70)

@@ -26,7 +26,7 @@ import psutil
 
 from gpumesh.sandbox import landlock, outputs, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command
-from gpumesh.sandbox.launcher import COPY_DIR_PREFIX
+from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import WarmProcess, Zygote
@@ -151,7 +151,8 @@ def tree_memory(pid: int, cap: int) -> int:
     ``cap``; past it, the sum of their proportional set sizes (PSS), so that pages forked processes share
     (a script's DataLoader workers; what a warm zygote imported, shared by every attempt it forks) count
     once, not once per process. PSS (smaps_rollup) walks a process's page tables, so it is read only when
-    RSS alone says the cap may be passed; where it is refused (another user's process), RSS counts."""
+    RSS alone says the cap may be passed; where it is refused (another user's process), RSS counts. Both with
+    what the attempt keeps in a /dev/shm of its own (:func:`private_shm_bytes`): RAM that no process's RSS shows."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -163,16 +164,37 @@ def tree_memory(pid: int, cap: int) -> int:
             rss[p] = p.memory_info().rss
         except psutil.Error:
             pass
-    total = sum(rss.values())
+    shm = private_shm_bytes([p.pid for p in procs[1:]])
+    total = sum(rss.values()) + shm
     if total <= cap:
         return total
-    total = 0
+    total = shm
     for p, resident in rss.items():
         try:
             total += p.memory_full_info().pss
         except (psutil.Error, AttributeError):  # refused, gone, or no pss on this platform
             total += resident
     return total
+
+
+def private_shm_bytes(pids: list[int]) -> int:
+    """The bytes in the /dev/shm of the attempt whose processes are ``pids`` (the script's and below; its
+    supervisor is in the worker's namespaces), where it has one of its own; else 0 (the host's /dev/shm is no
+    attempt's to count)."""
+    try:
+        host = os.stat(SHM).st_dev
+    except OSError:
+        return 0
+    for pid in pids:
+        path = f"/proc/{pid}/root{SHM}"
+        try:
+            if os.stat(path).st_dev == host:
+                continue
+            st = os.statvfs(path)
+        except OSError:  # gone, or not ours to look into
+            continue
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+    return 0
 
 
 def _kill_hard(proc: AttemptProcess) -> None:
@@ -395,7 +417,8 @@ def _start(
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
             *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir) if limits.isolation is not None else "-",
+            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes)
+            if limits.isolation is not None else "-",
             cgroup or "-",
         ]  # fmt: skip
         proc: AttemptProcess | None = None

@@ -10,7 +10,7 @@ import shutil
 import stat
 import tempfile
 
-from gpumesh.sandbox.launcher import TASK_DIR_PREFIX
+from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, TASK_DIR_PREFIX
 
 OUTPUT = "output"  # the task's output directory, inside its own (GPUMESH_OUTPUT_DIR)
 
@@ -99,7 +99,7 @@ def sweep_dead_workers_dirs() -> int:
             continue
         path = os.path.join(base, name)
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            _rmtree(path)
             removed += not os.path.exists(path)
     return removed
 
@@ -119,7 +119,7 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
             os.rmdir(output_dir)
             os.rmdir(workdir)
         except OSError:
-            shutil.rmtree(workdir, ignore_errors=True)
+            _rmtree(workdir)
         return
     try:
         if script is not None:
@@ -130,6 +130,7 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
     except OSError:
         pass
     # What else the task left there (its temp files: TMPDIR is this directory), then the directory itself.
+    _open_overlay_work_dirs(dir_fd)
     for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW
         try:
             if _is_dir(name, dir_fd):
@@ -155,3 +156,37 @@ def _rmdir_made(workdir: str, dir_fd: int) -> bool:
 
 def _is_dir(name: str, dir_fd: int) -> bool:
     return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+
+
+def _rmtree(path: str) -> None:
+    """shutil.rmtree of an attempt's directory ``path``, its cache overlays' work directories included."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        _open_overlay_work_dirs(fd)
+    finally:
+        os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _open_overlay_work_dirs(dir_fd: int) -> None:
+    """Make the work directories that an attempt's cache overlays left (``.gpumesh-cache-N/work/work``, which the
+    kernel makes mode 000) removable by a worker that is not root: 0700 again, each reached through descriptors
+    opened without following a symlink."""
+    for name in os.listdir(dir_fd):
+        if not name.startswith(CACHE_DIR_PREFIX):
+            continue
+        fds: list[int] = []
+        try:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            fds.append(os.open(name, flags, dir_fd=dir_fd))
+            fds.append(os.open("work", flags, dir_fd=fds[-1]))
+            fds.append(os.open("work", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+            os.chmod(f"/proc/self/fd/{fds[-1]}", 0o700)  # that very directory: an O_PATH descriptor has no fchmod
+        except OSError:
+            pass
+        finally:
+            for fd in fds:
+                os.close(fd)

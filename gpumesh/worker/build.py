@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gpumesh import capability
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.requirements import parse_resource
+from gpumesh.sandbox import namespaces
 from gpumesh.sandbox.warm import Zygote, ZygoteError
 from gpumesh.signing import Verifier
 from gpumesh.store.broker import Broker
@@ -91,6 +92,12 @@ def start_zygote(warm: bool, preload: str | None, python: str, cuda: str | None)
     except ZygoteError as exc:
         raise UsageError(f"{exc}; check the module names, or drop --preload") from None
     return zygote
+
+
+def namespaces_unavailable(uid: int = -1, gid: int = -1) -> str | None:
+    """Why attempts run as ``uid`` (-1: this process's user) cannot have namespaces of their own here (their IPC,
+    /dev/shm, keyrings, cache overlays), or None: what a worker started here would find (for `gpumesh doctor`)."""
+    return namespaces.unavailable(uid, gid)
 
 
 def check_sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:

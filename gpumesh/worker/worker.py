@@ -43,7 +43,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
 from gpumesh.models import Capability
-from gpumesh.sandbox import landlock, tree
+from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
 from gpumesh.sandbox.taskdir import sweep_dead_workers_dirs
 from gpumesh.store import keys, scripts
@@ -74,17 +74,55 @@ def refusal(job: Job) -> str | None:
     return None
 
 
-def isolation_of(settings: Any) -> tuple[landlock.Isolation | None, str]:
-    """How tasks will be confined (None: not at all), and the line the worker says about it once, at start."""
+def isolation_of(settings: Any, user: tuple[int, int] | None = None) -> tuple[landlock.Isolation | None, str]:
+    """How tasks will be confined (None: not at all), and the line the worker says about it once, at start.
+    ``user``: the (uid, gid) tasks run as (--sandbox-user), as whom the worker asks whether each attempt can have
+    namespaces of its own (its IPC, /dev/shm, keyring and cache overlays)."""
     if not settings.isolation:
         return None, "isolation off (--no-isolation): tasks can read whatever this worker's user can"
     why = landlock.unavailable()
     if why is not None:
         return None, f"tasks are NOT isolated from this machine's files: {why}; see `gpumesh doctor`"
     read, write = landlock.split_paths(settings.read_paths), landlock.split_paths(settings.write_paths)
+    cache = landlock.split_paths(settings.cache_paths)
+    no_namespaces = namespaces.unavailable(*(user or (-1, -1)))
     said = f"tasks isolated with Landlock (ABI {landlock.abi()}): they read only the system and Python"
     said += "".join(f", {p}" for p in read) + ", and write only their own directory" + "".join(f", {p}" for p in write)
-    return landlock.Isolation(read, write), said
+    if no_namespaces is None and cache:
+        refused = namespaces.unavailable(*(user or (-1, -1)), tuple(os.path.abspath(p) for p in cache))
+        if refused is not None:
+            from gpumesh.errors import UsageError
+
+            raise UsageError(
+                f"--cache-path: an attempt could not lay its overlay ({refused}); the tasks' user must be able to "
+                "read each cache (with --sandbox-user, that user)"
+            )
+    if no_namespaces is None:
+        said += "; each attempt has its own IPC, /dev/shm (within its memory cap) and keyring"
+        said += "".join(f", and its own overlay of the cache {p}" for p in cache)
+    else:
+        said += "".join(f"; they read the cache {p} and write none of it" for p in cache)
+    return landlock.Isolation(read, write, cache, private=no_namespaces is None), said
+
+
+def isolation_warnings(settings: Any, isolation: landlock.Isolation | None, user: tuple[int, int] | None) -> list[str]:
+    """What a worker says once at start about what its tasks still share with each other and with the host."""
+    if isolation is None:
+        return []
+    said = [
+        f"--write-path {p}: every job's tasks write there, so one submitter's task can leave files (code, a cached "
+        "model) that another submitter's task runs; for caches use --cache-path (each attempt writes to its own "
+        "overlay), and keep --write-path for a mesh with one submitter"
+        for p in isolation.write
+    ]
+    why = namespaces.unavailable(*(user or (-1, -1)))
+    if why is not None:
+        said.append(
+            f"attempts cannot have namespaces of their own here ({why}): tasks share /dev/shm, SysV IPC and the "
+            "user keyring with this user's other programs and with other jobs, outside their memory cap; "
+            "see `gpumesh doctor`"
+        )
+    return said
 
 
 def _refuse_writable_interpreter(python: str, uid: int, gid: int) -> None:
@@ -185,9 +223,10 @@ class MeshWorker(LeanRQWorker):
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
         self.stopping_now = False  # a second signal: the current task handed back (request_force_stop)
         self._work_thread: threading.Thread | None = None  # the thread running RQ's loop
-        self.isolation, self.isolation_said = isolation_of(self.settings)
+        self.isolation, self.isolation_said = isolation_of(self.settings, sandbox_user)
         root_tasks = os.geteuid() == 0 and sandbox_user is None  # uid 0 tasks: root's sockets are theirs
         self.sockets_said = landlock.unix_socket_warnings(self.isolation is not None, root_tasks)
+        self.sockets_said += isolation_warnings(self.settings, self.isolation, sandbox_user)
         if sandbox_user is not None:  # root runs this interpreter before it drops to the sandbox user
             _refuse_writable_interpreter(self.settings.sandbox_python or sys.executable, *sandbox_user)
         super().__init__(
