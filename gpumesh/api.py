@@ -73,7 +73,7 @@ def connect(url: str | None = None) -> Mesh:
     ...     print(len(mesh.workers()), "workers")
     3 workers
     """
-    return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping())
+    return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping(say=_say))
 
 
 def job_options(
