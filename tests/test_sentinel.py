@@ -183,7 +183,7 @@ def runs(tmp: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def cluster(tmp: Path, nodes: list[Node]) -> tuple[Node, Node, list[Node]]:
+def cluster(tmp: Path, nodes: list[Node], down_after_ms: int = 1000) -> tuple[Node, Node, list[Node]]:
     """A primary (append-only), its read-only replica and three Sentinels (quorum 2) that all know both,
     appended to ``nodes`` as they start (the caller stops them)."""
     primary = Node(tmp / "primary", "--appendonly", "yes", "--appendfsync", "everysec").start()
@@ -193,7 +193,7 @@ def cluster(tmp: Path, nodes: list[Node]) -> tuple[Node, Node, list[Node]]:
     nodes.append(replica)
     conf = (
         f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
-        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+        f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
         f"sentinel failover-timeout {SERVICE} 4000\n"
         f"sentinel parallel-syncs {SERVICE} 1\n"
     )
@@ -343,12 +343,13 @@ def test_sentinels_with_a_password_are_asked_with_the_broker_s_when_the_url_says
 
 @pytest.mark.faults
 def test_one_shot_commands_wait_for_the_promotion_when_the_primary_dies(env, tmp_path: Path):
-    # The primary SIGKILLed: until its Sentinels promote the replica (down-after 1 s, then the election),
+    # The primary SIGKILLed: until its Sentinels promote the replica (down-after 4 s here, then the
+    # election; long enough that the commands, slow to start on a loaded machine, start before it ends),
     # they name a primary that refuses connections, then none. status, results and jobs started at once
     # wait for the promotion and answer, instead of exiting 3; a service no Sentinel monitors still does.
     nodes: list[Node] = []
     try:
-        primary, replica, sentinels = cluster(tmp_path, nodes)
+        primary, replica, sentinels = cluster(tmp_path, nodes, down_after_ms=4000)
         url = sentinel_url(sentinels)
         e = {**env, "GPUMESH_URL": url}
         script = tmp_path / "t.py"
