@@ -18,6 +18,7 @@ Every input is checked before anything is written (the same checks as the CLI) a
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -51,6 +52,14 @@ T = TypeVar("T")
 Script = str | Path | Callable[..., Any]
 FAILURE_SCAN = 10_000  # tasks read to find failed ones when the job's list of failures cannot tell
 SIGNED_FOR = 7 * 86400.0  # s a signed job stays valid unless ``expires`` says otherwise
+SIGNED_AT_MOST = 365 * 86400.0  # the longest ``expires``, a year, as the longest --timeout
+
+
+def check_expires(expires: float, name: str = "expires") -> float:
+    """``expires`` if it is a finite number of seconds from 1 to a year; a UsageError naming ``name`` otherwise."""
+    if not isinstance(expires, (int, float)) or not math.isfinite(expires) or not 1 <= expires <= SIGNED_AT_MOST:
+        raise UsageError(f"{name}: must be a finite number of seconds from 1 to a year (31536000), got {expires}")
+    return float(expires)
 
 
 def connect(url: str | None = None) -> Mesh:
@@ -65,7 +74,7 @@ def connect(url: str | None = None) -> Mesh:
     ...     print(len(mesh.workers()), "workers")
     3 workers
     """
-    return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping())
+    return Mesh(Broker(Settings.load(url=url), retries=1, health_check=False).ping(say=_say))
 
 
 def job_options(
@@ -238,6 +247,7 @@ class Mesh:
 
         >>> job = mesh.submit_checked(source, "train.py", payloads, gpumesh.JobOptions(timeout=60))  # doctest: +SKIP
         """
+        expires = check_expires(expires)
         signer = None
         key = sign_key or self.broker.settings.signing_key
         if key:

@@ -3,7 +3,9 @@
 Run as ``python -m gpumesh.capability`` in a child process so the worker itself never initialises
 CUDA (a process that forks after CUDA init breaks its children). Prints one JSON :class:`Capability`.
 Backends in order: torch (CUDA, then MPS, then CPU), numpy, pure Python; ``GPUMESH_BENCH_BACKEND``
-(read by the child only) forces one.
+(read by the child only) forces one. numpy is a dependency of the package, so a fresh install scores
+comparably; pure Python is left for an install without it (``--no-deps``), and its score is marked
+not comparable: it measures the interpreter, not the BLAS a task's numpy or torch would use.
 
 The score must mean the same thing each time it is measured: on a shared or throttled machine a single
 timed stretch scored from 11 to 262 GFLOP/s within minutes. Noise from other tenants, interrupts and frequency

@@ -13,7 +13,9 @@ module's own name (so an ``if __name__ == "__main__":`` block does not run on th
 
 If the function raises, the entry point prints the traceback to stderr and, as its last stderr line,
 :data:`EXCEPTION_MARKER` followed by JSON ``{"type", "message"}``, which :class:`gpumesh.TaskFailed`
-reads back. Arguments and results are JSON, so nothing that comes back can run code on the submitter.
+reads back. If the module itself fails as it loads on the worker (driving code outside the main guard
+reading ``sys.argv``, say), the message names the module-level line that failed and says where such code
+belongs. Arguments and results are JSON, so nothing that comes back can run code on the submitter.
 
 What the function imports must be installed on the workers (pin a worker that has a package with
 ``requires=["KEY=VALUE"]`` and ``gpumesh worker --resource KEY=VALUE``); modules next to its file are
@@ -52,15 +54,32 @@ import types as _types
 _SOURCE = {source!r}
 
 
-def _report(exc):
+def _report(exc, loading=False):
     tb = exc.__traceback__
     if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next  # this entry point's own frame is noise: start at the function's module
     _traceback.print_exception(type(exc), exc, tb)
     kind = type(exc)
     name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else kind.__module__ + "." + kind.__qualname__
-    print({marker!r} + _json.dumps({{"type": name, "message": str(exc)[:{max_message}]}}), file=_sys.stderr, flush=True)
+    message = str(exc)[:{max_message}] + (_while_loading(exc, tb) if loading else "")
+    print({marker!r} + _json.dumps({{"type": name, "message": message}}), file=_sys.stderr, flush=True)
     _sys.exit(1)
+
+
+def _while_loading(exc, tb):
+    # The module's own top-level statement that failed (the call it made may have failed deeper down).
+    while tb is not None and not (tb.tb_frame.f_code.co_filename == {filename!r} and tb.tb_frame.f_code.co_name == "<module>"):
+        tb = tb.tb_next
+    where, lines = "", _SOURCE.splitlines()
+    if tb is not None:
+        text = lines[tb.tb_lineno - 1].strip()[:120] if 0 < tb.tb_lineno <= len(lines) else ""
+        where = " line " + str(tb.tb_lineno) + (" (" + text + ")" if text else "")
+    said = " [raised by " + {filename!r} + where + " at module level, as the worker loaded the file to call {name}()"
+    if {whole_file!r}:
+        said += ': the whole file runs on every worker, so the code that drives the job belongs under if __name__ == "__main__":'
+    if isinstance(exc, ImportError):
+        said += "; what it imports at the top must be installed on the workers"
+    return said + "]"
 
 
 class _Tail:
@@ -86,6 +105,9 @@ _sys.modules[{module!r}] = _module
 _linecache.cache[{filename!r}] = (len(_SOURCE), None, _SOURCE.splitlines(True), {filename!r})
 try:
     exec(compile(_SOURCE, {filename!r}, "exec"), _module.__dict__)
+except (Exception, SystemExit) as _exc:  # SystemExit too: an unguarded main() or argparse exits
+    _report(_exc, loading=True)
+try:
     _result = getattr(_module, {name!r})(_payload)
 except Exception as _exc:
     _report(_exc)
@@ -125,8 +147,9 @@ def package(fn: Callable[..., Any]) -> tuple[str, str]:
             module_name = "__gpumesh_main__"  # its `if __name__ == "__main__":` block must not run on the worker
         shown = os.path.basename(filename)
     script = _ENTRY.format(
-        filename=shown, module=module_name, name=name, source=source, marker=EXCEPTION_MARKER, max_message=MAX_MESSAGE
-    )
+        filename=shown, module=module_name, name=name, source=source, marker=EXCEPTION_MARKER, max_message=MAX_MESSAGE,
+        whole_file=module_name != "__gpumesh_cell__",  # a notebook cell ships its definitions alone
+    )  # fmt: skip
     return script, f"{shown.removesuffix('.py')}.{name}.py"
 
 

@@ -70,10 +70,18 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (JSON has no NaN or Infinity; send null or a string)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a literal past a double's range, read as Infinity
+        raise ValueError(f"the number {text[:40]} is too large for a 64-bit float; send it as a string")
+    return value
+
+
 def loads_strict(text: str) -> Any:
-    """json.loads without NaN/Infinity, with every failure (too deep, a number too long) as a ValueError."""
+    """json.loads without NaN/Infinity (written, or a number too large that would read as one), with every
+    failure (too deep, a number too long) as a ValueError."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError(f"it nests deeper than {MAX_DEPTH} levels") from None
     except json.JSONDecodeError:

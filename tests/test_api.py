@@ -91,6 +91,8 @@ def test_submit_from_python_checks_script_and_options_before_writing(env, r) -> 
             mesh.submit(EXAMPLE, [{}], max_attempts=0)
         with pytest.raises(gpumesh.UsageError, match="vram_gb"):
             mesh.submit(EXAMPLE, [{}], requires=["vram_gb>=lots"])
+        with pytest.raises(gpumesh.UsageError, match="expires: must be a finite number of seconds from 1 to a year"):
+            mesh.submit(EXAMPLE, [{}], expires=float("inf"))
     assert r.dbsize() == 0
 
 

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from gpumesh import capability
 from gpumesh.models import Capability
+
+from .conftest import ROOT
 
 FIELDS = {"device", "device_name", "memory_bytes", "score_gflops", "backend"}
 NEW_FIELDS = {"cpu_cores", "ram_gb", "vram_gb", "vram_free_gb", "comparable"}
@@ -175,3 +179,11 @@ def test_a_slow_stretch_of_the_machine_does_not_set_the_score_and_a_moving_speed
     rates = capability.trial_rates(moving, 1e9)
     assert capability.estimate(rates) == pytest.approx(1000)
     assert capability.unsteady(rates) is not None  # the score may not repeat: the user is told
+
+
+@pytest.mark.core
+def test_numpy_is_a_dependency_of_the_package_so_a_fresh_install_scores_comparably() -> None:
+    # Without numpy, a fresh install's first benchmark was pure Python: a score doctor calls not comparable.
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert any(re.match(r"numpy\b", dep) for dep in project["dependencies"]), project["dependencies"]

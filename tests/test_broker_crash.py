@@ -22,7 +22,7 @@ import redis
 from gpumesh.server.broker_server import local_admin_url
 from gpumesh.store import keys
 
-from .conftest import RedisServer, Serve, Workers, free_port, gpumesh, wait_until
+from .conftest import RedisServer, Serve, Workers, free_port, gpumesh, wait_until, written
 
 TASKS = 40
 # 1 s outages against an 8 s lease: on a loaded machine the restart and reconnect stay well inside it
@@ -177,3 +177,43 @@ def test_serve_fsyncs_every_write_by_default_and_everysec_on_request(env, tmp_pa
     assert policies == ["always", "everysec"]
     p = gpumesh("serve", "--fsync", "sometimes", "--data-dir", str(tmp_path / "x"), env=env)
     assert p.returncode == 2 and "sometimes" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.faults
+def test_a_report_that_gives_up_in_an_outage_leaves_no_traceback_in_the_worker_log(
+    env, workers: Workers, tmp_path: Path
+):
+    # The broker goes down as the task ends and stays down past the lease (2 s): the worker retries its report,
+    # gives up and says so in its own lines; RQ's "exception raised while executing" and its traceback stay
+    # out of the default log level. Back up, the task is requeued and done.
+    (tmp_path / "aof").mkdir()
+    server = RedisServer(tmp_path / "aof").start(appendonly=True, fsync="always")
+    e = {**env, "GPUMESH_URL": server.url}
+    started = tmp_path / "started"
+    script = tmp_path / "t.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        f"first = not os.path.exists({str(started)!r})\n"
+        f"open({str(started)!r}, 'a').write('x')\n"
+        "time.sleep(1.5 if first else 0)\n"
+        "print(json.dumps(1))\n"
+    )
+    try:
+        c = server.client()
+        workers.start(client=c, GPUMESH_URL=server.url)
+        c.close()
+        p = gpumesh("submit", str(script), "--payloads", "-", env=e, input="[{}]")
+        assert p.returncode == 0, p.stderr
+        job = p.stdout.strip()
+        wait_until(lambda: written(started), what="the task to start")
+        sigkill(server)
+        wait_until(lambda: "broker unreachable while reporting" in workers.log(0), timeout=30, what="a report retry")
+        time.sleep(4)  # past the lease: the report gives up
+        server.start(appendonly=True, fsync="always")
+        st = gpumesh("status", job, "--watch", "--json", env=e, timeout=120)
+        assert json.loads(st.stdout)["status"] == "done", st.stdout + st.stderr
+    finally:
+        server.stop()
+    log = workers.log(0)
+    assert "exception raised while executing" not in log and "Traceback" not in log, log
+    assert workers.procs[0].poll() is None, "the worker rode out the outage"

@@ -11,6 +11,7 @@ window when the page loaded (tests/browser.py) tells an update in place from a r
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -283,6 +284,50 @@ def test_cancel_from_the_job_page_stops_the_running_tasks(
     assert [r["cells"]["task"] for r in rows(driver, "#workers tr.worker")] == ["idle", "idle"]
 
 
+def legend_keys(driver: Any) -> dict[str, dict[str, str]]:
+    """The timeline legend's keys as the browser drew them: per outcome, its key's fill, the colour under
+    it (a pattern's own) and its pattern's mark ("plain" for a colour alone)."""
+    return driver.execute_script("""
+        const keys = {};
+        for (const g of document.querySelectorAll('svg#timeline g.legend g.key')) {
+          const rect = g.querySelector('rect'), fill = rect.getAttribute('fill');
+          const id = (fill.match(/^url\\(#(.+)\\)$/) || [])[1];
+          const tile = id && document.getElementById(id);
+          keys[g.dataset.outcome] = {
+            fill, mark: tile ? tile.dataset.mark : 'plain',
+            colour: getComputedStyle(tile ? tile.querySelector('rect') : rect).fill,
+            shown: g.getBoundingClientRect().width > 0 ? 'yes' : 'no'};
+        }
+        return keys;
+    """)
+
+
+def _lab(rgb: str) -> tuple[float, float, float]:
+    """CIELAB (D65) of a computed ``rgb(r, g, b)``."""
+    r, g, b = (int(v) / 255 for v in re.findall(r"\d+", rgb)[:3])
+    r, g, b = ((c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4) for c in (r, g, b))
+    x, y, z = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+               (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)  # fmt: skip
+    f = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in (x, y, z)]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def assert_outcomes_told_apart(keys: dict[str, dict[str, str]]) -> None:
+    """Every outcome a colour of its own, far from every other's (CIELAB ΔE76); retried, lost and handed back
+    (once three oranges) far apart; and those, with failed, a pattern each besides, for colour-blind readers."""
+    outcomes = ["running", "done", "failed", "retried", "lost", "handed back", "cancelled", "superseded"]
+    assert set(outcomes) <= set(keys) and all(keys[o]["shown"] == "yes" for o in outcomes), keys
+    lab = {o: _lab(keys[o]["colour"]) for o in outcomes}
+    for i, a in enumerate(outcomes):
+        for b in outcomes[i + 1 :]:
+            far = 40 if {a, b} <= {"retried", "lost", "handed back"} else 25
+            assert math.dist(lab[a], lab[b]) >= far, (a, b, keys[a]["colour"], keys[b]["colour"])
+    marked = ["failed", "retried", "lost", "handed back"]
+    marks = [keys[o]["mark"] for o in marked]
+    assert "plain" not in marks and len(set(marks)) == len(marks), {o: keys[o]["mark"] for o in outcomes}
+    assert keys["done"]["mark"] == "plain"
+
+
 @pytest.mark.processes
 def test_the_timeline_draws_one_bar_per_attempt_in_its_worker_s_lane(
     driver: Any, workers: Workers, mesh: gpumesh.Mesh, dashboards: Dashboards
@@ -305,7 +350,7 @@ def test_the_timeline_draws_one_bar_per_attempt_in_its_worker_s_lane(
         return [...document.querySelectorAll('svg#timeline g.lane')].map(g => ({
           worker: g.dataset.worker, top: g.getBoundingClientRect().top,
           rects: [...g.querySelectorAll('rect.attempt')].map(r => ({
-            ...r.dataset, cls: r.getAttribute('class'), x: r.getBoundingClientRect().left,
+            ...r.dataset, cls: r.getAttribute('class'), fill: r.getAttribute('fill'), x: r.getBoundingClientRect().left,
             width: r.getBoundingClientRect().width, title: (r.querySelector('title') || {}).textContent || ''}))}));
     """)
     lanes = {lane["worker"]: lane for lane in drawn}
@@ -329,6 +374,10 @@ def test_the_timeline_draws_one_bar_per_attempt_in_its_worker_s_lane(
     first, retry = bars[(3, 1)][1], bars[(3, 2)][1]
     assert retry["x"] >= first["x"] + first["width"] - 1, "the retry starts after the failed attempt ended"
     assert exists(driver, "svg#timeline text"), "lane labels and a time axis"
+    keys = legend_keys(driver)
+    assert_outcomes_told_apart(keys)
+    for a in attempts:  # each bar drawn as its outcome's key shows it
+        assert bars[(a.index, a.attempt)][1]["fill"] == keys[a.outcome]["fill"], (a.outcome, keys[a.outcome])
     screenshot(driver, "timeline")
 
     svg = urllib.request.urlopen(dash.url(f"/jobs/{job.id}/timeline.svg"), timeout=10)

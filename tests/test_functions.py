@@ -300,3 +300,21 @@ def test_map_cancels_its_job_on_ctrl_c_or_its_timeout(env, r, mesh_worker) -> No
         second = mesh.jobs(1)[0].job_id
         assert second != first
         wait_until(lambda: mesh.job(second).status().status == "cancelled", what="the timed-out map's job to end")
+
+
+def test_driving_code_outside_the_main_guard_is_named_in_the_error_the_user_sees(env, r, mesh_worker, tmp_path) -> None:
+    # The whole file travels and loads on each worker: its unguarded driving code runs there too, and reads
+    # a sys.argv the worker's task does not have. The error names that line and where such code belongs.
+    drive = tmp_path / "drive.py"
+    drive.write_text(
+        "import sys\n\nimport gpumesh\n\n\ndef double(payload):\n    return payload['x'] * 2\n\n\n"
+        "n = int(sys.argv[1])\nwith gpumesh.connect() as mesh:\n"
+        "    print(mesh.map(double, [{'x': i} for i in range(n)], max_attempts=1, progress=False))\n"
+    )
+    mesh_worker.start()
+    ran = subprocess.run([sys.executable, str(drive), "3"], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpumesh.errors.TaskFailed: task ") and "raised IndexError: list index out of range" in last
+    assert "drive.py line 10 (n = int(sys.argv[1])) at module level" in last, last
+    assert 'the code that drives the job belongs under if __name__ == "__main__":' in last, last

@@ -183,7 +183,7 @@ def runs(tmp: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def cluster(tmp: Path, nodes: list[Node]) -> tuple[Node, Node, list[Node]]:
+def cluster(tmp: Path, nodes: list[Node], down_after_ms: int = 1000) -> tuple[Node, Node, list[Node]]:
     """A primary (append-only), its read-only replica and three Sentinels (quorum 2) that all know both,
     appended to ``nodes`` as they start (the caller stops them)."""
     primary = Node(tmp / "primary", "--appendonly", "yes", "--appendfsync", "everysec").start()
@@ -193,7 +193,7 @@ def cluster(tmp: Path, nodes: list[Node]) -> tuple[Node, Node, list[Node]]:
     nodes.append(replica)
     conf = (
         f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
-        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+        f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
         f"sentinel failover-timeout {SERVICE} 4000\n"
         f"sentinel parallel-syncs {SERVICE} 1\n"
     )
@@ -336,6 +336,53 @@ def test_sentinels_with_a_password_are_asked_with_the_broker_s_when_the_url_says
         assert "sentinel_auth=broker" in said and "pw" not in said.replace("sentinel_auth", ""), said
         asked = client(url + "?sentinel_auth=broker", decode=True, socket_timeout=3, retries=0)
         assert asked.set("k", "v") and asked.get("k") == "v"
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.mark.faults
+def test_one_shot_commands_wait_for_the_promotion_when_the_primary_dies(env, tmp_path: Path):
+    # The primary SIGKILLed: until its Sentinels promote the replica (down-after 4 s here, then the
+    # election; long enough that the commands, slow to start on a loaded machine, start before it ends),
+    # they name a primary that refuses connections, then none. status, results and jobs started at once
+    # wait for the promotion and answer, instead of exiting 3; a service no Sentinel monitors still does.
+    nodes: list[Node] = []
+    try:
+        primary, replica, sentinels = cluster(tmp_path, nodes, down_after_ms=4000)
+        url = sentinel_url(sentinels)
+        e = {**env, "GPUMESH_URL": url}
+        script = tmp_path / "t.py"
+        script.write_text("print(1)\n")
+        p = gpumesh("submit", str(script), "--payloads", "-", env=e, input="[{}]")
+        assert p.returncode == 0, p.stderr
+        job = p.stdout.strip()
+        wait_until(lambda: replica.client().exists(keys.job(job)), what="the job to reach the replica")
+        primary.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        commands = [["status", job], ["results", job, "--format", "json"], ["jobs"]]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "gpumesh", *args],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for args in commands
+        ]
+        outs = [proc.communicate(timeout=90) for proc in procs]
+        took = time.monotonic() - t0
+        for args, proc, (out, errs) in zip(commands, procs, outs):
+            assert proc.returncode == 0, (args, out, errs)
+            assert job in out, (args, out, errs)
+            assert "waiting up to" in errs and "promote a replica" in errs and "reachable again" in errs, errs
+        assert primary_of(sentinels[0].client()) == ("127.0.0.1", replica.port)
+        print(f"\nthree one-shot commands started at the primary's SIGKILL answered after {took:.1f} s")
+        t0 = time.monotonic()
+        other = gpumesh("jobs", "--url", url.replace(f"/{SERVICE}/", "/no-such-service/"), env=e)
+        assert other.returncode == 3 and other.stderr.count("\n") == 1, other.stderr
+        assert "no-such-service" in other.stderr and time.monotonic() - t0 < 10
     finally:
         for n in reversed(nodes):
             n.stop()

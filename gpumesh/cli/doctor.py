@@ -261,8 +261,8 @@ def numpy_line() -> Line:
     if importlib.util.find_spec("numpy") is None:
         return warn(
             "numpy",
-            "not installed: without it (or torch) the CPU benchmark falls back to pure Python, whose score "
-            "is not comparable with other machines'",
+            "not installed, though gpumesh-pool depends on it (installed with --no-deps?): without it (or torch) "
+            "the CPU benchmark falls back to pure Python, whose score is not comparable with other machines'",
             "Run pip install numpy, then gpumesh bench --save.",
         )
     try:

@@ -49,7 +49,7 @@ def connect(ctx: click.Context, url: str | None, worker: bool = False) -> Broker
     else:
         broker = Broker(settings, retries=1, health_check=False)  # a broker that does not answer: exit 3 in ~10 s
     ctx.call_on_close(broker.close)
-    return broker.ping()
+    return broker.ping(say=lambda line: err.print(line, markup=False))
 
 
 def exit_for(ctx: click.Context, st: JobStatus) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpumesh.api import follow_logs
+from gpumesh.api import check_expires, follow_logs
 from gpumesh.cli import render
 from gpumesh.cli.helpers import (
     emit_json,
@@ -46,10 +46,10 @@ if TYPE_CHECKING:
 )  # fmt: skip
 @click.option(
     "--expires",
-    type=click.FloatRange(min=1),
+    type=float,
     default=7 * 86400,
     show_default=True,
-    help="Seconds a signed job stays valid.",
+    help="Seconds a signed job stays valid: 1 to a year (31536000).",
 )
 @url_option
 @json_option
@@ -67,6 +67,7 @@ def submit(
     the tasks wait until one joins.
     """
     source, name, payloads, options = job_input(script, payloads_spec, opts)  # errors name the flags
+    expires = check_expires(expires, "--expires")
     mesh = open_mesh(ctx, url)
     job = mesh.submit_checked(
         source, name, payloads, options, idempotency_key=idempotency_key, sign_key=sign_key, expires=expires

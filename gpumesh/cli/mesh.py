@@ -304,7 +304,9 @@ def serve(
 
     It listens on 127.0.0.1 unless --host says otherwise, persists jobs in an append-only file,
     never evicts queue data, prints the lines to copy on other machines, runs the reaper, and stops
-    Redis cleanly on Ctrl-C. Run it again with the same --data-dir to keep jobs and password.
+    Redis cleanly on Ctrl-C (killed hard, it takes Redis with it on Linux; a serve on the same
+    --data-dir stops one a killed serve left running, and says so). Run it again with the same
+    --data-dir to keep jobs and password.
     With --tls the lines are rediss://...?ca_fingerprint=sha256:...: a client fetches the broker's CA,
     checks it against the fingerprint before sending anything, and caches it.
 

@@ -15,16 +15,27 @@ from dataclasses import dataclass
 from html import escape as _html_escape
 from typing import Protocol
 
+# Each outcome a hue of its own (retried, lost and handed back were three oranges): no two closer than 25 in
+# CIELAB ΔE76; and the outcomes that call for a look carry a pattern too, for readers who cannot tell
+# the hues apart (red failed from green done, the commonest confusion).
 OUTCOME_COLOURS = {
     "running": "#2f6fdd",
     "done": "#2e9e4f",
     "failed": "#d23b3b",
-    "retried": "#e8892b",
-    "lost": "#9c4a12",
-    "handed back": "#e3c23a",
+    "retried": "#e69f00",
+    "lost": "#a0529a",
+    "handed back": "#17becf",
     "cancelled": "#8a8a8a",
     "superseded": "#cfcfcf",
 }
+OUTCOME_MARKS = {"failed": "cross", "retried": "diagonal", "lost": "dots", "handed back": "horizontal"}  # else plain
+_MARKS = {  # white marks drawn over the outcome's colour, in a 6 px tile
+    "diagonal": ('patternTransform="rotate(45)"', '<line x1="0" y1="0" x2="0" y2="6" stroke-width="2"/>'),
+    "cross": ('patternTransform="rotate(45)"',
+              '<line x1="0" y1="0" x2="0" y2="6" stroke-width="1.5"/><line x1="0" y1="0" x2="6" y2="0" stroke-width="1.5"/>'),
+    "horizontal": ("", '<line x1="0" y1="3" x2="6" y2="3" stroke-width="2"/>'),
+    "dots": ("", '<circle cx="3" cy="3" r="1.4" stroke="none" fill="#ffffff"/>'),
+}  # fmt: skip
 UNKNOWN_COLOUR = "#555555"
 WIDTH = 1000  # px of the whole drawing
 LABEL_W = 190  # px of the lane labels on the left
@@ -104,13 +115,33 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def outcome_fill(outcome: str) -> str:
+    """The fill of an outcome's bars and legend key: its pattern (``url(#fill-…)``) or its plain colour."""
+    if outcome in OUTCOME_MARKS:
+        return f"url(#fill-{outcome_class(outcome).removeprefix('outcome-')})"
+    return OUTCOME_COLOURS.get(outcome, UNKNOWN_COLOUR)
+
+
+def _patterns() -> list[str]:
+    """The tiles of the patterned outcomes: the outcome's colour, white marks over it."""
+    out = []
+    for outcome, mark in OUTCOME_MARKS.items():
+        transform, shapes = _MARKS[mark]
+        out.append(
+            f'<pattern id="{outcome_fill(outcome)[5:-1]}" data-mark="{mark}" width="6" height="6" '
+            f'patternUnits="userSpaceOnUse" {transform}><rect width="6" height="6" fill="{OUTCOME_COLOURS[outcome]}"/>'
+            f'<g stroke="#ffffff" stroke-opacity="0.75">{shapes}</g></pattern>'
+        )
+    return out
+
+
 def _attempt_rect(a: AttemptLike, x: float, y: float, w: float, seconds: float, lane: Lane) -> str:
     colour = OUTCOME_COLOURS.get(a.outcome, UNKNOWN_COLOUR)
     backup = a.copy == "backup"
     look = (
         f'fill="url(#hatch)" stroke="{colour}" stroke-width="2" stroke-dasharray="4 2"'
         if backup
-        else f'fill="{colour}" stroke="#ffffff" stroke-width="0.5"'
+        else f'fill="{outcome_fill(a.outcome)}" stroke="#ffffff" stroke-width="0.5"'
     )
     kind = f", {a.kind}" if a.kind else ""
     tip = (
@@ -145,10 +176,10 @@ def _legend(y: float) -> list[str]:
     names = [*OUTCOME_COLOURS, "backup copy"]
     for name in names:
         fill = 'fill="url(#hatch)" stroke="#444" stroke-dasharray="4 2"' if name == "backup copy" else (
-            f'fill="{OUTCOME_COLOURS[name]}"')  # fmt: skip
-        out.append(f'<rect x="{x}" y="4" width="14" height="12" {fill}/>')
-        out.append(f'<text x="{x + 18}" y="14" font-size="11" fill="#333">{escape(name)}</text>')
-        x += 26 + 7 * len(name)
+            f'fill="{outcome_fill(name)}"')  # fmt: skip
+        out.append(f'<g class="key" data-outcome="{escape(name)}"><rect x="{x}" y="2" width="18" height="14" {fill}/>')
+        out.append(f'<text x="{x + 22}" y="14" font-size="11" fill="#333">{escape(name)}</text></g>')
+        x += 30 + 7 * len(name)
     out.append("</g>")
     return out
 
@@ -177,7 +208,9 @@ def render(attempts: Sequence[AttemptLike], workers: Iterable[Lane], now: float)
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" role="img" aria-label="attempts by worker">',
         '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
         '<rect width="6" height="6" fill="#ffffff"/><line x1="0" y1="0" x2="0" y2="6" stroke="#888" stroke-width="3"/>'
-        "</pattern></defs>",
+        "</pattern>",
+        *_patterns(),
+        "</defs>",
     ]
     if not attempts:
         text = '<text x="10" y="40" font-size="13" fill="#555">no attempt has started yet</text>'

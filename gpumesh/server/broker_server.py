@@ -14,16 +14,21 @@ import fcntl
 import hashlib
 import ipaddress
 import json
+import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+import psutil
 import redis
 
 from gpumesh.errors import GpumeshError, UsageError
@@ -32,6 +37,10 @@ from gpumesh.server.acl import ROLES
 from gpumesh.store import keys, scripts, tlspin
 from gpumesh.store.connection import client as redis_client
 from gpumesh.store.connection import command
+
+log = logging.getLogger("gpumesh.serve")
+PID_FILE = "redis.pid"  # the broker's pid, written by Redis itself (redis.conf's pidfile)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that made it ends
 
 
 def is_loopback(host: str) -> bool:
@@ -189,21 +198,89 @@ def list_workers(admin: redis.Redis) -> list[str]:
 
 def lock_data_dir(data_dir: Path, port: int) -> int:
     """An exclusive lock on a broker's data directory (``serve.lock``, holding the pid and port of its
-    holder), so that two brokers never share one append-only file. The descriptor is the lock."""
+    holder), so that two brokers never share one append-only file. The descriptor is the lock.
+
+    A broker whose ``gpumesh serve`` was killed (SIGKILL: no chance to stop it) holds the lock, and its
+    port, on its own: it is recognised (its serve is gone, its pid file names a Redis working in this
+    directory), stopped with SIGTERM (its append-only file flushed) and said so in one line."""
     path = data_dir / "serve.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 200).decode(errors="replace").split()
-        os.close(fd)
-        who = f"pid {holder[0]}, port {holder[1]}" if len(holder) >= 2 else "another process"
-        raise UsageError(
-            f"another broker ({who}) uses {data_dir}; stop it first, or give this one its own --data-dir"
-        ) from None
+        orphan = _orphan(data_dir, holder)
+        if orphan is None:
+            os.close(fd)
+            who = f"pid {holder[0]}, port {holder[1]}" if len(holder) >= 2 else "another process"
+            raise UsageError(
+                f"another broker ({who}) uses {data_dir}; stop it first, or give this one its own --data-dir"
+            ) from None
+        _stop_orphan(orphan, data_dir, holder[1] if len(holder) >= 2 else "?")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"the broker left running on {data_dir} still holds it; stop it first") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()} {port}\n".encode())
     return fd
+
+
+def _orphan(data_dir: Path, holder: list[str]) -> psutil.Process | None:
+    """The Redis a killed ``gpumesh serve`` left running on ``data_dir``: the serve named in the lock is
+    gone, and the broker's pid file names a live process working in this directory. None otherwise."""
+    if holder and holder[0].isdigit():
+        try:
+            serve = psutil.Process(int(holder[0]))
+            if serve.status() != psutil.STATUS_ZOMBIE and "gpumesh" in " ".join(serve.cmdline()):
+                return None  # its serve runs: a second serve on this directory is refused
+        except psutil.Error:
+            pass  # gone (or its pid now another's)
+    try:
+        proc = psutil.Process(int((data_dir / PID_FILE).read_text().split()[0]))
+        if os.path.samefile(proc.cwd(), data_dir) and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except (OSError, ValueError, IndexError, psutil.Error):
+        pass
+    return None
+
+
+def _stop_orphan(proc: psutil.Process, data_dir: Path, port: str, timeout: float = 15.0) -> None:
+    try:
+        proc.terminate()  # Redis flushes its append-only file and exits
+        proc.resume()  # a stopped one (SIGSTOP, a debugger let go) gets the signal too
+        proc.wait(timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        raise UsageError(
+            f"the broker (pid {proc.pid}, port {port}) left running on {data_dir} by a killed gpumesh serve "
+            f"did not stop within {timeout:.0f}s of SIGTERM; stop it by hand"
+        ) from None
+    log.warning(
+        "stopped the broker (pid %d, port %s) that a killed gpumesh serve left running on %s; starting it again",
+        proc.pid, port, data_dir,
+    )  # fmt: skip
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """For Popen's preexec_fn on Linux: the broker gets SIGTERM (and flushes, and exits) when the thread
+    that started it ends, so a ``gpumesh serve`` killed hard (OOM, kill -9) does not leave it running. Only
+    called from a command's main thread (serve, run --local), whose end is the process's."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above: nobody will stop this broker
+            os._exit(1)
+
+    return preexec
 
 
 # The append-only file's fsync policy. ``always`` (the default): Redis writes and fsyncs each write before it
@@ -342,6 +419,7 @@ class BrokerServer:
             f"appendfsync {self.fsync}",  # always: an acknowledged transition is on disk (FSYNC_POLICIES)
             'save ""',
             "logfile redis.log",
+            f"pidfile {self.data_dir / PID_FILE}",  # a broker left by a killed serve is recognised by it
             "daemonize no",
         ]
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -351,11 +429,12 @@ class BrokerServer:
         return conf
 
     def start(self, timeout: float = 15.0) -> BrokerServer:
-        if not port_free(self.host, self.port):
-            raise UsageError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = lock_data_dir(self.data_dir, self.port)
+        self._lock = lock_data_dir(self.data_dir, self.port)  # first: it stops this directory's own orphan
+        if not port_free(self.host, self.port):
+            self.stop()
+            raise UsageError(f"port {self.port} on {self.host} is already in use; pick another with --port")
         self.passwords = self._credentials()
         conf = self._config()
         self.proc = subprocess.Popen(
@@ -365,6 +444,7 @@ class BrokerServer:
             stderr=subprocess.PIPE,
             start_new_session=True,
             pass_fds=(self._lock,),  # the lock lives as long as this Redis does, even if serve is killed
+            preexec_fn=_die_with_parent(),  # ... which it is not for long: it gets SIGTERM then (Linux)
         )
         try:
             self._wait_for_it(timeout)

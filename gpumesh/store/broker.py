@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
-from gpumesh.store import jobstatus, keys, scripts
+from gpumesh.store import jobstatus, keys, scripts, sentinel
 from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, translate
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ EXECUTOR = "gpumesh.executor.run_task"
 RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
 FAILURE_TTL = 86400
 JOB_LABELS_KEPT = 4096  # jobs whose name and requirements a worker keeps for its deliveries' labels
+FAILOVER_POLL = 0.25  # s between pings while a failover is awaited (Broker.ping)
 PAYLOAD_LABEL_BYTES = 1 << 20  # a larger payload is not parsed for its cost and requirements on the dispatch path
 
 # (broker URL, job id) -> (job name, job-wide requirements), for Broker.deliver's labels
@@ -93,13 +95,40 @@ class Broker:
     def url_masked(self) -> str:
         return mask_url(self.url)
 
-    def ping(self) -> Broker:
-        """Fail fast with exit code 3 when the broker is unreachable or refuses us."""
-        try:
-            self.r.ping()
-        except redis.RedisError as exc:
-            raise translate(exc, self.url) from None
-        return self
+    def ping(self, say: Callable[[str], None] | None = None) -> Broker:
+        """Fail fast with exit code 3 when the broker is unreachable or refuses us. Through Sentinels
+        (``redis+sentinel://``), a primary that cannot be reached while a Sentinel monitors its service may
+        be one being replaced: wait for the promotion first, for the bound :func:`sentinel.failover_wait`
+        gives, told through ``say``."""
+        started, bound = time.monotonic(), None
+        while True:
+            try:
+                self.r.ping()
+            except redis.RedisError as exc:
+                if bound is None:
+                    bound = self._failover_wait(exc)
+                    if bound and say is not None:
+                        say(f"the broker at {self.url_masked} does not answer ({exc.__class__.__name__}); "
+                            f"waiting up to {bound:.0f} s for its Sentinels to promote a replica (Ctrl-C stops)")  # fmt: skip
+                if time.monotonic() - started + FAILOVER_POLL > bound:
+                    said = translate(exc, self.url)
+                    if bound:
+                        raise type(said)(f"{said} (waited {bound:.0f} s for a failover)") from None
+                    raise said from None
+                time.sleep(FAILOVER_POLL)
+                continue
+            if bound and say is not None:
+                say(f"broker reachable again after {time.monotonic() - started:.1f} s (failover)")
+            return self
+
+    def _failover_wait(self, exc: redis.RedisError) -> float:
+        """How long :meth:`ping` waits for a failover after ``exc``: 0 but through Sentinels that monitor our
+        service, for a connection error (a refused credential is no outage)."""
+        if not sentinel.is_sentinel(self.url) or isinstance(exc, redis.AuthenticationError):
+            return 0.0
+        if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            return 0.0
+        return sentinel.failover_wait(self.redis)
 
     def close(self) -> None:
         self.r.close()

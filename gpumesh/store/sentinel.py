@@ -35,6 +35,11 @@ SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
 DEFAULT_PORT = 26379
 AUTH_PARAM = "sentinel_auth"
 SENTINEL_TIMEOUT = 3.0  # s a Sentinel may take to answer (it answers from memory, never blocks)
+# A primary gone while its Sentinels still monitor the service: they call it down after their
+# down-after-milliseconds, then agree and promote a replica, within seconds more (about 2 s past a 1 s
+# down-after on one loopback VM). A command that finds no primary waits that long, never past the cap.
+FAILOVER_MARGIN = 10.0
+FAILOVER_WAIT_MAX = 60.0
 
 
 def is_sentinel(url: str) -> bool:
@@ -192,3 +197,22 @@ def describe_no_primary(text: str, parsed: SentinelURL) -> str:
         f"no Sentinel of {where} names a healthy primary for service {parsed.service!r} ({said}); "
         "are the Sentinels running, is the service name right, is a failover under way?"
     )
+
+
+def failover_wait(primary: redis.Redis) -> float:
+    """Seconds to wait for a failover when ``primary`` (a :func:`client`) cannot be reached: the Sentinels'
+    down-after time for its service plus FAILOVER_MARGIN, at most FAILOVER_WAIT_MAX; 0 when no Sentinel
+    answers or none monitors the service (nothing will promote a replica: say so at once)."""
+    pool = primary.connection_pool
+    manager, service = getattr(pool, "sentinel_manager", None), getattr(pool, "service_name", None)
+    if manager is None or service is None:
+        return 0.0
+    for guard in manager.sentinels:
+        try:
+            state = guard.sentinel_masters().get(service)
+        except redis.RedisError:
+            continue
+        if state:
+            down_after = float(state.get("down-after-milliseconds", 30_000)) / 1000
+            return min(down_after + FAILOVER_MARGIN, FAILOVER_WAIT_MAX)
+    return 0.0

@@ -36,6 +36,7 @@ REFUSED = (redis.AuthenticationError, redis.exceptions.NoPermissionError)
 # the worker's end. (REFUSED, a ResponseError too, is caught before it.)
 BAD_DATA: tuple[type[Exception], ...] = (redis.ResponseError, ValueError, KeyError, TypeError, IndexError)
 MAINTENANCE_BAD_DATA: tuple[type[Exception], ...] = (*BAD_DATA, AssertionError)
+OUTAGE = (redis.ConnectionError, redis.TimeoutError)  # the broker is down, restarting or cut off
 
 
 class LeanRQWorker(SimpleWorker):
@@ -51,6 +52,7 @@ class LeanRQWorker(SimpleWorker):
         # RQ's records of runs (the last one's success, the next one's start), gathered in one transaction that
         # send_records sends while the next attempt runs, and before anything else of RQ's is written.
         self._unsent: Any = None
+        self._outage_ended: str | None = None  # the RQ job whose run ended in a broker outage (handle_exception)
         super().__init__(*args, **kwargs)
 
     def _revoked(self, exc: Exception) -> None:
@@ -235,8 +237,24 @@ class LeanRQWorker(SimpleWorker):
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)  # fmt: skip
 
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        if len(exc_info) > 1 and isinstance(exc_info[1], OUTAGE):
+            # A report that gave up in a broker outage: the worker's own lines said so (its lease lapses and
+            # the reaper requeues the task). RQ's "exception raised while executing" and its traceback: DEBUG.
+            self._outage_ended = job.id
+            log.debug("RQ's job %s ended in a broker outage", job.id, exc_info=exc_info)
+            return
+        super().handle_exception(job, *exc_info)
+
     def handle_job_failure(self, job: Job, queue: Any, started_job_registry: Any = None, exc_string: str = "",
                            execution: Any = None) -> None:  # fmt: skip
+        if self._outage_ended == job.id:
+            self._outage_ended = None
+            try:  # still down: RQ would log its failed write as an ERROR with a traceback; the reaper tidies up
+                self.connection.ping()
+            except OUTAGE as exc:
+                log.debug("RQ's failure record of %s skipped: the broker is unreachable (%s)", job.id, exc)
+                return
         self.send_records()  # the run's start first, where it waits still
         with self._unless_refused():
             super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
