@@ -2,6 +2,7 @@
 that stays loaded, confined as any attempt is; a task that misbehaves takes the process down, its outcome its own;
 the process ends with its job, its cancel, its worker, or an idle bound. And waits that wake on the job's end.
 
+Most run against both executors (a new interpreter per process, and processes forked from a warm zygote).
 Isolation first, then what a failure does, then what reuse gives, then the waits."""
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def _processes(rows: list[Any]) -> dict[int, list[int]]:
 
 @needs_landlock
 @pytest.mark.security
+@pytest.mark.usefixtures("both_modes")
 def test_a_reused_process_is_confined_as_any_attempt_is_on_every_task(env, workers: Workers, tmp_path: Path):
     """Landlock, the clean environment (no broker URL), no capabilities, the attempt's cgroup where one is made: for
     the process's first task and for the ones it serves after."""
@@ -159,6 +161,7 @@ def test_a_reused_process_is_confined_as_any_attempt_is_on_every_task(env, worke
 
 @pytest.mark.security
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="--sandbox-user needs a root worker")
+@pytest.mark.usefixtures("both_modes")
 def test_a_reused_process_runs_as_the_sandbox_user(env, workers: Workers, tmp_path: Path):
     workers.start("--sandbox-user", "nobody", GPUMESH_SANDBOX_PYTHON=SYSTEM_PYTHON)
     script = _script(tmp_path, "reused.py", REUSED.replace('"i": payload.get("i"),', '"i": os.getuid(),'))
@@ -174,6 +177,7 @@ def test_a_reused_process_runs_as_the_sandbox_user(env, workers: Workers, tmp_pa
 
 
 @pytest.mark.security
+@pytest.mark.usefixtures("both_modes")
 def test_two_jobs_never_share_a_process_nor_see_each_other_s_leftovers(env, workers: Workers, tmp_path: Path):
     """Within a job a task sees what the last one left (memory, files); another job on the same worker does not."""
     workers.start()
@@ -203,6 +207,7 @@ def test_two_jobs_never_share_a_process_nor_see_each_other_s_leftovers(env, work
         ("child", "done", None),
     ],
 )
+@pytest.mark.usefixtures("both_modes")
 def test_a_task_that_misbehaves_takes_the_process_down_and_the_next_gets_a_new_one(
     env, workers: Workers, tmp_path: Path, act: str, status: str, kind: str | None
 ):
@@ -228,6 +233,7 @@ def test_a_task_that_misbehaves_takes_the_process_down_and_the_next_gets_a_new_o
 
 
 @pytest.mark.faults
+@pytest.mark.usefixtures("both_modes")
 def test_a_task_that_raises_fails_alone_and_the_process_serves_on(env, workers: Workers, tmp_path: Path):
     workers.start()
     mark = tmp_path / "mark.json"
@@ -246,6 +252,7 @@ def test_a_task_that_raises_fails_alone_and_the_process_serves_on(env, workers: 
 
 
 @pytest.mark.processes
+@pytest.mark.usefixtures("both_modes")
 def test_module_state_is_loaded_once_per_worker_and_survives_between_tasks(env, workers: Workers, tmp_path: Path):
     workers.start()
     workers.start()
@@ -314,6 +321,7 @@ def _pids_of_reused(worker_pid: int) -> list[int]:
 
 
 @pytest.mark.processes
+@pytest.mark.usefixtures("both_modes")
 def test_the_process_ends_when_its_job_ends(env, workers: Workers, tmp_path: Path):
     proc = workers.start()
     with gm.connect() as mesh:
@@ -323,6 +331,7 @@ def test_the_process_ends_when_its_job_ends(env, workers: Workers, tmp_path: Pat
 
 
 @pytest.mark.processes
+@pytest.mark.usefixtures("both_modes")
 def test_the_process_ends_when_its_job_is_cancelled(env, workers: Workers, tmp_path: Path):
     workers.start()
     mark = tmp_path / "mark.json"
@@ -340,6 +349,7 @@ def test_the_process_ends_when_its_job_is_cancelled(env, workers: Workers, tmp_p
 
 @pytest.mark.processes
 @pytest.mark.parametrize("ends_by", ["idle bound", "worker stop"])
+@pytest.mark.usefixtures("both_modes")
 def test_the_process_ends_after_an_idle_bound_and_when_its_worker_stops(env, workers: Workers, tmp_path: Path, ends_by):
     """The job stays running (its second task waits for a worker that is not there): its process, idle, ends only
     by the idle bound (1 s here), or with its worker."""

@@ -1052,7 +1052,7 @@ class _Forks:
         import time
 
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 5)  # 5: a reused process's socket too
         except InterruptedError:
             return
         if not msg:  # the worker is gone; our supervisors get their death signal as we exit
@@ -1344,7 +1344,7 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
     prepare_landlock(isolation)
     while not term.terminating:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 5)
         except OSError:
             return 70
         if not msg or term.terminating:  # let go, or the zygote is gone: nothing more to run
@@ -1357,7 +1357,9 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
             take_prepared(None, "/")  # the last one built, if no attempt took it
             prepare_landlock(str(req["isolation"]))
             continue
-        if len(fds) != 4:
+        if len(fds) != (
+            5 if req.get("serve") else 4
+        ):  # a reused process's socket is the fifth (submit --reuse-process)
             for fd in fds:
                 os.close(fd)
             return 70
@@ -1399,7 +1401,7 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     if child == 0:
         os.close(fds[0])  # the task holds neither the worker's socket nor the zygote's
         ctrl.close()
-        _become_script(req, fds[1:], rules, born_in, code)  # never returns
+        _become_script(req, fds[1:4], rules, born_in, code, fds[4] if len(fds) > 4 else None)  # never returns
     _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _HANDLED)
     for fd in fds[1:]:
         os.close(fd)
@@ -1411,8 +1413,9 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
 
 
 def _become_script(
-    req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool, code: Any = None
-) -> None:
+    req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool, code: Any = None,
+    serve: int | None = None,
+) -> None:  # fmt: skip
     """In the process a warm supervisor forked for an attempt: take a session of its own and the attempt's stdio,
     then its cgroup (unless ``born_in`` it), limits, user and directory (:func:`_enter`) and its Landlock
     ``rules``, and run the script (``code``: compiled already, or None). Never returns."""
@@ -1429,7 +1432,7 @@ def _become_script(
         print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
         sys.stderr.flush()
         os._exit(70)
-    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)), code)
+    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)), code, serve=serve)
 
 
 def _remove_as(req: dict[str, Any], script: str) -> None:

@@ -40,7 +40,7 @@ from gpumesh.sandbox.runner import (
     _prepare,
     _watch,
 )  # fmt: skip
-from gpumesh.sandbox.warm import WarmProcess
+from gpumesh.sandbox.warm import WarmProcess, Zygote
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -52,7 +52,7 @@ class Resident:
     its directory (whose ``output`` dir each task writes its files to, emptied between tasks)."""
 
     def __init__(
-        self, key: Key, proc: subprocess.Popen[bytes], ctrl: socket.socket, workdir: str, dir_fd: int,
+        self, key: Key, proc: subprocess.Popen[bytes] | WarmProcess, ctrl: socket.socket, workdir: str, dir_fd: int,
         script: str, cgroup: str | None, since: int | None,
     ) -> None:  # fmt: skip
         self.key = key
@@ -73,9 +73,10 @@ class Resident:
     @classmethod
     def start(
         cls, key: Key, source: str, script_name: str, env: Mapping[str, str], limits: Limits,
-        stdio: tuple[int, int, int],
+        stdio: tuple[int, int, int], zygote: Zygote | None = None,
     ) -> Resident:  # fmt: skip
-        """Start the process (its supervisor with ``stdio``, the first task's, until it has forked the script's
+        """Start the process: forked by the warm ``zygote`` where there is one (its --preload imported already),
+        else a new interpreter (its supervisor with ``stdio``, the first task's, until it has forked the script's
         process, so that what stops it there is that task's to read). Nothing is left behind when this raises."""
         tree.become_subreaper()
         workdir, dir_fd = taskdir.make_open()
@@ -85,7 +86,11 @@ class Resident:
         mine = theirs = None
         try:
             full_env = _prepare(source, dir_fd, script, output_dir, env, limits)
-            cgroup = tree.new_cgroup()
+            ahead = None
+            if zygote is not None:  # as a warm attempt: its supervisor waits in the cgroup made for it last time
+                cgroup, ahead = tree.attempt_cgroups(zygote)
+            else:
+                cgroup = tree.new_cgroup()
             rlimits: list[Any] = [
                 limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
                 *(limits.user if limits.user else ("-", "-")),
@@ -93,20 +98,32 @@ class Resident:
                 cgroup or "-",
             ]  # fmt: skip
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            cmd = _launcher(limits)
-            try:
-                with tree.launching():
-                    proc = subprocess.Popen(
-                        [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *map(str, rlimits)],
-                        stdin=stdio[0], stdout=stdio[1], stderr=stdio[2], pass_fds=(theirs.fileno(),),
-                        cwd="/", env=full_env, start_new_session=True,
-                    )  # fmt: skip
-                    tree.started(proc.pid)
-            except BaseException:
-                forget_launcher_command(cmd)
-                raise
-            finally:
-                theirs.close()
+            proc: subprocess.Popen[bytes] | WarmProcess
+            if zygote is not None:
+                try:
+                    with tree.launching():
+                        proc = zygote.spawn(script, workdir, full_env, rlimits, stdio[0], ahead, serve=theirs.fileno())
+                        tree.started(proc.pid)
+                finally:
+                    theirs.close()
+                    if ahead is not None:
+                        tree.attempt_ended(zygote)  # its next attempt's supervisor waits in ``ahead`` from now on
+                close_pipes(proc)  # the script's process takes each task's stdio from the socket
+            else:
+                cmd = _launcher(limits)
+                try:
+                    with tree.launching():
+                        proc = subprocess.Popen(
+                            [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *map(str, rlimits)],
+                            stdin=stdio[0], stdout=stdio[1], stderr=stdio[2], pass_fds=(theirs.fileno(),),
+                            cwd="/", env=full_env, start_new_session=True,
+                        )  # fmt: skip
+                        tree.started(proc.pid)
+                except BaseException:
+                    forget_launcher_command(cmd)
+                    raise
+                finally:
+                    theirs.close()
         except BaseException:
             if mine is not None:
                 mine.close()
@@ -177,10 +194,15 @@ class Resident:
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.proc.send_signal(signal.SIGKILL)
                 self.proc.wait()
-        tree.end_cgroup(self.cgroup)
+        warm = self.proc if isinstance(self.proc, WarmProcess) else None
+        # A warm supervisor that said its process is over serves the zygote's next attempts: it is spared.
+        spared = (self.proc.pid, self.since) if warm is not None and not warm.lost and self.since else None
+        tree.end_cgroup(self.cgroup, supervisor=spared)
         tree.kill_escaped(self.proc.pid, self.since)
+        if warm is not None:
+            warm.close()
         log.info("reused process %d of job %s ended after %d task(s)", self.proc.pid, self.job_id, self.tasks)
         return self.proc.returncode
 
@@ -228,7 +250,7 @@ class ResidentTask(WarmProcess):
             try:
                 self.returncode = self.resident.proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
-                self.resident.proc.kill()
+                self.resident.proc.send_signal(signal.SIGKILL)
                 self.returncode = self.resident.proc.wait()
         elif "status" in msg:
             self.returncode = os.waitstatus_to_exitcode(msg["status"])
@@ -310,10 +332,11 @@ def start(
     on_line: Callable[[str, str], None],
     should_stop: Callable[[], str | None],
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
+    zygote: Zygote | None = None,
 ) -> Started:
     """Hand the task to its job's reused process on this worker (started now if there is none) and return at once,
     as :func:`gpumesh.sandbox.runner.start` does; ``finish`` supervises it to its end."""
-    steps = _steps(pool, key, source, script_name, payload, env, limits, on_line, should_stop, collect)
+    steps = _steps(pool, key, source, script_name, payload, env, limits, on_line, should_stop, collect, zygote)
     next(steps)
     return Started(steps)
 
@@ -329,6 +352,7 @@ def _steps(
     on_line: Callable[[str, str], None],
     should_stop: Callable[[], str | None],
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
+    zygote: Zygote | None,
 ) -> Generator[None, None, Attempt]:
     out = Attempt()
     started = time.monotonic()
@@ -339,7 +363,7 @@ def _steps(
         with _payload_file(payload) as stdin:
             stdio = (stdin.fileno(), out_w, err_w)
             if res is None:
-                res = Resident.start(key, source, script_name, env, limits, stdio)
+                res = Resident.start(key, source, script_name, env, limits, stdio, zygote)
                 on_line("gpumesh", f"started the job's reused process {res.proc.pid} on this worker (--reuse-process)")
             res.hand(env, stdio)
     except BaseException:

@@ -329,7 +329,7 @@ class Executor:
             key = (lease.job_id, lease.script_sha, limits.python, str(limits.user))
             return resident.start(
                 self.residents, key, source, lease.script_name, lease.payload, self._task_env(lease), limits,
-                on_line, should_stop, collect,
+                on_line, should_stop, collect, zygote=self.w.zygote,
             )  # fmt: skip
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
