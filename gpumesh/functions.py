@@ -88,11 +88,12 @@ def main(payload):
     # (--reuse-process) calls main for each, and keeps what the module loaded.
     global _module
     if _module is None:
-        _module = _types.ModuleType({module!r})
-        _module.__file__ = {filename!r}
-        _sys.modules[{module!r}] = _module
+        module = _types.ModuleType({module!r})
+        module.__file__ = {filename!r}
+        _sys.modules[{module!r}] = module
         _linecache.cache[{filename!r}] = (len(_SOURCE), None, _SOURCE.splitlines(True), {filename!r})
-        exec(compile(_SOURCE, {filename!r}, "exec"), _module.__dict__)
+        exec(compile(_SOURCE, {filename!r}, "exec"), module.__dict__)
+        _module = module  # loaded whole: a module that raised while loading is loaded again by the next call
     return getattr(_module, {name!r})(payload)
 
 
