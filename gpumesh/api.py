@@ -86,6 +86,7 @@ def job_options(
     requires: Iterable[str] = (),
     speculate: bool | None = None,
     retry_on: str | Iterable[str] | None = None,
+    reuse_process: bool = False,
     flag: Callable[[str], str] = lambda field: field,
 ) -> JobOptions:
     """Checked :class:`JobOptions`; a UsageError names the bad option as ``flag(field)`` says (the CLI
@@ -101,6 +102,7 @@ def job_options(
             requires=tuple(requires),
             speculate=True if speculate is None else speculate,
             retry_on=DEFAULT_RETRY_ON if retry_on is None else _kinds(retry_on),
+            reuse_process=reuse_process,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -205,6 +207,7 @@ class Mesh:
         requires: Iterable[str] = (),
         speculate: bool | None = None,
         retry_on: str | Iterable[str] | None = None,
+        reuse_process: bool = False,
         idempotency_key: str | None = None,
         sign_key: str | Path | None = None,
         expires: float = SIGNED_FOR,
@@ -220,6 +223,19 @@ class Mesh:
         ``"all"`` or ``"none"`` too); ``idempotency_key`` makes a retried submit return the first one's job. ``sign_key`` (default:
         the ``GPUMESH_SIGNING_KEY`` setting) signs every task, valid for ``expires`` seconds.
 
+        ``reuse_process``: load once, run many. On each worker the job's tasks run one after another in one process
+        that stays loaded, so what the function's module (or the script) loads at module level, a model or a CUDA
+        context, is loaded once per worker; a script must then define ``main(payload)``, called for each task
+        (a function is called as always). Tasks of the job see each other's leftovers; other jobs and the host
+        stay isolated (docs/reuse.md).
+
+        >>> _MODEL = {}
+        >>> def infer(payload):                        # module-level cache: filled by the first task on a worker
+        ...     if "net" not in _MODEL:
+        ...         _MODEL["net"] = load_model()       # doctest: +SKIP
+        ...     return _MODEL["net"](payload["x"])     # doctest: +SKIP
+        >>> mesh.map(infer, payloads, reuse_process=True)          # doctest: +SKIP
+
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
         >>> job.id                                                                            # doctest: +SKIP
         'j8f3c2a1b9d0'
@@ -228,7 +244,7 @@ class Mesh:
         checked = check_payloads(payloads if isinstance(payloads, list) else list(payloads))
         options = job_options(
             name=name, timeout=timeout, max_attempts=max_attempts, priority=priority, requires=requires,
-            speculate=speculate, retry_on=retry_on,
+            speculate=speculate, retry_on=retry_on, reuse_process=reuse_process,
         )  # fmt: skip
         return self.submit_checked(source, script_name, checked, options, idempotency_key, sign_key, expires)
 
@@ -351,7 +367,9 @@ class Job:
 
     def wait(self, timeout: float | None = None, progress: bool | None = None, interval: float = 0.25) -> JobStatus:
         """Block until the job ends (done, failed or cancelled) and return its status; TimeoutError after
-        ``timeout`` seconds. Does not raise when the job failed: look at ``status`` (or use ``map``).
+        ``timeout`` seconds. Does not raise when the job failed: look at ``status`` (or use ``map``). Woken by
+        the end of each task (the job's stream of ends), so it returns as the last task ends; ``interval`` only
+        bounds how long the progress shown waits for a task to start (it reads again after 4 × ``interval``).
 
         ``progress``: True shows it (a widget in a notebook with ipywidgets, else one line on stderr
         that rewrites itself), False never, None (default) when in a notebook or on a terminal. A broker
@@ -361,18 +379,20 @@ class Job:
         TaskCounts(total=10, queued=0, running=0, done=10, failed=0, cancelled=0)
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        poll = patient(lambda: self.mesh.broker.job_status(self.id), self.mesh.broker.settings, _say)
-        st = poll()
+        follow = self.mesh.broker.follow(self.id, idle_s=max(interval, 0.05) * 4)
+        st = patient(follow, self.mesh.broker.settings, _say)()
         bar = _progress.show(self.id, st.tasks.total, progress)
         try:
             while True:
                 bar.update(done=st.tasks.done, failed=st.tasks.failed + st.tasks.cancelled, running=st.tasks.running)
                 if st.finished:
                     return st
-                if deadline is not None and time.monotonic() >= deadline:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id} is still {st.status} after {timeout} s")
-                time.sleep(interval)
-                st = poll()
+                # Woken by the end of one of its tasks (the job's stream of ends), not a poll: returns within a
+                # round trip of the job's end.
+                st = patient(functools.partial(follow, left), self.mesh.broker.settings, _say)()
         finally:
             bar.close()
 

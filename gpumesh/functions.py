@@ -9,7 +9,9 @@
 source of the function's module file, or of its notebook cell (that cell's imports, functions, classes
 and constants), embedded in a small entry point. The entry point runs that source as a module under the
 module's own name (so an ``if __name__ == "__main__":`` block does not run on the worker), calls
-``fn(payload)`` with the task's payload, and prints the JSON of the return value as the result line.
+``fn(payload)`` with the task's payload, and prints the JSON of the return value as the result line. The entry
+point is also a script's ``main(payload)``: in a process reused for a job's tasks (``reuse_process=True``) the
+module is loaded by the first task and each task calls ``main``, so what the module caches stays loaded.
 
 If the function raises, the entry point prints the traceback to stderr and, as its last stderr line,
 :data:`EXCEPTION_MARKER` followed by JSON ``{"type", "message"}``, which :class:`gpumesh.TaskFailed`
@@ -56,8 +58,8 @@ _SOURCE = {source!r}
 
 def _report(exc, loading=False):
     tb = exc.__traceback__
-    if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # this entry point's own frame is noise: start at the function's module
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # this entry point's own frames are noise: start at the function's module
     _traceback.print_exception(type(exc), exc, tb)
     kind = type(exc)
     name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else kind.__module__ + "." + kind.__qualname__
@@ -97,26 +99,39 @@ class _Tail:
         return getattr(self._stream, name)
 
 
-_payload = _json.load(_sys.stdin)
-_sys.stdout = _out = _Tail(_sys.stdout)
-_module = _types.ModuleType({module!r})
-_module.__file__ = {filename!r}
-_sys.modules[{module!r}] = _module
-_linecache.cache[{filename!r}] = (len(_SOURCE), None, _SOURCE.splitlines(True), {filename!r})
-try:
-    exec(compile(_SOURCE, {filename!r}, "exec"), _module.__dict__)
-except (Exception, SystemExit) as _exc:  # SystemExit too: an unguarded main() or argparse exits
-    _report(_exc, loading=True)
-try:
-    _result = getattr(_module, {name!r})(_payload)
-except Exception as _exc:
-    _report(_exc)
-try:
-    _line = _json.dumps(_result, allow_nan=False)
-except (TypeError, ValueError, RecursionError) as _exc:
-    _report(TypeError(f"{name}() returned a value that is not JSON ({{_exc}}); return dicts, lists, str, numbers, bools or None"))
-_sys.stdout = _out._stream
-print(("" if _out.ended else "\\n") + _line, flush=True)  # the result is a line of its own
+_module = None
+
+
+def main(payload):
+    # The function's module is loaded once per process: a process reused for the job's tasks
+    # (--reuse-process) calls main for each, and keeps what the module loaded.
+    global _module
+    if _module is None:
+        module = _types.ModuleType({module!r})
+        module.__file__ = {filename!r}
+        _sys.modules[{module!r}] = module
+        _linecache.cache[{filename!r}] = (len(_SOURCE), None, _SOURCE.splitlines(True), {filename!r})
+        try:
+            exec(compile(_SOURCE, {filename!r}, "exec"), module.__dict__)
+        except (Exception, SystemExit) as _exc:  # SystemExit too: an unguarded main() or argparse exits
+            _report(_exc, loading=True)  # ends the process: a reused one is started again for the next task
+        _module = module  # loaded whole: a module that raised while loading is loaded again by the next call
+    return getattr(_module, {name!r})(payload)
+
+
+if __name__ == "__main__":
+    _payload = _json.load(_sys.stdin)
+    _sys.stdout = _out = _Tail(_sys.stdout)
+    try:
+        _result = main(_payload)
+    except Exception as _exc:
+        _report(_exc)
+    try:
+        _line = _json.dumps(_result, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as _exc:
+        _report(TypeError(f"{name}() returned a value that is not JSON ({{_exc}}); return dicts, lists, str, numbers, bools or None"))
+    _sys.stdout = _out._stream
+    print(("" if _out.ended else "\\n") + _line, flush=True)  # the result is a line of its own
 """
 
 

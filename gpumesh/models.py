@@ -179,6 +179,24 @@ def check_script(source: str, name: str) -> str:
     return source
 
 
+REUSE_ENTRY = "main"  # what a script submitted with --reuse-process defines, and each task calls
+
+
+def check_reusable(source: str, name: str) -> None:
+    """A script submitted with --reuse-process (its tasks share a process per worker) must define its entry point,
+    ``def main(payload)`` at its top level, which each task calls; one UsageError saying so otherwise."""
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == REUSE_ENTRY:
+            return
+    raise UsageError(
+        f"script {name} has no top-level def {REUSE_ENTRY}(payload): with --reuse-process each task calls "
+        f"{REUSE_ENTRY}(payload) in a process that stays loaded, and returns its result; define it (see docs/reuse.md) "
+        "or submit without --reuse-process"
+    )
+
+
 # A script with a bug is not run again by default; what the machine or the mesh did to it is.
 DEFAULT_RETRY_ON = ("timeout", "memory", "lost")
 
@@ -223,6 +241,9 @@ class JobOptions(Model):
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="higher runs first")
     requires: tuple[str, ...] = Field((), description="requirements every task of the job has (EXPR)")
     retry_on: tuple[str, ...] = Field(DEFAULT_RETRY_ON, description="failure kinds retried while attempts remain")
+    reuse_process: bool = Field(
+        False, description="run the job's tasks on each worker one after another in one process that stays loaded"
+    )
 
     @field_validator("retry_on", mode="before")
     @classmethod

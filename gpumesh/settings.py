@@ -74,6 +74,9 @@ class Settings(BaseModel):
     artifact_task_mb: float = Field(64, ge=0, description="output files kept per task, MiB; 0 = no cap")
     artifact_job_mb: float = Field(1024, ge=0, description="output files kept per job, MiB; 0 = no cap")
     artifact_files: int = Field(1000, ge=0, description="output files kept per task; 0 = no cap")
+    reuse_idle: float = Field(
+        300.0, gt=0, description="worker: seconds a job's reused process (submit --reuse-process) waits idle for a task"
+    )
     trusted_keys: str = Field(
         "",
         description="worker: run only tasks signed by these public keys, files or inline ed25519:BASE64 "

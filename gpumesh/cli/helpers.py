@@ -18,7 +18,7 @@ from gpumesh.cli.options import emit_json as emit_json
 from gpumesh.cli.options import json_option as json_option
 from gpumesh.cli.options import url_option as url_option
 from gpumesh.errors import UsageError
-from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summary, parse_payloads
+from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, check_reusable, error_summary, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 
@@ -100,8 +100,10 @@ def job_input(
     options = api.job_options(
         name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"],
         speculate=opts.get("speculate", True), priority=opts.get("priority", 0), requires=opts.get("require", ()),
-        retry_on=opts.get("retry_on"), flag=_flag,
+        retry_on=opts.get("retry_on"), reuse_process=opts.get("reuse_process", False), flag=_flag,
     )  # fmt: skip
+    if options.reuse_process:
+        check_reusable(source, script)
     return source, name, payloads, options
 
 
@@ -143,6 +145,15 @@ def job_options(f: Any) -> Any:
                 "script.",
             ),  # fmt: skip
             click.option(
+                "--reuse-process",
+                is_flag=True,
+                help="Load once, run many: on each worker the job's tasks run one after another in one process "
+                "that stays loaded, so what the script loads at module level (a model, a CUDA context) is loaded "
+                "once per worker. The script defines main(payload), called for each task, which returns the result "
+                "(e.g. gpumesh submit infer.py --payloads p.json --reuse-process). Tasks of the job then see each "
+                "other's leftovers in memory and files; other jobs and the host stay isolated (docs/reuse.md).",
+            ),  # fmt: skip
+            click.option(
                 "--speculate/--no-speculate",
                 default=True,
                 show_default=True,
@@ -171,6 +182,7 @@ def stopped_waiting(ctx: click.Context, job_id: str, waiting: bool = True) -> No
 
 def wait_for(ctx: click.Context, broker: Broker, job_id: str, quiet: bool) -> JobStatus:
     try:
-        return render.follow(patient(lambda: broker.job_status(job_id), broker), quiet=quiet)
+        # Each read waits for one of the job's tasks to end (its stream of ends) or a second to pass: no poll.
+        return render.follow(patient(broker.follow(job_id), broker), quiet=quiet, interval=0)
     except KeyboardInterrupt:
         stopped_waiting(ctx, job_id)

@@ -61,7 +61,8 @@ def submit(
     """Submit SCRIPT with one task per payload; print the job id.
 
     The script reads its payload as JSON on stdin and prints its result as the last stdout line
-    (JSON). Payloads may carry "cost" (a positive number): when a worker asks for work, the strongest
+    (JSON); with --reuse-process it defines main(payload), called for each task in a process that stays
+    loaded, which returns the result. Payloads may carry "cost" (a positive number): when a worker asks for work, the strongest
     workers get the heaviest tasks. Everything is checked before anything is written; the job
     appears whole or not at all. If no live worker meets some tasks' requirements, submit warns and
     the tasks wait until one joins.

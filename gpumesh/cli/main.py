@@ -93,7 +93,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 # One or two lines of each command's --help: what a newcomer types first.
 EXAMPLES = {
     "submit": ["gpumesh submit train.py --payloads sweep.json --wait",
-               "gpumesh submit train.py --payloads - --require vram_gb>=40 --priority 5 < sweep.json"],
+               "gpumesh submit train.py --payloads - --require vram_gb>=40 --priority 5 < sweep.json",
+               "gpumesh submit examples/reuse_infer.py --payloads examples/reuse_payloads.json --reuse-process --wait"],
     "status": ["gpumesh status 8f3c2a1b9d0e --watch"],
     "jobs": ["gpumesh jobs --limit 10 --json"],
     "results": ["gpumesh results 8f3c2a1b9d0e --format csv -o results.csv"],

@@ -98,7 +98,16 @@ use them: [Python and notebooks](../how-to/python.md).
 
 
 def _doc(obj: object) -> str:
-    return inspect.cleandoc(obj.__doc__ or "").strip()
+    """``obj``'s docstring as Markdown: its doctest examples fenced as code, so none of them reads as a link."""
+    out: list[str] = []
+    fenced = False
+    for line in inspect.cleandoc(obj.__doc__ or "").strip().splitlines():
+        example = line.startswith((">>> ", "... ")) or line in (">>>", "...")
+        if example != fenced:
+            out.append("```pycon" if example else "```")
+            fenced = example
+        out.append(line)
+    return "\n".join(out + (["```"] if fenced else []))
 
 
 def _signature(name: str, obj: Any) -> str:

@@ -164,11 +164,14 @@ def _waiting_line(w: Waiting) -> str:
 
 
 def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -> JobStatus:
-    """Poll a job until it ends, showing progress on stderr (a bar on a terminal, lines elsewhere)."""
+    """Follow a job until it ends, showing progress on stderr (a bar on a terminal, lines elsewhere): ``poll``
+    answers its status, ``interval`` seconds after the last answer (0 where ``poll`` itself waits for a change:
+    a :class:`~gpumesh.store.broker.JobFollower`)."""
     st = poll()
     if quiet:
         while not st.finished:
-            time.sleep(interval)
+            if interval:
+                time.sleep(interval)
             st = poll()
         return st
     rate = Rate(st)
@@ -182,7 +185,8 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
                 last = counts
             if st.finished:
                 return st
-            time.sleep(interval)
+            if interval:
+                time.sleep(interval)
             st = poll()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -205,7 +209,8 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
             )
             if st.finished:
                 break
-            time.sleep(interval)
+            if interval:
+                time.sleep(interval)
             st = poll()
     err.print(status_line(st))
     return st

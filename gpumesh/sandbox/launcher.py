@@ -3,6 +3,8 @@
 Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
 Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
+Resident: ``python -m gpumesh.sandbox.launcher --resident CTRL_FD PARENT_PID SCRIPT ...`` is a fresh attempt whose
+script's process stays, loaded, and runs one task after another of a job (submit --reuse-process, :func:`_serve_tasks`).
 Warm: ``python -m gpumesh.sandbox.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
 runs the attempts the worker asks for in supervisors it forks ahead, each serving attempt after attempt (see
 :func:`zygote`); there the script's process takes its own cgroup, rlimits, user and directory (:func:`_serve_attempts`).
@@ -445,10 +447,15 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
     return ""
 
 
-def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None) -> None:
+def _run_script(
+    script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None,
+    serve: int | None = None,
+) -> None:  # fmt: skip
     """In the forked child: confine itself (``rules``: Landlock's, or None; ``ruleset``: those rules built
     already, by a warm spare), become the script's ``__main__`` and exit with its code. ``compiled``: the script
     compiled already (by a warm supervisor, :func:`_compiled`); None: read and compile the file here.
+    ``serve``: a reused process's socket (submit --reuse-process): confined the same way, it then loads the
+    script once and calls its ``main(payload)`` for each task the worker sends (:func:`_serve_tasks`).
 
     Plain compile + exec rather than runpy: in a freshly forked child runpy's imports cost ~7 ms a task."""
     _default_handlers()
@@ -469,6 +476,8 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
             os._exit(70)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
+    if serve is not None:
+        _exit_flushed(_serve_tasks(serve, script))
     main = type(sys)("__main__")
     main.__file__ = script
     sys.modules["__main__"] = main
@@ -630,14 +639,15 @@ def _join_ahead(path: str) -> str | None:
 
 def supervise(
     parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
-    isolation: str = "-", cgroup: str = "-", *, cwd: str | None = None,
+    isolation: str = "-", cgroup: str = "-", *, cwd: str | None = None, serve: int | None = None,
 ) -> int:  # fmt: skip
     """Run one attempt of ``script`` (fresh mode: a new interpreter per attempt) and return its exit code (or die
     by the signal that killed it). A warm attempt's supervisor is :func:`_serve_attempts`.
 
     ``isolation``: the Landlock rule set (JSON, from gpumesh.sandbox.landlock) the script runs under, or "-".
     ``cgroup``: the attempt's cgroup directory (or "-"), joined before anything of the task starts.
-    ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped."""
+    ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped.
+    ``serve``: a reused process's socket (``--resident``): the child serves task after task on it."""
     libc = _syscall()[1]
     why = _enter(cgroup, cpu, fsize, nofile, uid, gid, cwd or os.path.dirname(script))
     if why is not None:  # the worker said the attempt runs in it: never run it outside
@@ -659,7 +669,7 @@ def supervise(
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
     _OnTerm(grace)
-    status = _wait_for(_fork_script(script, rules, ruleset))
+    status = _wait_for(_fork_script(script, rules, ruleset, serve))
     _end_what_it_left()
     if _parent_gone(int(parent)):
         remove_dir_of(script, TASK_DIR_PREFIX)
@@ -728,16 +738,26 @@ class _OnTerm:
         _signal_tree(signal.SIGKILL)
 
 
-def _fork_script(script: str, rules: dict[str, Any] | None, ruleset: int | None = None) -> int:
-    """Fork the child that runs ``script``; in this process, return its pid."""
+def _fork_script(
+    script: str, rules: dict[str, Any] | None, ruleset: int | None = None, serve: int | None = None
+) -> int:
+    """Fork the child that runs ``script``; in this process, return its pid. ``serve``: a reused process's
+    socket, the child's alone from here (its end tells the worker the process is gone); this process then holds
+    no task's stdio either, so each task's pipes end when the child lets go of them."""
     import gc
 
     gc.freeze()  # fewer copy-on-write faults in the child
     child = os.fork()
     if child == 0:
-        _run_script(script, rules, ruleset)
+        _run_script(script, rules, ruleset, serve=serve)
     if ruleset is not None:
         os.close(ruleset)
+    if serve is not None:
+        os.close(serve)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for target in (0, 1, 2):
+            os.dup2(devnull, target)
+        os.close(devnull)
     return child
 
 
@@ -785,6 +805,166 @@ def _reply(fd: int, msg: dict[str, Any]) -> None:
         os.write(fd, json.dumps(msg).encode())
     except OSError:
         pass
+
+
+# -- reused processes (submit --reuse-process) -------------------------------------------------------------
+
+EXCEPTION_MARKER = "gpumesh-exception "  # gpumesh.models.EXCEPTION_MARKER: a task's exception, read back as TaskFailed
+REUSED_MODULE = (
+    "__gpumesh_task__"  # the name a reused script is loaded under: its `if __name__ == "__main__":` is skipped
+)
+MAX_MESSAGE = 2000  # characters of an exception's message in the marker line (as gpumesh.functions)
+
+
+def _exit_flushed(code: int) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _serve_tasks(ctrl_fd: int, script: str) -> int:
+    """A reused process: the script's process of an attempt that stays (confined, as its user, in its cgroup and
+    directory, exactly as any attempt's) and runs task after task of one job on this worker. Each message on
+    ``ctrl_fd`` (SOCK_SEQPACKET) is {"env"} (the task's variables) with three descriptors, the task's stdin (its
+    payload), stdout and stderr. At the first task the script is loaded as a module (``REUSED_MODULE``, so its
+    ``if __name__ == "__main__":`` block does not run); each task then calls its ``main(payload)`` with the payload
+    as JSON and prints the JSON of its return value as the result line. The reply is {"status": a wait status,
+    "leave": why the process goes after this task, or ""}. Module-level state (a model, a CUDA context) stays for
+    the next task. The process leaves after a task that raised SystemExit, whose script did not load, or that
+    left threads running; EOF on ``ctrl_fd`` (the job ended, the worker stops) ends it with 0."""
+    import _socket
+    import json
+
+    sock = _socket.socket(fileno=ctrl_fd)
+    module = type(sys)(REUSED_MODULE)
+    module.__file__ = script
+    sys.modules[REUSED_MODULE] = sys.modules["__main__"] = module
+    loaded = False
+    while True:
+        try:
+            msg, ancdata, _flags, _addr = sock.recvmsg(1 << 20, _socket.CMSG_LEN(3 * 4))
+        except OSError:
+            return 70
+        fds: list[int] = []
+        for level, kind, data in ancdata:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+        if not msg or len(fds) != 3:
+            return 0
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.update(json.loads(msg)["env"])
+        tempfile: Any = sys.modules.get("tempfile")
+        if tempfile is not None:
+            tempfile.tempdir = None  # TMPDIR read again
+        code, leave = _one_task(module, script, loaded)
+        loaded = loaded or leave != "the script did not load"
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        devnull = os.open(os.devnull, os.O_RDWR)  # the task's pipes let go of: the worker reads them to their end
+        for target in (0, 1, 2):
+            os.dup2(devnull, target)
+        os.close(devnull)
+        try:
+            sock.send(json.dumps({"status": (code & 0xFF) << 8, "leave": leave}).encode())
+        except OSError:
+            return 70
+        if leave:
+            return code
+
+
+class _Tail:
+    """sys.stdout during a task, remembering whether it left a line unfinished (print(..., end=""))."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.ended = stream, True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.ended = text.endswith("\n")
+        return int(self._stream.write(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _one_task(module: Any, script: str, loaded: bool) -> tuple[int, str]:
+    """Run one task in a reused process: load the script first if ``loaded`` is false, then call ``main`` with the
+    payload on stdin and print the JSON of what it returns. (exit code, why the process leaves now or "")."""
+    import json
+
+    threads = _python_threads()
+    stdout = sys.stdout
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - fd 0 is the task's; a fresh buffer
+    sys.stdout = tail = _Tail(stdout)
+    step = "load"
+    try:
+        if not loaded:
+            with open(script, "rb") as f:
+                source = f.read()
+            exec(compile(source, script, "exec", dont_inherit=True), module.__dict__)
+        step = "run"
+        entry = module.__dict__.get("main")
+        if not callable(entry):
+            raise TypeError(f"{os.path.basename(script)} has no main(payload) to call for each task (--reuse-process)")
+        data = b"".join(iter(lambda: os.read(0, 1 << 16), b""))
+        os.lseek(0, 0, os.SEEK_SET)  # main may read stdin too, as a script run once does
+        result = entry(json.loads(data))
+        step = "result"
+        line = json.dumps(result, allow_nan=False)
+    except SystemExit as exc:
+        sys.stdout = stdout
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0, "the task called sys.exit"
+        print(exc.code, file=sys.stderr)
+        return 1, "the task called sys.exit"
+    except BaseException as exc:  # the task's own error: its traceback is the task's error
+        sys.stdout = stdout
+        if step == "result":
+            exc = TypeError(f"main() returned a value that is not JSON ({exc}); return dicts, lists, str, numbers, "
+                            "bools or None")  # fmt: skip
+        _report(exc)
+        return 1, "the script did not load" if step == "load" else _left_threads(threads)
+    sys.stdout = stdout
+    print(("" if tail.ended else "\n") + line)  # the result is a line of its own
+    return 0, _left_threads(threads)
+
+
+def _report(exc: BaseException) -> None:
+    """A task's exception: its traceback, then the marker line gpumesh.functions.remote_exception reads."""
+    import json
+    import traceback
+
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # this file's frames are noise: the task's own start first
+    traceback.print_exception(type(exc), exc, tb)
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__", REUSED_MODULE) else (
+        f"{kind.__module__}.{kind.__qualname__}")  # fmt: skip
+    print(EXCEPTION_MARKER + json.dumps({"type": name, "message": str(exc)[:MAX_MESSAGE]}), file=sys.stderr)
+
+
+def _python_threads() -> set[int]:
+    """The idents of this process's live Python threads but the main one (none when threading was never imported)."""
+    threading = sys.modules.get("threading")
+    if threading is None:
+        return set()
+    main = threading.main_thread()
+    return {t.ident for t in threading.enumerate() if t is not main and t.ident is not None}
+
+
+def _left_threads(before: set[int]) -> str:
+    """Why a reused process must go after a task that started Python threads still running, or "": such a thread
+    would run on into the next task (library threads started while the script loaded are the module's state)."""
+    left = _python_threads() - before
+    return f"the task left {len(left)} thread(s) running" if left else ""
 
 
 # -- warm mode ---------------------------------------------------------------------------------------
@@ -953,7 +1133,7 @@ class _Forks:
         import time
 
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(self.ctrl, 1 << 20, 5)  # 5: a reused process's socket too
         except InterruptedError:
             return
         if not msg:  # the worker is gone; our supervisors get their death signal as we exit
@@ -1245,7 +1425,7 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
     prepare_landlock(isolation)
     while not term.terminating:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(ctrl, 1 << 20, 5)
         except OSError:
             return 70
         if not msg or term.terminating:  # let go, or the zygote is gone: nothing more to run
@@ -1258,7 +1438,9 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
             take_prepared(None, "/")  # the last one built, if no attempt took it
             prepare_landlock(str(req["isolation"]))
             continue
-        if len(fds) != 4:
+        if len(fds) != (
+            5 if req.get("serve") else 4
+        ):  # a reused process's socket is the fifth (submit --reuse-process)
             for fd in fds:
                 os.close(fd)
             return 70
@@ -1300,7 +1482,7 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     if child == 0:
         os.close(fds[0])  # the task holds neither the worker's socket nor the zygote's
         ctrl.close()
-        _become_script(req, fds[1:], rules, born_in, code)  # never returns
+        _become_script(req, fds[1:4], rules, born_in, code, fds[4] if len(fds) > 4 else None)  # never returns
     _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _HANDLED)
     for fd in fds[1:]:
         os.close(fd)
@@ -1312,8 +1494,9 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
 
 
 def _become_script(
-    req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool, code: Any = None
-) -> None:
+    req: dict[str, Any], stdio: list[int], rules: dict[str, Any] | None, born_in: bool, code: Any = None,
+    serve: int | None = None,
+) -> None:  # fmt: skip
     """In the process a warm supervisor forked for an attempt: take a session of its own and the attempt's stdio,
     then its cgroup (unless ``born_in`` it), limits, user and directory (:func:`_enter`) and its Landlock
     ``rules``, and run the script (``code``: compiled already, or None). Never returns."""
@@ -1330,7 +1513,7 @@ def _become_script(
         print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
         sys.stderr.flush()
         os._exit(70)
-    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)), code)
+    _run_script(script, rules, take_prepared(rules, os.path.dirname(script)), code, serve=serve)
 
 
 def _remove_as(req: dict[str, Any], script: str) -> None:
@@ -1390,6 +1573,10 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "--zygote":
         ctrl_fd, parent, preload = argv[1:]
         zygote(int(ctrl_fd), int(parent), [m for m in preload.split(",") if m])
+    elif argv and argv[0] == "--resident":
+        # A reused attempt process (submit --reuse-process): as a fresh attempt, but its script's process serves
+        # task after task on the socket CTRL_FD (see _serve_tasks).
+        sys.exit(supervise(*argv[2:], serve=int(argv[1])))
     elif argv and argv[0] == "--spare":
         sys.exit(spare(int(argv[1]), int(argv[2]), *argv[3:4]))
     else:

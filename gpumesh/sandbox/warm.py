@@ -160,11 +160,14 @@ class Zygote:
         stdin: int,
         ahead: str | None = None,
         source: str | None = None,
+        serve: int | None = None,
     ) -> WarmProcess:
         """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid,
         Landlock rules, cgroup). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into.
         ``source``: the script's text, which the supervisor compiles once for the attempts that share it (sent
-        where the request stays small; else the script's process compiles the file)."""
+        where the request stays small; else the script's process compiles the file). ``serve``: the socket of a
+        reused process (submit --reuse-process, :mod:`gpumesh.sandbox.resident`), whose script's process then
+        takes task after task on it instead of running the script once."""
         with self._lock:
             if not self.alive():
                 if self.started:
@@ -176,10 +179,14 @@ class Zygote:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"}
+                req: dict[str, Any] = {
+                    "script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"
+                }  # fmt: skip
+                if serve is not None:
+                    req["serve"] = 1
                 data = json.dumps({**req, "source": source}).encode() if source is not None else b""
                 inlined = 0 < len(data) <= SOURCE_INLINE_MAX
-                fds = [theirs.fileno(), stdin, out_w, err_w]
+                fds = [theirs.fileno(), stdin, out_w, err_w, *([serve] if serve is not None else [])]
                 try:
                     socket.send_fds(self._ctrl, [data if inlined else json.dumps(req).encode()], fds)
                 except OSError as exc:  # a socket buffer smaller than the message: the script's process reads the file

@@ -339,6 +339,19 @@ class Broker:
         entries = reply[0][1]
         return entries[-1][0], [fields["task"] for _id, fields in entries]
 
+    def end_cursor(self, job_id: str) -> str:
+        """The id of the newest entry on the job's stream of ends ("0-0" while there is none): read it before
+        the job's status, then :meth:`task_ends` from it, and no end that came between the two is missed."""
+        try:
+            newest = self.r.xrevrange(keys.job_ended(job_id), count=1)
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+        return str(newest[0][0]) if newest else "0-0"
+
+    def follow(self, job_id: str, idle_s: float = 1.0) -> JobFollower:
+        """A job's status, read again each time one of its tasks ends (see :class:`JobFollower`)."""
+        return JobFollower(self, job_id, idle_s)
+
     def task(self, task_id: str) -> dict[str, str]:
         h = self.r.hgetall(keys.task(task_id))
         if not h:
@@ -594,3 +607,28 @@ def delivery_label(
     if lease.backup:
         parts.append("backup copy")
     return f"task {lease.index} of {job}: " + ", ".join(parts), meta
+
+
+class JobFollower:
+    """A job's status as it changes, woken by the job's stream of task ends (a blocking XREAD), not by a poll:
+    the first call reads the status at once; each later one blocks until a task of the job ends, or ``idle_s``
+    passes with none ending (tasks that only start show then), and reads it again. ``Job.wait``, ``submit
+    --wait`` and ``status --watch`` return within a round trip of the job's last task ending.
+
+    >>> follow = broker.follow(job_id)                           # doctest: +SKIP
+    >>> while not (st := follow()).finished: print(st.tasks.done)   # doctest: +SKIP
+    """
+
+    def __init__(self, broker: Broker, job_id: str, idle_s: float = 1.0) -> None:
+        self.broker, self.job_id, self.idle_s = broker, job_id, idle_s
+        self.after: str | None = None  # the last entry of the stream of ends seen; None before the first call
+
+    def __call__(self, within: float | None = None) -> JobStatus:
+        """The job's status: at once the first time, else once a task ends or ``within`` (default ``idle_s``)
+        seconds pass."""
+        if self.after is None:
+            self.after = self.broker.end_cursor(self.job_id)  # before the status: an end after it wakes the next call
+        else:
+            wait = self.idle_s if within is None else min(within, self.idle_s)
+            self.after, _ended = self.broker.task_ends(self.job_id, self.after, block_ms=max(1, int(wait * 1000)))
+        return self.broker.job_status(self.job_id)

@@ -150,6 +150,9 @@ class TextClient(Protocol):
     def xread(
         self, streams: Mapping[str, str], count: int | None = None, block: int | None = None
     ) -> list[tuple[str, list[tuple[str, dict[str, str]]]]]: ...
+    def xrevrange(
+        self, name: str, max: str = "+", min: str = "-", count: int | None = None
+    ) -> list[tuple[str, dict[str, str]]]: ...
     def scan_iter(self, match: str | None = None, count: int | None = None) -> Iterator[str]: ...
 
 

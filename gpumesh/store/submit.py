@@ -24,7 +24,15 @@ import redis
 
 from gpumesh import requirements, scheduling
 from gpumesh.errors import BrokerError, UsageError
-from gpumesh.models import JobOptions, SubmitResult, check_payloads, check_script, payload_cost, payload_requires
+from gpumesh.models import (
+    JobOptions,
+    SubmitResult,
+    check_payloads,
+    check_reusable,
+    check_script,
+    payload_cost,
+    payload_requires,
+)
 from gpumesh.settings import Settings
 from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.connection import TextClient, translate
@@ -192,6 +200,8 @@ class Submitter:
         check_script(source, script_name)
         if not isinstance(options, JobOptions):
             raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")
+        if options.reuse_process:
+            check_reusable(source, script_name)
         sha = hashlib.sha256(source.encode()).hexdigest()
         request = ""  # what an idempotent retry must repeat exactly; only computed when there is a key
         if idempotency_key:
@@ -319,6 +329,7 @@ class Submitter:
                 "created_at": f"{job.created:.3f}",
                 "tiers": json.dumps(job.per_tier),
                 "speculate": int(options.speculate),
+                **({"reuse_process": 1} if options.reuse_process else {}),
             },
         )
         p.zadd(keys.JOBS, {job.id: job.created})

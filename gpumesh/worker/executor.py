@@ -7,6 +7,7 @@ alive, then completes or fails the task with its fenced token.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,7 +21,8 @@ from typing import Any
 
 import redis
 
-from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
+from gpumesh.models import EXCEPTION_MARKER, TERMINAL, Capability, loads_strict
+from gpumesh.sandbox import resident
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.spares import Spares
@@ -130,14 +132,44 @@ class Executor:
         self.artifact_caps = artifacts.Caps.of(self.settings)
         # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
+        # submit --reuse-process: each such job's tasks run in one long-lived process here, kept between its tasks.
+        self.residents = resident.Pool(self.settings.reuse_idle)
+        self._reuses: dict[str, bool] = {}  # job id -> whether it asked for reuse (its hash's reuse_process)
 
     def close(self) -> None:
         begun = self.begun
         if begun is not None:  # the worker stops without running it (a revoked one cannot hand it back)
             self._abandon(begun, "the worker is stopping")
         self.tidy()
+        self.residents.close()
         if self.spares is not None:
             self.spares.close()
+
+    def prune_residents(self) -> None:
+        """End the reused processes idle too long, and those whose job has ended (done, failed, cancelled or
+        gone): called from the worker's heartbeat thread."""
+
+        def ended(job_ids: list[str]) -> set[str]:
+            if not job_ids:
+                return set()
+            with self.broker.r.pipeline(transaction=False) as p:
+                for job_id in job_ids:
+                    p.hget(keys.job(job_id), "status")
+                states = p.execute()
+            return {j for j, st in zip(job_ids, states) if st is None or st in TERMINAL}
+
+        self.residents.prune(ended)
+
+    def _reuse_process(self, job_id: str) -> bool:
+        """Whether ``job_id`` asked for its tasks to share a process per worker (submit --reuse-process): read
+        once per job from its hash."""
+        reuse = self._reuses.get(job_id)
+        if reuse is None:
+            reuse = self.broker.r.hget(keys.job(job_id), "reuse_process") == "1"
+            if len(self._reuses) > 1024:
+                self._reuses.clear()
+            self._reuses[job_id] = reuse
+        return reuse
 
     def tidy(self) -> None:
         """Do at once what waits for the next attempt to run (sandbox.Meanwhile): the worker has no task now."""
@@ -292,10 +324,16 @@ class Executor:
                 return "lease lost: no heartbeat reached the broker within the lease TTL"
             return None
 
+        collect = functools.partial(self._stage, lease)
+        if self._reuse_process(lease.job_id):
+            key = (lease.job_id, lease.script_sha, limits.python, str(limits.user))
+            return resident.start(
+                self.residents, key, source, lease.script_name, lease.payload, self._task_env(lease), limits,
+                on_line, should_stop, collect, zygote=self.w.zygote,
+            )  # fmt: skip
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
-            zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
-            meanwhile=self.meanwhile,
+            zygote=self.w.zygote, spares=self.spares, collect=collect, meanwhile=self.meanwhile,
         )  # fmt: skip
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:

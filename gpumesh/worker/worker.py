@@ -707,6 +707,7 @@ class MeshWorker(LeanRQWorker):
             try:
                 self._beat()
                 tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
+                self.executor.prune_residents()  # reused processes idle too long, or whose job has ended
                 if self._hb_failing:
                     log.info("broker reachable again")
                 self._hb_failing = False
