@@ -106,10 +106,12 @@ def devices() -> list[str]:
     return _devices[1]
 
 
-def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None) -> str:
-    """The rule set for one attempt, as the JSON the launcher takes."""
+def rules(isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None, project: str = "") -> str:
+    """The rule set for one attempt, as the JSON the launcher takes. ``project``: the machine's copy of the
+    attempt's project tree, which it may read (and nothing else of the project cache)."""
     shared = _rules_before_attempt(isolation, kernel_abi if kernel_abi is not None else abi(), tuple(devices()))
-    return shared + json.dumps(attempt_dir) + "}"
+    tail = f',"project":{json.dumps(project)}' if project else ""
+    return shared + json.dumps(attempt_dir) + tail + "}"
 
 
 @functools.lru_cache(maxsize=8)

@@ -272,8 +272,9 @@ def add_attempt_rules(ruleset: int, rules: dict[str, Any]) -> None:
     Called as the task's user: a path here is never resolved with more privilege than the task has."""
     handled = fs_rights(int(rules["abi"]))
     attempt = [rules["attempt"]] if rules.get("attempt") else []
+    project = [rules["project"]] if rules.get("project") else []  # its project's tree: read only
     _grant(ruleset, handled, ((rules.get("owner_read", ()), FS_READ), (rules.get("owner_write", ()), handled),
-                              (attempt, handled)))  # fmt: skip
+                              (attempt, handled), (project, FS_READ)))  # fmt: skip
 
 
 def _grant(ruleset: int, handled: int, lists: Any) -> None:
@@ -316,6 +317,8 @@ def restrict_to(ruleset: int) -> None:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
 
 
+ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "project")  # rules an attempt adds to a prepared set
+
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
 _PREPARED: tuple[dict[str, Any], int, frozenset[tuple[int, int]]] | None = None
@@ -332,7 +335,7 @@ def prepare_landlock(isolation: str) -> None:
 
     try:
         rules = json.loads(isolation)
-        for attempts_own in ("attempt", "owner_read", "owner_write"):
+        for attempts_own in ATTEMPTS_OWN:
             rules.pop(attempts_own, None)
         python = _python_path_ids()
         _PREPARED = (rules, build_ruleset(rules, None), python)
@@ -351,7 +354,7 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
     if prepared is None:
         return None
     built_from, ruleset, python = prepared
-    static = {k: v for k, v in (rules or {}).items() if k not in ("attempt", "owner_read", "owner_write")}
+    static = {k: v for k, v in (rules or {}).items() if k not in ATTEMPTS_OWN}
     if rules is None or static != built_from:
         os.close(ruleset)
         return None
@@ -388,6 +391,9 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
             os._exit(70)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
+    project = os.environ.get("GPUMESH_PROJECT_DIR")
+    if project and project != sys.path[0]:  # a script in a folder of its project: the project's top comes first
+        sys.path.insert(0, project)
     main = type(sys)("__main__")
     main.__file__ = script
     sys.modules["__main__"] = main

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import psutil
 
-from gpumesh.sandbox import landlock, outputs, taskdir, tree
+from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
@@ -248,10 +248,16 @@ def start(
     spares: Spares | None = None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
     meanwhile: Meanwhile | None = None,
+    project: projectview.View | None = None,
+    output_globs: tuple[str, ...] = (),
 ) -> Started:
     """Hand the attempt over to what runs it and return at once (see :class:`Started`): nothing of it is left
-    behind when this raises."""
-    steps = _steps(source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile)
+    behind when this raises. ``project``: the attempt's directory shows that tree's files (projectview), and
+    ``script_name`` is the script's path in it; ``output_globs``: files of the directory ``collect`` gets too."""
+    steps = _steps(
+        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile, project,
+        output_globs,
+    )  # fmt: skip
     next(steps)  # to the hand-over; an error before it has cleaned up already
     return Started(steps)
 
@@ -268,6 +274,8 @@ def _steps(
     spares: Spares | None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
     meanwhile: Meanwhile | None,
+    project: projectview.View | None = None,
+    output_globs: tuple[str, ...] = (),
 ) -> Generator[None, None, Attempt]:
     """:func:`run`, in two steps: up to the hand-over (a ``yield``), then the rest."""
     out = Attempt()
@@ -275,7 +283,8 @@ def _steps(
     # Its descriptor held from before the task may touch the directory: the output files are read through it.
     workdir, workdir_fd = (meanwhile.take_dir() if meanwhile is not None else None) or taskdir.make_open()
     started = time.monotonic()
-    script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
+    script_rel = script_name if project is not None else os.path.basename(script_name) or "task.py"
+    script = os.path.join(workdir, script_rel)
     output_dir = os.path.join(workdir, taskdir.OUTPUT)
     proc: AttemptProcess | None = None
     since = None
@@ -283,13 +292,16 @@ def _steps(
     handing: list[bool] = []  # set once the attempt is handed to the zygote, a spare or a new launcher
     swept = False  # what escaped the attempt was killed already
     try:
-        full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
+        full_env = _prepare(source, workdir_fd, script, output_dir, env, limits, project, script_rel)
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
         owner = zygote if zygote is not None else spares if limits.user is None else None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source)
+            proc = _start(
+                payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source,
+                project.tree if project is not None else "",
+            )  # fmt: skip
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         try:
@@ -317,7 +329,9 @@ def _steps(
         swept = True
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
-            out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
+            out.collected = collect(
+                outputs.walk_with_globs(os.path.basename(output_dir), workdir_fd, output_globs, frozenset({script_rel}))
+            )
     finally:
         if ahead is not None and cgroup is not None and owner is not None and not handing:
             tree.attempt_not_started(owner, cgroup, ahead)  # its spare waits in it still: keep it for the next
@@ -349,22 +363,28 @@ def _confined(limits: Limits) -> bool:
 
 
 def _prepare(
-    source: str, workdir_fd: int, script: str, output_dir: str, env: Mapping[str, str], limits: Limits
-) -> dict[str, str]:
+    source: str, workdir_fd: int, script: str, output_dir: str, env: Mapping[str, str], limits: Limits,
+    project: projectview.View | None = None, script_rel: str = "",
+) -> dict[str, str]:  # fmt: skip
     """Write the script into the attempt's directory, and return the attempt's environment. With ``limits.user``
-    the task's user owns its directory and output dir, and nothing of the worker's.
+    the task's user owns its directory and output dir, and nothing of the worker's. With ``project`` the
+    directory shows the project's files first (projectview), and GPUMESH_PROJECT_DIR names it.
 
     Everything through the directory's descriptor, and the directory itself handed over last: until then it
     is the worker's (0700), so no process of the task's user can swap a name in it for a symlink that a
     chown as root would follow."""
-    workdir = os.path.dirname(script)
-    name, out_name = os.path.basename(script), os.path.basename(output_dir)
+    name, out_name = script_rel or os.path.basename(script), os.path.basename(output_dir)
+    workdir = script.removesuffix("/" + name)
+    if project is not None:
+        projectview.populate(project, workdir_fd, name, limits.user)
+    # The script's folder inside the directory was made just now (projectview), by the worker: nothing to follow.
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=workdir_fd)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(source)
         if limits.user is not None:
             os.fchown(f.fileno(), *limits.user)
-    full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
+    extra = {"GPUMESH_PROJECT_DIR": workdir} if project is not None else {}
+    full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir, **extra})
     if limits.user is not None:
         os.chown(out_name, *limits.user, dir_fd=workdir_fd, follow_symlinks=False)
         os.fchown(workdir_fd, *limits.user)
@@ -386,6 +406,7 @@ def _start(
     ahead: str | None = None,
     handing: list[bool] | None = None,
     source: str | None = None,
+    project_tree: str = "",
 ) -> AttemptProcess:
     """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
     ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
@@ -395,7 +416,7 @@ def _start(
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
             *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir) if limits.isolation is not None else "-",
+            landlock.rules(limits.isolation, workdir, project=project_tree) if limits.isolation is not None else "-",
             cgroup or "-",
         ]  # fmt: skip
         proc: AttemptProcess | None = None
