@@ -332,9 +332,9 @@ class Mesh:
 
         >>> job = mesh.submit_file("gpumesh.toml", priority=5)                # doctest: +SKIP
         """
-        from gpumesh import jobfile
+        from gpumesh.jobfile import load
 
-        spec = jobfile.load(Path(path))
+        spec = load(Path(path))
         kwargs = {**spec.submit_kwargs(), **overrides}
         script = kwargs.pop("script")
         payloads = kwargs.pop("payloads")
