@@ -107,7 +107,8 @@ def load(path: Path) -> Spec:
     try:
         parsed = JobFile.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])  # a typo explains the rest
         key = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "list[", "str")))
         if err["type"] == "extra_forbidden":
             raise UsageError(
@@ -165,7 +166,7 @@ def template(found: dict[str, str | None]) -> str:
         "[job]",
         f'script = "{script}"'
         if script
-        else '# script = "train.py"   # no script with a __main__ guard found: name it',
+        else '# script = "SCRIPT.py"   # no one script with a __main__ guard found: name it',
         f'payloads = "{payloads}"'
         if payloads
         else '# payloads = "payloads.json"   # or inline: payloads = [{lr = 0.1}]',

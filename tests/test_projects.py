@@ -410,8 +410,10 @@ def test_a_task_cannot_change_the_project_for_the_next(penv, r, workers, proj, t
     for out in seen:
         assert isinstance(out, dict)
         assert out["before"] == "K = 7\n" and out["leftover"] is False, out
-        for change in ("write", "append_deep", "create_deep", "chmod", "unlink_real", "rename"):
-            assert out[change] != "done" or change == "rename", (change, out)
+        for change in ("write", "append_deep", "create_deep", "unlink_real"):
+            assert out[change] != "done", (change, out)
+        if user:  # not the task's files: it may not even change their mode (Landlock does not rule on chmod)
+            assert out["chmod"] != "done", out
         assert out["delete"] == "done" and out["create_top"] == "done", "its own view: a link, a file of its own"
         assert "helper.py" not in out["listing"] and "mine.txt" in out["listing"]
     tree = cache / trees(cache)[0]
@@ -493,11 +495,13 @@ def test_a_lone_script_missing_its_sibling_says_to_pass_project(penv, r, workers
 def test_a_job_file_written_by_init_submits_and_flags_override(penv, r, workers, proj, tmp_path):
     (proj / "payloads.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.3}]))
     (proj / "requirements.txt").write_text("numpy\n")
-    (proj / "meddle.py").unlink()  # train.py alone at the top: the script init finds
+    with open(proj / "train.py", "a") as f:  # the script with a __main__ guard is the one init names
+        f.write('\nif __name__ == "__main__":\n    pass\n')
     p = run_cli("init", env=penv, cwd=proj)
     assert p.returncode == 0, p.stderr
-    text = (proj / "gpumesh.toml").read_text()
-    assert 'script = "train.py"' in text and 'payloads = "payloads.json"' in text and "requirements.txt" in text
+    lines = (proj / "gpumesh.toml").read_text().splitlines()
+    assert 'script = "train.py"' in lines and 'payloads = "payloads.json"' in lines, lines
+    assert any("requirements.txt" in line for line in lines)
     assert run_cli("init", env=penv, cwd=proj).returncode == 2, "an existing job file is not overwritten"
     with open(proj / "gpumesh.toml", "a") as f:
         f.write('outputs = ["outputs/*.json"]\nname = "from-file"\n')
