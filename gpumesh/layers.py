@@ -26,7 +26,7 @@ NAMES = (
     "url", "lease_ttl", "heartbeat_interval", "tiers", "cache_dir", "log_max_bytes", "result_max_bytes",
     "task_memory_mb", "job_retention", "sandbox_python", "isolation", "read_paths", "write_paths", "signing_key",
     "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
-    "trusted_keys",
+    "trusted_keys", "project_max_mb", "project_max_files", "project_cache", "project_cache_mb",
 )  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def submit(
                       "nothing new was submitted")  # fmt: skip
         if not wait:
             if as_json:
-                emit_json(res.model_dump())
+                emit_json(res.model_dump(exclude={"project"} if res.project is None else None))
             else:
                 if not res.existing:  # no tier forecast here: placement is decided when a worker asks
                     at = f" at priority {res.priority}" if res.priority else ""
