@@ -534,3 +534,23 @@ def test_a_bad_job_file_is_exit_2_naming_the_key_and_the_file(env, r, proj, tmp_
     p = run_cli("submit", env=env, cwd=tmp_path)
     assert p.returncode == 2 and "gpumesh init" in p.stderr, p.stderr
     assert r.dbsize() == 0
+
+
+# -- the dashboard ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.core
+def test_the_dashboard_job_page_shows_the_project(env, r, proj):
+    from starlette.testclient import TestClient
+
+    from gpumesh.dashboard.app import create_app
+
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(proj / "train.py", [{"lr": 0.1}], project=proj, outputs=["outputs/*.json"])
+        sent = job.submitted.project  # type: ignore[union-attr]
+        assert sent is not None
+        page = TestClient(create_app(mesh)).get(f"/jobs/{job.id}").text
+        plain = TestClient(create_app(mesh)).get(f"/jobs/{mesh.submit(proj / 'train.py', [{}]).id}").text
+    assert f"{sent.files} files, {sent.bytes} B" in page and sent.digest[:12] in page and sent.digest in page
+    assert "outputs/*.json" in page
+    assert 'class="project"' not in plain
