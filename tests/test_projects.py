@@ -554,3 +554,25 @@ def test_the_dashboard_job_page_shows_the_project(env, r, proj):
     assert f"{sent.files} files, {sent.bytes} B" in page and sent.digest[:12] in page and sent.digest in page
     assert "outputs/*.json" in page
     assert 'class="project"' not in plain
+
+
+@pytest.mark.processes
+def test_in_an_object_store_files_sit_beside_the_artifacts(penv, r, workers, proj, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    monkeypatch.setenv("GPUMESH_ARTIFACTS", url)
+    workers.env = {**workers.env, "GPUMESH_ARTIFACTS": url}
+    workers.start()
+    with gpumesh.connect() as mesh:
+        job = mesh.submit(proj / "train.py", [{"lr": 0.1}], project=proj, outputs=["outputs/*.json"])
+        assert job.wait(timeout=60).status == "done", workers.log(0)
+        assert job.results()[0].result["k"] == 7  # type: ignore[index]
+        again = mesh.submit(proj / "train.py", [{"lr": 0.1}], project=proj).submitted
+        assert again is not None and again.project is not None and again.project.sent_bytes == 0
+        blobs = store / projects.OBJECT_DIR
+        assert len(list(blobs.iterdir())) == 9 and not r.keys(keys.PROJECT_BLOB_PREFIX + "*")
+        assert (store / job.id).is_dir(), "beside the job's artifacts"
+        job.cancel()
+        assert len(list(blobs.iterdir())) == 9, "the other job still refers to them"
+        mesh.job(again.job_id).cancel()
+        assert list(blobs.iterdir()) == []
