@@ -67,6 +67,9 @@ attempt("unlink_real", lambda: os.unlink(os.path.realpath("helper.py")))
 attempt("delete", lambda: os.remove("helper.py"))
 attempt("rename", lambda: os.rename("configs", "configs2"))
 attempt("create_top", lambda: open("mine.txt", "w").write("x"))
+attempt("replace", lambda: open("helper.py", "w").write("K = 'mine'\\n"))  # its own file where the link was
+attempt("relink", lambda: os.symlink("/etc/hostname", "mylib"))
+out["after"] = open("helper.py").read()
 out["listing"] = sorted(os.listdir("."))
 print(json.dumps(out))
 """
@@ -415,7 +418,7 @@ def test_a_task_cannot_change_the_project_for_the_next(penv, r, workers, proj, t
         if user:  # not the task's files: it may not even change their mode (Landlock does not rule on chmod)
             assert out["chmod"] != "done", out
         assert out["delete"] == "done" and out["create_top"] == "done", "its own view: a link, a file of its own"
-        assert "helper.py" not in out["listing"] and "mine.txt" in out["listing"]
+        assert out["replace"] == "done" and out["after"] == "K = 'mine'\n" and "mine.txt" in out["listing"]
     tree = cache / trees(cache)[0]
     assert (tree / "helper.py").read_text() == "K = 7\n" and (tree / "configs").is_dir()
     assert not (tree / "configs" / "new.json").exists()

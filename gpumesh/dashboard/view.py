@@ -108,7 +108,9 @@ def project_facts(fields: list[str | None]) -> dict[str, Any]:
     out: dict[str, Any] = {"project": None, "outputs": ""}
     if digest:
         size = int(nbytes or 0)
-        shown = f"{size} B" if size < 10_240 else f"{size / 1024:.1f} KiB" if size < 10 << 20 else f"{size / 2**20:.1f} MiB"
+        shown = (
+            f"{size} B" if size < 10_240 else f"{size / 1024:.1f} KiB" if size < 10 << 20 else f"{size / 2**20:.1f} MiB"
+        )
         out["project"] = {"digest": digest, "short": digest[:12], "files": int(files or 0), "bytes": shown}
     if outputs:
         try:

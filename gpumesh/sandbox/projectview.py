@@ -8,14 +8,23 @@ read-only to the task: not its user's files, and outside its Landlock write path
 renaming a link changes only its own view. One link per top-level entry costs a few system calls per
 attempt whatever the project's size; only the folders an attempt must write into (the one holding its
 script, the folders its output globs name) are real folders here, each with links to its own entries.
+
+On ext4 each link made and removed updates the journal (tens of microseconds apiece, far more on a busy
+disk), so a worker does not make them for every attempt: the directory of an attempt that ended confined
+(Landlock kept it to that directory) is reset for an attempt after the next of the same view (:func:`reset`:
+what the attempt made there goes, its links are checked and mended) and taken again.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+import shutil
+import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from gpumesh.sandbox import taskdir
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,12 @@ def folders_to_expand(script: str, globs: Iterable[str]) -> frozenset[str]:
 def _entries(folder: str) -> tuple[str, ...]:
     """A tree folder's names: a tree never changes, so each is listed once per worker."""
     return tuple(sorted(os.listdir(folder)))
+
+
+def links(view: View, skip: str) -> dict[str, str]:
+    """The links :func:`populate` makes at the top of an attempt's directory for a view with nothing to expand
+    (name -> target): what a directory made ahead must hold to be taken as made."""
+    return {name: os.path.join(view.tree, name) for name in _entries(view.tree) if name != skip}
 
 
 def populate(view: View, dir_fd: int, skip: str, owner: tuple[int, int] | None) -> None:
@@ -110,3 +125,51 @@ def _fill_missing(view: View, rel: str, fd: int, owner: tuple[int, int] | None) 
                     os.fchown(sub, *owner)
             finally:
                 os.close(sub)
+
+
+def reset(workdir: str, fd: int, links: Mapping[str, str], script: str) -> bool:
+    """Make an ended attempt's directory (``fd``, opened before the attempt ran) as a directory made ahead for
+    the same view would be: only ``links`` (each leading where it should) and an empty output directory; what
+    the attempt made there, or changed, goes. Whether it could (a directory renamed, replaced or not this
+    user's is left to be removed)."""
+    try:
+        st = os.fstat(fd)
+        if not os.path.samestat(os.stat(workdir, follow_symlinks=False), st) or st.st_uid != os.geteuid():
+            return False
+        for name in os.listdir(fd):
+            if name in links and _leads(name, fd, links[name]):
+                continue
+            if name == taskdir.OUTPUT and _empty_own_dir(name, fd):
+                continue
+            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=fd)  # through the descriptor, never following a link
+            else:
+                os.unlink(name, dir_fd=fd)
+        present = set(os.listdir(fd))
+        for name, target in links.items():
+            if name not in present:
+                os.symlink(target, name, dir_fd=fd)
+        if taskdir.OUTPUT not in present:
+            os.mkdir(taskdir.OUTPUT, dir_fd=fd)
+        os.fchmod(fd, 0o700)
+        return script not in links and taskdir.untouched(workdir, fd, links)
+    except OSError:
+        return False
+
+
+def _leads(name: str, fd: int, target: str) -> bool:
+    try:
+        return os.readlink(name, dir_fd=fd) == target
+    except OSError:
+        return False
+
+
+def _empty_own_dir(name: str, fd: int) -> bool:
+    try:
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        return os.fstat(sub).st_uid == os.geteuid() and not os.listdir(sub)
+    finally:
+        os.close(sub)
