@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -23,11 +22,12 @@ import gpumesh
 from gpumesh.project import pack
 from gpumesh.sandbox import landlock
 from gpumesh.settings import Settings
-from gpumesh.store import keys, projects, scripts
+from gpumesh.store import keys, projects
 from gpumesh.store.broker import Broker
 from gpumesh.worker.reaper import reap_once
 
-from .conftest import Workers, gpumesh as run_cli, wait_until
+from .conftest import Workers, wait_until
+from .conftest import gpumesh as run_cli
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 can_sandbox_user = os.geteuid() == 0 and os.path.exists(SYSTEM_PYTHON) and sys.platform == "linux"
@@ -519,6 +519,11 @@ def test_a_job_file_written_by_init_submits_and_flags_override(penv, r, workers,
         assert {a.path for row in job.results() for a in row.artifacts} == {"outputs/metrics.json"}
         other = mesh.submit_file(proj / "gpumesh.toml", priority=3)
         assert other.status().name == "from-file" and other.status().priority == 3
+        inline = tmp_path / "inline.toml"
+        inline.write_text(
+            f'[job]\nscript = "{proj / "train.py"}"\nproject = "{proj}"\npayloads = [{{lr = 1}}, {{lr = 2}}]\n'
+        )
+        assert mesh.submit_file(inline).submitted.tasks == 2  # type: ignore[union-attr]
 
 
 @pytest.mark.processes
