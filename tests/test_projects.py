@@ -584,3 +584,33 @@ def test_in_an_object_store_files_sit_beside_the_artifacts(penv, r, workers, pro
         assert len(list(blobs.iterdir())) == 9, "the other job still refers to them"
         mesh.job(again.job_id).cancel()
         assert list(blobs.iterdir()) == []
+
+
+@pytest.mark.core
+def test_a_reused_attempt_directory_is_reset_to_the_project_alone(proj, tmp_path):
+    from gpumesh.sandbox import projectview, taskdir
+
+    view = projectview.View(str(proj))
+    links = projectview.links(view, "train.py")
+    workdir, fd = taskdir.make_open()
+    try:
+        projectview.populate(view, fd, "train.py", None)
+        assert taskdir.untouched(workdir, fd, links)
+        # What an attempt may do to its own directory: files, folders, its links replaced, modes changed.
+        (Path(workdir) / "train.py").write_text("the script")
+        (Path(workdir) / "scratch.bin").write_bytes(b"x")
+        os.makedirs(Path(workdir) / "runs" / "1")
+        (Path(workdir) / "output" / "result.json").write_text("{}")
+        os.unlink(Path(workdir) / "helper.py")
+        (Path(workdir) / "helper.py").write_text("K = 666\n")
+        os.unlink(Path(workdir) / "mylib")
+        os.symlink("/etc", Path(workdir) / "mylib")
+        os.chmod(workdir, 0o777)
+        assert not taskdir.untouched(workdir, fd, links)
+        assert projectview.reset(workdir, fd, links, "train.py")
+        assert taskdir.untouched(workdir, fd, links)
+        assert (Path(workdir) / "helper.py").read_text() == "K = 7\n"
+        assert sorted(os.listdir(workdir)) == sorted([*links, "output"])
+    finally:
+        taskdir.remove(workdir, None, os.path.join(workdir, "output"), dir_fd=fd)
+        os.close(fd)

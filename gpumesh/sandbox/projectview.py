@@ -62,9 +62,11 @@ def _entries(folder: str) -> tuple[str, ...]:
     return tuple(sorted(os.listdir(folder)))
 
 
+@functools.lru_cache(maxsize=64)
 def links(view: View, skip: str) -> dict[str, str]:
     """The links :func:`populate` makes at the top of an attempt's directory for a view with nothing to expand
-    (name -> target): what a directory made ahead must hold to be taken as made."""
+    (name -> target): what a directory made ahead must hold to be taken as made. Made once per view: not to be
+    changed by the caller."""
     return {name: os.path.join(view.tree, name) for name in _entries(view.tree) if name != skip}
 
 
@@ -152,7 +154,7 @@ def reset(workdir: str, fd: int, links: Mapping[str, str], script: str) -> bool:
         if taskdir.OUTPUT not in present:
             os.mkdir(taskdir.OUTPUT, dir_fd=fd)
         os.fchmod(fd, 0o700)
-        return script not in links and taskdir.untouched(workdir, fd, links)
+        return script not in links  # and checked again as it is taken (Meanwhile.take_dir_for: taskdir.untouched)
     except OSError:
         return False
 
