@@ -149,8 +149,11 @@ def main() -> None:
                     [f"script inside the {args.files:,}-file project", f"{med(inside):.2f}", rounds(inside)],
                 ],
             ),
-            f"Inside the project / without: **{ratio:.2f}×**. An attempt links the project's top-level entries into "
-            "its own directory (41 here), whatever the number of files below them.",
+            f"Inside the project / without: **{ratio:.2f}×**. An attempt sees the project through links to its "
+            "top-level entries (41 here) in its own directory, whatever the number of files below them; a worker "
+            "resets an ended attempt's directory for a later one instead of making the links again.",
+            "Measured on a machine shared with other work: a round can move by a fifth either way; compare the "
+            "medians of one run, where the two kinds alternate.",
             f"Broker memory per queued task, a job of {args.queued:,} tasks: {without:.1f} B without a project, "
             f"{with_project:.1f} B with one (its tree held already: a project adds fields to the job's hash, "
             "nothing to a task).",
