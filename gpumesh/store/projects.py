@@ -72,8 +72,9 @@ class Files:
             return n
         key = keys.project_blob(sha)
         n = 0
+        # No DEL first: a file's bytes are what its digest says, so a copy another submit is writing (or one an
+        # earlier submit half wrote) only gets the same chunks again.
         with open(path, "rb") as src, self.rq.pipeline(transaction=False) as p:
-            p.delete(key)  # a half-written copy of an earlier submit
             c = pending = 0
             while data := src.read(CHUNK):
                 p.hset(key, str(c), data)
@@ -81,11 +82,14 @@ class Files:
                 n += len(data)
                 pending += len(data)
                 if pending >= PIPELINE_BYTES:
+                    p.expire(key, UNATTACHED_TTL_S)  # a submit killed mid-file leaves nothing for long
                     p.execute()
                     pending = 0
             p.hset(key, "size", str(n))
             p.expire(key, UNATTACHED_TTL_S)
             p.execute()
+        if self.rq.hexists(keys.PROJECT_REFS, sha):  # a tree took it meanwhile (another submit): not to expire
+            self.rq.persist(key)
         return n
 
     def read(self, sha: str, size: int) -> Iterator[bytes]:

@@ -261,9 +261,9 @@ class Executor:
         if self.begun is not None:
             return
         source = self._scripts_cache.get(lease.script_sha)
-        extras = self._extras.get(lease.job_id)
-        if source is None or extras is None or self._refusal(lease, source):
+        if source is None or self._refusal(lease, source):
             return
+        extras = self.extras(lease.job_id)  # read once per job (the refusal's check read it already)
         if extras.project and self._tree(extras.project, make=False) is None:
             return  # its tree is not held here yet: run() makes it, and says what fails
         running = Running(lease, last_renewal=leased_at)
