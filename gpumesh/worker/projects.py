@@ -208,15 +208,6 @@ class ProjectCache:
         finally:
             os.close(fd)
 
-    def listing(self) -> list[dict[str, Any]]:
-        """The trees this machine holds: digest, bytes, last used."""
-        out = []
-        for entry in sorted(os.scandir(self.root), key=lambda e: e.name) if self.root.is_dir() else []:
-            if entry.name.endswith(".bytes"):
-                digest = entry.name.removesuffix(".bytes")
-                out.append({"digest": digest, "bytes": int(Path(entry.path).read_text() or 0)})
-        return out
-
 
 def _read_only(top: Path) -> None:
     for dirpath, dirnames, _filenames in os.walk(top, topdown=False):
