@@ -619,3 +619,27 @@ def test_a_reused_attempt_directory_is_reset_to_the_project_alone(proj, tmp_path
     finally:
         taskdir.remove(workdir, None, os.path.join(workdir, "output"), dir_fd=fd)
         os.close(fd)
+
+
+@pytest.mark.processes
+def test_in_an_object_store_a_killed_submit_s_files_are_swept_by_the_reaper(env, r, proj, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    monkeypatch.setenv("GPUMESH_ARTIFACTS", f"file://{store}")
+    admin = Broker(Settings.load())
+    files = admin.project_files()
+    packed = pack(proj, proj / "train.py")
+    for sha, path in packed.local.items():  # what a submit killed before it attached them wrote
+        files.write(sha, path)
+    kept = gpumesh.connect().submit(proj / "train.py", [{"lr": 1}], project=proj)  # a job that holds them now
+    (proj / "helper.py").write_text("K = 11\n")
+    orphan = pack(proj, proj / "train.py").local[hashlib.sha256(b"K = 11\n").hexdigest()]
+    files.write(hashlib.sha256(b"K = 11\n").hexdigest(), orphan)
+    old = time.time() - projects.UNATTACHED_TTL_S - 60
+    for f in (store / projects.OBJECT_DIR).iterdir():
+        os.utime(f, (old, old))
+    projects._last_sweep.clear()
+    assert reap_once(admin)["project_files_swept"] == 1
+    left = {f.name for f in (store / projects.OBJECT_DIR).iterdir()}
+    assert left == {f.sha256 for f in packed.files}, "the files a job holds stay; the one nobody attached went"
+    assert kept.status().status == "queued"
+    admin.close()
