@@ -17,6 +17,7 @@ from pydantic import (
     PrivateAttr,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -244,6 +245,24 @@ class JobOptions(Model):
     reuse_process: bool = Field(
         False, description="run the job's tasks on each worker one after another in one process that stays loaded"
     )
+    outputs: tuple[str, ...] = Field(
+        (), description="globs (gitignore syntax) of files the task writes in its working directory to bring back"
+    )
+
+    @field_validator("outputs")
+    @classmethod
+    def _valid_outputs(cls, v: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if v and info.data.get("reuse_process"):
+            raise ValueError(
+                "a reused process's working directory is the job's, not a task's, so no glob can say which task "
+                "wrote a file: write what each task returns to GPUMESH_OUTPUT_DIR, or submit without --reuse-process"
+            )
+        for glob in v:
+            if not glob.strip() or glob.startswith("!") or "\0" in glob or len(glob) > 300:
+                raise ValueError(f"{glob!r} is not a usable glob (such as outputs/*.json or *.pt)")
+        if len(v) > 50:
+            raise ValueError("at most 50 globs")
+        return v
 
     @field_validator("retry_on", mode="before")
     @classmethod
@@ -314,6 +333,17 @@ class JobStatus(Model):
         return self.status in TERMINAL
 
 
+class ProjectSent(Model):
+    """What a submit packed of its project folder and had to send (the rest the mesh held already)."""
+
+    digest: str
+    files: int
+    bytes: int
+    sent_files: int
+    sent_bytes: int
+    summary: str
+
+
 class SubmitResult(Model):
     """What a submit answered: the job id, its task count and how many tasks each tier is forecast to take
     (``Job.submitted``, ``gpumesh submit --json``).
@@ -328,6 +358,7 @@ class SubmitResult(Model):
     priority: int = 0
     waiting_for: list[Waiting] = Field(default_factory=list)
     existing: bool = False  # the idempotency key named a job submitted before: nothing new was written
+    project: ProjectSent | None = None
 
 
 class Artifact(Model):

@@ -77,6 +77,16 @@ class Settings(BaseModel):
     reuse_idle: float = Field(
         300.0, gt=0, description="worker: seconds a job's reused process (submit --reuse-process) waits idle for a task"
     )
+    project_max_mb: float = Field(100, ge=0, description="submit: largest project folder sent, MiB; 0 = no cap")
+    project_max_files: int = Field(10_000, ge=0, description="submit: most files a project folder sends; 0 = no cap")
+    project_cache: str = Field(
+        "", description="worker: where this machine's workers keep projects (default: a folder in the temp dir)"
+    )
+    project_cache_mb: float = Field(
+        10_240,
+        ge=0,
+        description="worker: projects kept on this machine, MiB (least recently used go first); 0 = no cap",
+    )
     trusted_keys: str = Field(
         "",
         description="worker: run only tasks signed by these public keys, files or inline ed25519:BASE64 "

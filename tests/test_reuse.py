@@ -298,6 +298,68 @@ def test_a_script_without_main_is_refused_at_submit_with_the_reason(env, r, tmp_
     assert not r.keys("gpumesh:job:*")
 
 
+@pytest.mark.processes
+@pytest.mark.usefixtures("both_modes")
+def test_a_reused_process_runs_in_its_project_folder(env, workers: Workers, tmp_path: Path):
+    """With --project the reused process imports the folder's modules and reads its files, once for all its tasks,
+    and cannot change them."""
+    proj = tmp_path / "proj"
+    (proj / "mylib").mkdir(parents=True)
+    (proj / "mylib" / "__init__.py").write_text("")
+    (proj / "mylib" / "model.py").write_text("import json\nWEIGHTS = json.load(open('configs/w.json'))\n")
+    (proj / "configs").mkdir()
+    (proj / "configs" / "w.json").write_text('{"w": 3}')
+    (proj / "infer.py").write_text(
+        "import os\nfrom mylib.model import WEIGHTS\n\n"
+        "def main(payload):\n"
+        "    try:\n"
+        "        open('configs/w.json', 'w').write('{}')\n"
+        "        wrote = True\n"
+        "    except OSError:\n"
+        "        wrote = False\n"
+        "    return {'y': WEIGHTS['w'] * payload['x'], 'pid': os.getpid(), 'wrote': wrote}\n"
+    )
+    workers.start()
+    with gm.connect() as mesh:
+        rows = _run(mesh, str(proj / "infer.py"), [{"x": i} for i in range(4)], project=str(proj))
+    assert [row.result["y"] for row in sorted(rows, key=lambda r: r.index)] == [0, 3, 6, 9], rows
+    assert len({row.result["pid"] for row in rows}) == 1, rows
+    assert not any(row.result["wrote"] for row in rows), rows
+
+
+@pytest.mark.security
+def test_the_signature_covers_whether_a_job_s_tasks_share_a_process(env, r, workers: Workers, tmp_path: Path):
+    """A worker credential can write a job's hash: switching its tasks into one shared process (or out of it) must
+    make a trusting worker refuse them, as a rewritten script or payload does."""
+    from gpumesh import signing
+    from gpumesh.store import keys
+
+    priv, pub = signing.generate(tmp_path / "keys")
+    script = _script(tmp_path, "reused.py", REUSED)
+    with gm.connect() as mesh:
+        alone = mesh.submit(script, [{"i": 0}], sign_key=priv, max_attempts=1)
+        shared = mesh.submit(script, [{"i": 0}], sign_key=priv, max_attempts=1, reuse_process=True)
+        honest = mesh.submit(script, [{"i": 0}], sign_key=priv, max_attempts=1, reuse_process=True)
+        r.hset(keys.job(alone.id), "reuse_process", "1")  # now its tasks would share a process...
+        r.hdel(keys.job(shared.id), "reuse_process")  # ...and this one's would not
+        workers.start("--trust", signing.inline(signing.public_key(pub)))
+        for job in (alone, shared):
+            assert job.wait(timeout=60).status == "failed"
+            (row,) = job.results()
+            assert row.error_kind == "refused" and "signature" in (row.error or ""), row
+        assert honest.wait(timeout=60).status == "done", honest.results()
+
+
+@pytest.mark.core
+def test_output_globs_with_a_reused_process_are_refused_at_submit(env, r, tmp_path: Path):
+    script = _script(tmp_path, "reused.py", REUSED)
+    p = gpumesh(
+        "submit", script, "--payloads", "-", "--reuse-process", "--output", "out/*.json", env=env, input='[{"i": 1}]'
+    )
+    assert p.returncode == 2 and "--output" in p.stderr and "GPUMESH_OUTPUT_DIR" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not r.keys("gpumesh:job:*"), p.stderr
+
+
 @pytest.mark.core
 def test_the_reused_process_s_exception_marker_is_the_one_taskfailed_reads():
     assert launcher.EXCEPTION_MARKER == EXCEPTION_MARKER

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
-from gpumesh.sandbox import landlock, outputs, taskdir, tree
+from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import forget_launcher_command
 from gpumesh.sandbox.process import close_pipes
 from gpumesh.sandbox.runner import (
@@ -73,19 +73,21 @@ class Resident:
     @classmethod
     def start(
         cls, key: Key, source: str, script_name: str, env: Mapping[str, str], limits: Limits,
-        stdio: tuple[int, int, int], zygote: Zygote | None = None,
+        stdio: tuple[int, int, int], zygote: Zygote | None = None, project: projectview.View | None = None,
     ) -> Resident:  # fmt: skip
         """Start the process: forked by the warm ``zygote`` where there is one (its --preload imported already),
         else a new interpreter (its supervisor with ``stdio``, the first task's, until it has forked the script's
         process, so that what stops it there is that task's to read). Nothing is left behind when this raises."""
         tree.become_subreaper()
         workdir, dir_fd = taskdir.make_open()
-        script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
+        # With a project the directory shows its files (projectview), the script at its path among them.
+        script_rel = script_name if project is not None else os.path.basename(script_name) or "task.py"
+        script = os.path.join(workdir, script_rel)
         output_dir = os.path.join(workdir, taskdir.OUTPUT)
         cgroup: str | None = None
         mine = theirs = None
         try:
-            full_env = _prepare(source, dir_fd, script, output_dir, env, limits)
+            full_env = _prepare(source, dir_fd, script, output_dir, env, limits, project, script_rel, project)
             ahead = None
             if zygote is not None:  # as a warm attempt: its supervisor waits in the cgroup made for it last time
                 cgroup, ahead = tree.attempt_cgroups(zygote)
@@ -94,7 +96,10 @@ class Resident:
             rlimits: list[Any] = [
                 limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
                 *(limits.user if limits.user else ("-", "-")),
-                landlock.rules(limits.isolation, workdir) if limits.isolation is not None else "-",
+                landlock.rules(
+                    limits.isolation, workdir, shm_bytes=limits.memory_bytes,
+                    project=project.tree if project is not None else "",
+                ) if limits.isolation is not None else "-",
                 cgroup or "-",
             ]  # fmt: skip
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -333,10 +338,12 @@ def start(
     should_stop: Callable[[], str | None],
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
     zygote: Zygote | None = None,
+    project: projectview.View | None = None,
 ) -> Started:
     """Hand the task to its job's reused process on this worker (started now if there is none) and return at once,
-    as :func:`gpumesh.sandbox.runner.start` does; ``finish`` supervises it to its end."""
-    steps = _steps(pool, key, source, script_name, payload, env, limits, on_line, should_stop, collect, zygote)
+    as :func:`gpumesh.sandbox.runner.start` does; ``finish`` supervises it to its end. ``project``: the tree the
+    process's directory shows (its job's, the same for all its tasks)."""
+    steps = _steps(pool, key, source, script_name, payload, env, limits, on_line, should_stop, collect, zygote, project)
     next(steps)
     return Started(steps)
 
@@ -353,6 +360,7 @@ def _steps(
     should_stop: Callable[[], str | None],
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
     zygote: Zygote | None,
+    project: projectview.View | None = None,
 ) -> Generator[None, None, Attempt]:
     out = Attempt()
     started = time.monotonic()
@@ -363,7 +371,7 @@ def _steps(
         with _payload_file(payload) as stdin:
             stdio = (stdin.fileno(), out_w, err_w)
             if res is None:
-                res = Resident.start(key, source, script_name, env, limits, stdio, zygote)
+                res = Resident.start(key, source, script_name, env, limits, stdio, zygote, project)
                 on_line("gpumesh", f"started the job's reused process {res.proc.pid} on this worker (--reuse-process)")
             res.hand(env, stdio)
     except BaseException:
