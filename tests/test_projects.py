@@ -158,8 +158,6 @@ def test_a_folder_runs_as_at_home_fresh_and_warm(penv, workers, both_modes, proj
         pytest.skip("--sandbox-user needs a root worker on Linux and a Python the task user can read")
     extra = ["--sandbox-user", user] if user else []
     env = {"GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON} if user else {}
-    if user and both_modes == "warm":
-        pytest.skip("a --sandbox-user's attempts start cold: the fresh run covers it")
     workers.start(*extra, **env)
     p = run_cli(
         "submit", "train.py", "--project", ".", "--payloads", payloads(tmp_path, [{"lr": 0.1}, {"lr": 0.2}]),
