@@ -72,7 +72,7 @@ _DATA = ["+@read", "+@write", "+@keyspace", "+@hash", "+@list", "+@set", "+@sort
 
 SUBMITTER = [
     "resetkeys", "resetchannels", "%R~gpumesh:*", *[f"~{k}" for k in _SUBMITTER_WRITES], "~rq:*",
-    "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", *_NEVER, "-@blocking", *_CLIENT, _FCALL,
+    "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", *_NEVER, "-@blocking", "+xread", *_CLIENT, _FCALL,
 ]  # fmt: skip
 
 WORKER = [

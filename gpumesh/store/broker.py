@@ -64,6 +64,7 @@ class Broker:
         )  # RQ wants bytes
         self.scripts = scripts.Scripts(self.redis)
         self._submitter: Submitter | None = None  # made by the first submit: reading commands never import it
+        self._may_block = True  # false once the broker refused a blocking read (an older serve's submitter user)
 
     def submit(
         self,
@@ -344,12 +345,24 @@ class Broker:
         """(last entry id, task ids) of the entries on the job's stream of ends after ``after``, waiting up
         to ``block_ms`` for one when there is none yet; ``([after], [])`` when none came."""
         try:
-            reply = self.r.xread({keys.job_ended(job_id): after}, count=1000, block=block_ms)
+            if self._may_block:
+                reply = self.r.xread({keys.job_ended(job_id): after}, count=1000, block=block_ms)
+                entries = reply[0][1] if reply else []
+            else:
+                entries = self.r.xrange(keys.job_ended(job_id), min=f"({after}", count=1000)
+        except redis.exceptions.NoPermissionError as exc:
+            if not self._may_block:
+                raise translate(exc, self.url) from None
+            # A credential that may read streams but not block on one (XREAD is a blocking command to ACLs; the
+            # submitter of a broker an earlier serve set up): XRANGE after the last entry, a poll 0.25 s apart.
+            self._may_block = False
+            return self.task_ends(job_id, after, block_ms)
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
-        if not reply:
+        if not entries:
+            if not self._may_block:
+                time.sleep(min(block_ms, 250) / 1000)
             return after, []
-        entries = reply[0][1]
         return entries[-1][0], [fields["task"] for _id, fields in entries]
 
     def end_cursor(self, job_id: str) -> str:

@@ -153,6 +153,9 @@ class TextClient(Protocol):
     def xrevrange(
         self, name: str, max: str = "+", min: str = "-", count: int | None = None
     ) -> list[tuple[str, dict[str, str]]]: ...
+    def xrange(
+        self, name: str, min: str = "-", max: str = "+", count: int | None = None
+    ) -> list[tuple[str, dict[str, str]]]: ...
     def scan_iter(self, match: str | None = None, count: int | None = None) -> Iterator[str]: ...
 
 
