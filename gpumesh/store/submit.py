@@ -160,6 +160,18 @@ class Submitter:
         self.scripts = scripts
         self._live = live
         self._epoch_made = False
+        self._who: str | None = None
+
+    def submitter(self) -> str:
+        """The name of the credential this client submits with, as the broker knows it (CLIENT INFO's user):
+        recorded in each job, for workers started with --accept-from. Read once."""
+        if self._who is None:
+            try:
+                who = str(cast(Any, self.r).client_info().get("user") or "")
+            except redis.ResponseError:  # a Redis before 6.2, or one that refuses CLIENT INFO
+                who = ""
+            self._who = who or "default"
+        return self._who
 
     def _make_epoch(self) -> None:
         """The broker's epoch, made by the first submit (or worker) on a broker without ACLs, once the job is
@@ -319,6 +331,7 @@ class Submitter:
                 "created_at": f"{job.created:.3f}",
                 "tiers": json.dumps(job.per_tier),
                 "speculate": int(options.speculate),
+                "submitter": self.submitter(),
             },
         )
         p.zadd(keys.JOBS, {job.id: job.created})

@@ -28,6 +28,8 @@ from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.broker import Broker
+from gpumesh.worker import lent
+from gpumesh.worker.lending import PAUSED, VRAM_OVER
 from gpumesh.worker.logship import LogShipper
 
 log = logging.getLogger("gpumesh.worker")
@@ -90,6 +92,8 @@ class Host:
     got_next: Callable[[scripts.Lease, float], None] = lambda lease, leased_at: None
     # Start that task at once, if the worker means to run it next (Executor.begin), once the last one is reported.
     begin_next: Callable[[], None] = lambda: None
+    lent_path: str | None = None  # where each attempt this machine ran is recorded (`gpumesh lent`); None: nowhere
+    task_env: dict[str, str] = field(default_factory=dict)  # more for every task (GPUMESH_MAX_VRAM_GB)
 
 
 _executor: Executor | None = None
@@ -130,6 +134,8 @@ class Executor:
         self.artifact_caps = artifacts.Caps.of(self.settings)
         # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
+        self._jobs_seen: dict[str, dict[str, str]] = {}  # job id -> what `gpumesh lent` records of it
+        self._sent = 0  # bytes of output files the last attempt stored
 
     def close(self) -> None:
         begun = self.begun
@@ -240,6 +246,7 @@ class Executor:
             running = Running(lease) if leased_at is None else Running(lease, last_renewal=leased_at)
         self.current = running
         log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
+        started, status, self._sent = time.time(), "lost", 0
         try:
             status = self._attempt(running, begun)
         except BaseException:
@@ -248,7 +255,36 @@ class Executor:
             raise
         finally:
             self.current = None
+            self._record_lent(lease, started, status, running.stop_reason)
         return {"task_id": task_id, "attempt": lease.attempt, "status": status}
+
+    def _record_lent(self, lease: scripts.Lease, started: float, status: str, stopped: str | None) -> None:
+        """Add the attempt to this machine's own record (`gpumesh lent`), broker or not."""
+        if self.w.lent_path is None:
+            return
+        job = self._jobs_seen.get(lease.job_id)
+        if job is None:
+            try:
+                got = self.broker.r.hmget(keys.job(lease.job_id), "name", "submitter", "project_sha", "env_sha")
+                job = {k: str(v or "") for k, v in zip(("name", "submitter", "project", "env"), got)}
+                if len(self._jobs_seen) > 256:
+                    self._jobs_seen.clear()
+                self._jobs_seen[lease.job_id] = job
+            except redis.RedisError:
+                job = {"name": "", "submitter": "", "project": "", "env": ""}  # said as unknown; read next time
+        outcome_ = "handed back" if stopped and stopped.startswith(PAUSED) else status
+        if outcome_.startswith("rejected:") or outcome_ == "running":
+            outcome_ = "lost"
+        entry = {
+            "job": lease.job_id, "task": lease.task_id, "attempt": lease.attempt, "backup": bool(lease.backup),
+            **job, "script": lease.script_sha, "start": round(started, 3),
+            "duration": round(time.time() - started, 3), "outcome": outcome_, "sent_bytes": self._sent,
+            **({"why": stopped} if stopped else {}),
+        }  # fmt: skip
+        try:
+            lent.append(lent.path_of(self.w.lent_path), entry)
+        except OSError as exc:
+            log.warning("could not add the attempt to this machine's record of what it ran (%s)", exc)
 
     def _attempt(self, running: Running, begun: Begun | None = None) -> str:
         """One attempt, in three steps: check the task may run here, run it in the sandbox, report it.
@@ -347,6 +383,7 @@ class Executor:
         }
         if self.w.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
+        env.update(self.w.task_env)
         return env
 
     def _report(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
@@ -367,6 +404,8 @@ class Executor:
         if not (out.returncode != 0 or out.killed or why or isinstance(out.collected, artifacts.StageFailed)):
             return self._complete(running, out)  # its log lines go in the completion's round trip
         self._flush_logs()
+        if out.killed and out.killed.startswith(PAUSED):
+            return self._hand_back_paused(running, out)
         if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
             return "lost"
@@ -381,6 +420,27 @@ class Executor:
             return self._fail(running, why, out.duration)
         assert isinstance(out.collected, artifacts.StageFailed)  # the worker's storage failed, not the script
         return self._fail(running, out.collected.reason, out.duration, kind="lost")
+
+    def _hand_back_paused(self, running: Running, out: sandbox.Attempt) -> str:
+        """The lender paused this machine: the task goes back to queued without spending its attempt, and its
+        job counts the time its attempt had run (status: time lost to pauses)."""
+        lease = running.lease
+        why = out.killed or PAUSED
+        res = self._patiently(lambda: self._end(lease, f"handed back: {why}", out.duration, release=True, kind="lost"))
+        copy = "backup copy of attempt" if lease.backup else "attempt"
+        self.w.logs.put(
+            lease.task_id, "gpumesh", f"{copy} {lease.attempt} handed back after {out.duration:.1f}s: {why}"
+        )
+        log.info("%s: handed back (%s) after %.1fs", lease.task_id, why, out.duration)
+        if res.accepted:
+            try:
+                with self.broker.r.pipeline(transaction=False) as p:
+                    p.hincrbyfloat(keys.job(lease.job_id), "paused_lost_s", round(out.duration, 3))
+                    p.hincrby(keys.job(lease.job_id), "paused_handbacks", 1)
+                    p.execute()
+            except redis.RedisError as exc:
+                log.debug("could not count the pause in its job (%s)", exc)
+        return "lost"
 
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
         lease, result = running.lease, out.last_line or ""
@@ -414,6 +474,7 @@ class Executor:
                 log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
+        self._sent = staged.total if staged is not None else 0
         return "done"
 
     def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
@@ -533,6 +594,8 @@ def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tu
         return "timeout", None, said
     if out.killed == "memory":
         return "memory", ram, said
+    if out.killed and out.killed.startswith(VRAM_OVER):
+        return "memory", _resource(resources, "vram_gb"), said
     if out.killed:  # stopped for the worker's reason (it stops, the backup copy yielded): not the script's doing
         return "lost", None, said
     # What the script died of: its exception's line when it ended with a traceback (a script that logged
