@@ -85,3 +85,142 @@ def test_a_pause_hands_the_task_back_unspent_and_it_runs_elsewhere(env, workers:
     assert lender.poll() is None
     log = workers.log(0)
     assert "paused: --pause-when" in log and "resumed" in log
+
+
+def fixture(path: Path, text: str) -> str:
+    """A probe's fixture: a command that prints what ``path`` holds (changed by the test as it goes)."""
+    path.write_text(text)
+    return f"cat {path}"
+
+
+def paused_of(env: dict[str, str]) -> dict[str, str | None]:
+    return {w["name"]: w["paused"] for w in workers_json(env)}
+
+
+@pytest.mark.processes
+def test_each_probe_pauses_and_a_broken_one_counts_as_not_allowed(env, workers: Workers, r: redis.Redis, tmp_path):
+    idle, gpu = tmp_path / "idle", tmp_path / "gpu"
+    now = time.localtime()
+    later = (now.tm_hour + 2) % 24  # a window that does not hold now
+    workers.start("--name", "idle", "--lend", "idle=1", GPUMESH_IDLE_PROBE=fixture(idle, "10\n"), **FAST_PROBE)
+    # another process (this test's) on the GPU
+    workers.start("--name", "gpu", "--lend", "gpu-free", GPUMESH_GPU_PROBE=fixture(gpu, f"{os.getpid()}, 900\n"),
+                  **FAST_PROBE)  # fmt: skip
+    workers.start("--name", "hangs", "--pause-when", "sleep 30", GPUMESH_PAUSE_PROBE_TIMEOUT="0.5", **FAST_PROBE)
+    workers.start("--name", "night", "--lend", f"{later:02d}:00-{(later + 1) % 24:02d}:00", **FAST_PROBE)
+    job, tid = submit_one(env, counter(tmp_path, steps=1))
+    shown = wait_until(lambda: (s := paused_of(env)) and all(s.values()) and s, what="every worker paused")
+    assert shown["idle"].startswith("owner active"), shown
+    assert shown["gpu"] == f"the GPU is in use by pid {os.getpid()}", shown
+    assert "probe failed (it did not answer within 0.5 s)" in shown["hangs"], shown
+    assert shown["night"].startswith("outside "), shown
+    time.sleep(2)
+    assert r.hget(keys.task(tid), "status") == "queued"  # no paused worker took it
+    assert all(w.poll() is None for w in workers.procs)  # the hanging probe stopped nothing
+    assert workers.log(2).count("counted as not allowed until it answers") == 1  # said once, not at every probe
+    idle.write_text("600\n")  # the owner left the keyboard ten minutes ago
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=20, what="the idle worker to take it")
+    assert json.loads(r.hget(keys.task(tid), "result"))["worker"].startswith("idle-")
+    gpu.write_text("")  # nothing else on the GPU any more: the gpu-free worker resumes too
+    wait_until(lambda: not paused_of(env)["gpu"], timeout=10, what="the gpu-free worker to resume")
+    assert "paused: the GPU is in use" in workers.log(1) and "resumed" in workers.log(1)
+
+
+@pytest.mark.core
+def test_bad_lending_options_are_refused_in_one_line(env, r: redis.Redis):
+    for args, says in (
+        (["--lend", "25:00-01:00"], "--lend '25:00-01:00': expected always, idle[=MINUTES], gpu-free"),
+        (["--lend", "idle=soon"], "--lend idle=soon: idle takes minutes"),
+        (["--accept-from", "a b"], "--accept-from 'a b': expected credential names"),
+        (["--cpu-cores", "4096"], "--cpu-cores 4096: this worker may use"),
+    ):
+        p = gpumesh("worker", *args, env=env)
+        assert p.returncode == 2, (args, p.stderr)
+        assert says in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert r.zcard(keys.WORKERS) == 0
+
+
+@pytest.mark.security
+def test_dispatch_gives_a_worker_only_jobs_within_its_lender_s_limits(env, workers: Workers, r: redis.Redis, tmp_path):
+    r.execute_command("ACL", "SETUSER", "alice", "reset", "on", ">alice-pw", "~*", "&*", "+@all")
+    try:
+        alice = {**env, "GPUMESH_URL": env["GPUMESH_URL"].replace("redis://", "redis://alice:alice-pw@")}
+        path = tmp_path / "cores.py"
+        path.write_text("import json, os\nprint(json.dumps({'cores': len(os.sched_getaffinity(0)), "
+                        "'worker': os.environ['GPUMESH_WORKER_ID']}))\n")  # fmt: skip
+        workers.start("--name", "lender", "--accept-from", "alice,carol", "--max-task-hours", "1", "--cpu-cores", "1")
+        shown = {w["name"]: w for w in workers_json(env)}["lender"]["resources"]
+        assert (shown["accept_from"], shown["max_task_hours"], shown["cpu_cores"]) == ("alice,carol", 1, 1)
+        by_default, _ = submit_one(env, path, "--timeout", "60")  # submitted as another credential
+        too_long, _ = submit_one(alice, path, "--timeout", "7200")  # longer than the lender allows
+        fits, fits_task = submit_one(alice, path, "--timeout", "60")
+        wait_until(lambda: r.hget(keys.task(fits_task), "status") == "done", what="alice's short job")
+        assert r.hget(keys.job(fits), "submitter") == "alice" and r.hget(keys.job(by_default), "submitter") == "default"
+        assert json.loads(r.hget(keys.task(fits_task), "result"))["cores"] == 1  # --cpu-cores: affinity
+        time.sleep(1.5)
+        for job in (by_default, too_long):  # never leased to the lender, not even once
+            assert r.hget(keys.task(keys.task_id(job, 0)), "attempts") in (None, "0"), job
+        workers.start("--name", "anyone")
+        for job in (by_default, too_long):
+            wait_until(lambda job=job: r.hget(keys.task(keys.task_id(job, 0)), "status") == "done", what=job)
+            assert json.loads(r.hget(keys.task(keys.task_id(job, 0)), "result"))["worker"].startswith("anyone-")
+    finally:
+        r.execute_command("ACL", "DELUSER", "alice")
+
+
+@pytest.mark.faults
+def test_lent_lists_what_ran_here_even_when_the_broker_went_away(env, workers: Workers, tmp_path):
+    from .conftest import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    try:
+        private = {**env, "GPUMESH_URL": server.url}
+        client = server.client()
+        out = tmp_path / "out.py"
+        out.write_text("import json, os\nopen(os.path.join(os.environ['GPUMESH_OUTPUT_DIR'], 'a.bin'), 'wb')"
+                       ".write(b'x' * 1000)\nprint(json.dumps({'ok': 1}))\n")  # fmt: skip
+        workers.start(client=client, GPUMESH_URL=server.url)
+        done_job, done_task = submit_one(private, out, "--name", "with-files")
+        wait_until(lambda: client.hget(keys.task(done_task), "status") == "done", what="the first job")
+        cut_job, _ = submit_one(private, counter(tmp_path, steps=50), "--name", "cut-off")
+        wait_until(lambda: written(tmp_path / "pid-1"), what="the second job running")
+        server.stop()  # the broker goes away while the task runs: the task ends, unreported
+        record = Path(env["XDG_STATE_HOME"]) / "gpumesh" / "lent.jsonl"
+        rows = wait_until(lambda: [r for r in json.loads(gpumesh("lent", "--json", env=env).stdout or "[]")
+                                   if r["job"] == cut_job], timeout=30, what="the cut-off attempt recorded")  # fmt: skip
+    finally:
+        server.stop()
+    every = {r["job"]: r for r in json.loads(gpumesh("lent", "--json", env=env).stdout)}
+    first = every[done_job]
+    assert (first["name"], first["submitter"], first["outcome"], first["sent_bytes"]) == ("with-files", "default",
+                                                                                          "done", 1000)  # fmt: skip
+    assert len(first["script"]) == 64 and first["duration"] > 0 and first["start"] > time.time() - 120
+    assert rows[0]["outcome"] == "lost" and rows[0]["name"] == "cut-off"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600 and stat.S_IMODE(record.parent.stat().st_mode) == 0o700
+    table = gpumesh("lent", "--since", "1h", env=env)
+    assert table.returncode == 0 and "with-files" in table.stdout and "cut-off" in table.stdout
+    assert json.loads(gpumesh("lent", "--since", "2999-01-01", "--json", env=env).stdout) == []
+    bad = gpumesh("lent", "--since", "yesterday", env=env)
+    assert bad.returncode == 2 and "--since 'yesterday': expected an age" in bad.stderr
+
+
+@pytest.mark.processes
+def test_a_task_over_the_lender_s_vram_cap_is_killed_as_a_memory_failure(
+    env, workers: Workers, r: redis.Redis, tmp_path
+):
+    gpu = tmp_path / "gpu"
+    hog = tmp_path / "hog.py"
+    hog.write_text(textwrap.dedent(f"""
+        import json, os, time
+        assert os.environ["GPUMESH_MAX_VRAM_GB"] == "12"
+        open({str(gpu)!r}, "w").write(f"{{os.getpid()}}, 20000\\n")  # what NVML would say: 20000 MiB in use
+        time.sleep(60)
+        print("{{}}")
+    """))  # fmt: skip
+    workers.start("--max-vram-gb", "12", GPUMESH_GPU_PROBE=fixture(gpu, ""), **FAST_PROBE)
+    job, tid = submit_one(env, hog, "--max-attempts", "1")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "failed", timeout=30, what="the task killed")
+    task = r.hgetall(keys.task(tid))
+    assert (
+        task["error_kind"] == "memory" and "over the lender's VRAM cap (19.5 GB used, at most 12 GB)" in task["error"]
+    )

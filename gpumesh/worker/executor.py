@@ -247,6 +247,7 @@ class Executor:
         self.current = running
         log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
         started, status, self._sent = time.time(), "lost", 0
+        self._job_seen(lease.job_id)  # read now, once per job: the record is written even if the broker goes away
         try:
             status = self._attempt(running, begun)
         except BaseException:
@@ -258,20 +259,26 @@ class Executor:
             self._record_lent(lease, started, status, running.stop_reason)
         return {"task_id": task_id, "attempt": lease.attempt, "status": status}
 
+    def _job_seen(self, job_id: str) -> dict[str, str]:
+        """What `gpumesh lent` records of a job (its name, submitter, project and environment digests), read
+        once per job; empty fields while the broker cannot be read."""
+        job = self._jobs_seen.get(job_id)
+        if job is None and self.w.lent_path is not None:
+            try:
+                got = self.broker.r.hmget(keys.job(job_id), "name", "submitter", "project_sha", "env_sha")
+            except redis.RedisError:
+                return {"name": "", "submitter": "", "project": "", "env": ""}
+            job = {k: str(v or "") for k, v in zip(("name", "submitter", "project", "env"), got)}
+            if len(self._jobs_seen) > 256:
+                self._jobs_seen.clear()
+            self._jobs_seen[job_id] = job
+        return job or {}
+
     def _record_lent(self, lease: scripts.Lease, started: float, status: str, stopped: str | None) -> None:
         """Add the attempt to this machine's own record (`gpumesh lent`), broker or not."""
         if self.w.lent_path is None:
             return
-        job = self._jobs_seen.get(lease.job_id)
-        if job is None:
-            try:
-                got = self.broker.r.hmget(keys.job(lease.job_id), "name", "submitter", "project_sha", "env_sha")
-                job = {k: str(v or "") for k, v in zip(("name", "submitter", "project", "env"), got)}
-                if len(self._jobs_seen) > 256:
-                    self._jobs_seen.clear()
-                self._jobs_seen[lease.job_id] = job
-            except redis.RedisError:
-                job = {"name": "", "submitter": "", "project": "", "env": ""}  # said as unknown; read next time
+        job = self._job_seen(lease.job_id)
         outcome_ = "handed back" if stopped and stopped.startswith(PAUSED) else status
         if outcome_.startswith("rejected:") or outcome_ == "running":
             outcome_ = "lost"

@@ -290,7 +290,7 @@ class Monitor:
         except ProbeError as exc:
             why = f"the {name} probe failed ({exc})"
             if self._failing.get(name) != str(exc):
-                log.warning("%s: paused until it answers (a probe that cannot answer counts as not allowed)", why)
+                log.warning("%s: counted as not allowed until it answers", why)
             self._failing[name] = str(exc)
             return why
         if self._failing.pop(name, None) is not None:
