@@ -99,6 +99,13 @@ class Settings(BaseModel):
         "",
         description="worker: a command printing 'PID, USED_MIB' per GPU process (for --lend gpu-free, --max-vram-gb)",
     )
+    checkpoint_every: float = Field(
+        0,
+        ge=0,
+        le=86400,
+        description="worker: save each task's GPUMESH_CHECKPOINT_DIR this often (s); 0 = only when asked",
+    )
+    checkpoint_mb: float = Field(1024, ge=0, description="largest checkpoint kept per task, MiB; 0 = no cap")
     lent_file: str = Field(
         "", description="worker: where `gpumesh lent` reads what ran here (default $XDG_STATE_HOME/gpumesh/lent.jsonl)"
     )

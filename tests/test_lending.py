@@ -224,3 +224,49 @@ def test_a_task_over_the_lender_s_vram_cap_is_killed_as_a_memory_failure(
     assert (
         task["error_kind"] == "memory" and "over the lender's VRAM cap (19.5 GB used, at most 12 GB)" in task["error"]
     )
+
+
+# Counts to 100, a step every 0.1 s, from where its checkpoint says; saves a checkpoint every 10.
+CHECKPOINTED = """
+import json, os, time
+import gpumesh
+tmp, ckpt = {tmp!r}, os.environ["GPUMESH_CHECKPOINT_DIR"]
+state = os.path.join(ckpt, "state.json")
+start = json.load(open(state))["i"] if os.path.exists(state) else 0
+open(os.path.join(tmp, "from-" + os.environ["GPUMESH_WORKER_ID"]), "w").write(str(start))
+for i in range(start + 1, 101):
+    time.sleep(0.1)
+    open(os.path.join(tmp, "at"), "w").write(str(i))
+    if i % 10 == 0:
+        with open(state + ".tmp", "w") as f:
+            json.dump({{"i": i}}, f)
+        os.replace(state + ".tmp", state)
+        assert gpumesh.checkpoint(timeout=30)
+print(json.dumps({{"started_from": start, "count": i}}))
+"""
+
+
+@pytest.mark.faults
+def test_a_paused_task_resumes_elsewhere_from_its_last_checkpoint(env, workers: Workers, r: redis.Redis, tmp_path):
+    flag = tmp_path / "owner-is-back"
+    path = tmp_path / "count100.py"
+    path.write_text(textwrap.dedent(CHECKPOINTED.format(tmp=str(tmp_path))))
+    workers.start("--name", "lender", "--pause-when", f"test -e {flag}", **FAST_PROBE)
+    job, tid = submit_one(env, path, "--max-attempts", "1")
+    wait_until(lambda: int(written(tmp_path / "at") or 0) >= 55, timeout=60, interval=0.02, what="the count at 55")
+    flag.write_text("")  # the owner is back at 55
+    t0 = time.monotonic()
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "queued", timeout=15, what="the task handed back")
+    back = time.monotonic() - t0
+    paused_at = int((tmp_path / "at").read_text())
+    assert 55 <= paused_at < 60, paused_at
+    workers.start("--name", "other")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the task done elsewhere")
+    result = json.loads(r.hget(keys.task(tid), "result"))
+    assert result == {"started_from": 50, "count": 100}  # from the checkpoint at 50, not from 0
+    assert [p.read_text() for p in tmp_path.glob("from-other-*")] == ["50"]
+    assert len([e for _, e in r.xrange(keys.EVENTS) if e["id"] == tid and e["status"] == "done"]) == 1
+    print(f"\npause at {paused_at} -> handed back in {back:.2f} s; resumed from 50: {paused_at - 50} steps lost of "
+          f"{paused_at} (without a checkpoint: all {paused_at})")  # fmt: skip
+    logs = gpumesh("logs", tid, env=env).stderr
+    assert "restored the checkpoint of attempt 1" in logs, logs

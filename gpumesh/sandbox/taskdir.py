@@ -4,6 +4,7 @@ worker dies during the attempt)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -125,6 +126,8 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
         if script is not None:
             os.unlink(os.path.basename(script), dir_fd=dir_fd)
         os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
+        with contextlib.suppress(FileNotFoundError):  # GPUMESH_CHECKPOINT_DIR, left empty by most tasks
+            os.rmdir("checkpoint", dir_fd=dir_fd)
         if _rmdir_made(workdir, dir_fd):
             return
     except OSError:

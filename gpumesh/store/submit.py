@@ -136,6 +136,7 @@ def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> N
             chunk = tids[start : start + 1000]
             p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
             p.delete(*[keys.task_files(t) for t in chunk])
+            p.delete(*[keys.task_checkpoint(t) for t in chunk])
         p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id),
                  keys.job_attempts(job_id))  # fmt: skip
         p.delete(keys.spent(job_id))

@@ -7,6 +7,7 @@ alive, then completes or fails the task with its fenced token.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
-from gpumesh.store import artifacts, keys, scripts
+from gpumesh.store import artifacts, checkpoints, keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker import lent
 from gpumesh.worker.lending import PAUSED, VRAM_OVER
@@ -134,6 +135,9 @@ class Executor:
         self.artifact_caps = artifacts.Caps.of(self.settings)
         # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
+        self.checkpoints = checkpoints.Store(
+            self.broker.rq, self.broker.r, self.broker.scripts, self.settings.artifacts
+        )
         self._jobs_seen: dict[str, dict[str, str]] = {}  # job id -> what `gpumesh lent` records of it
         self._sent = 0  # bytes of output files the last attempt stored
 
@@ -338,7 +342,7 @@ class Executor:
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
-            meanwhile=self.meanwhile,
+            meanwhile=self.meanwhile, checkpoint=Saver(self, running),
         )  # fmt: skip
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
@@ -572,6 +576,111 @@ class Executor:
                 log.warning("broker unreachable while reporting (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+
+class Saver:
+    """One attempt's checkpoints (sandbox.runner.Checkpoint): the task's newest restored into its
+    GPUMESH_CHECKPOINT_DIR before it starts; saved when the task asks (gpumesh.checkpoint(), or the marker file),
+    every GPUMESH_CHECKPOINT_EVERY seconds, and once more when it was stopped (a pause, a timeout, a failure:
+    what it wrote in its grace after SIGTERM included)."""
+
+    def __init__(self, executor: Executor, running: Running) -> None:
+        self.ex, self.running, self.lease = executor, running, running.lease
+        self.settings = executor.settings
+        self.seq = 0
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _note(self, line: str) -> None:
+        self.ex.w.logs.put(self.lease.task_id, "gpumesh", line)
+
+    def restore(self, dir_fd: int, owner: tuple[int, int] | None) -> None:
+        try:
+            index = self.ex.checkpoints.restore(self.lease.task_id, dir_fd, owner)
+        except Exception as exc:  # noqa: BLE001 - whatever the store or the archive says: the task starts afresh
+            self._note(f"checkpoint not restored ({type(exc).__name__}: {exc}); the task starts without it")
+            log.warning("%s: checkpoint not restored (%s)", self.lease.task_id, exc)
+            return
+        if index is not None:
+            self._note(f"restored the checkpoint of attempt {index.get('attempt', '?')} ({index['bytes']} bytes, "
+                       f"{index['files']} files)")  # fmt: skip
+
+    def started(self, dir_fd: int) -> None:
+        self._fd = os.dup(dir_fd)
+        self._thread = threading.Thread(target=self._loop, name="gpumesh-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        every = self.settings.checkpoint_every
+        due = time.monotonic() + every if every else float("inf")
+        while not self._stop.wait(0.1):
+            asked = self._asked()
+            if asked or time.monotonic() >= due:
+                self.save("asked by the task" if asked else f"every {every:g} s")
+                due = time.monotonic() + every if every else float("inf")
+                if asked and self._fd is not None:  # done: the task's gpumesh.checkpoint() returns
+                    with contextlib.suppress(OSError):
+                        os.unlink(checkpoints.SAVE_MARKER, dir_fd=self._fd)
+
+    def _asked(self) -> bool:
+        try:
+            os.stat(checkpoints.SAVE_MARKER, dir_fd=self._fd, follow_symlinks=False)
+            return True
+        except (OSError, TypeError):
+            return False
+
+    def save(self, why: str) -> bool:
+        """Pack, upload and keep the directory as the task's newest checkpoint; whether it was kept."""
+        fd = self._fd
+        if fd is None:
+            return False
+        with self._lock:
+            try:
+                data, size = checkpoints.pack(fd, int(self.settings.checkpoint_mb * (1 << 20)))
+            except checkpoints.Changed as exc:
+                log.debug("%s: checkpoint skipped: %s changed while it was read", self.lease.task_id, exc)
+                return False
+            except (checkpoints.TooLarge, OSError) as exc:
+                self._note(f"checkpoint not saved: {exc}")
+                return False
+            with data:
+                if size <= 1024 and not self.seq and not self._has_files(fd):
+                    return False  # nothing in the directory: nothing to save
+                self.seq += 1
+                try:
+                    kept, refused = self.ex.checkpoints.save(self.lease, self.seq, data, size)
+                except Exception as exc:  # noqa: BLE001 - the broker or the object store failed: the next save may not
+                    log.warning("%s: checkpoint not saved (%s)", self.lease.task_id, exc)
+                    return False
+        if kept:
+            log.debug("%s: checkpoint %d saved (%s, %d bytes)", self.lease.task_id, self.seq, why, size)
+            self._note(f"checkpoint saved ({why}, {size} bytes)")
+        elif refused not in ("backup",):
+            log.info("%s: checkpoint not kept (%s)", self.lease.task_id, refused)
+        return kept
+
+    @staticmethod
+    def _has_files(fd: int) -> bool:
+        return any(name != checkpoints.SAVE_MARKER for name in os.listdir(fd))
+
+    def ended(self, dir_fd: int, out: sandbox.Attempt) -> None:
+        self._halt()
+        stopped = out.killed and not out.killed.startswith(UNREPORTED) and out.killed != "cancelled"
+        if stopped or (out.returncode not in (0, None) and not out.killed):
+            self.save("as the attempt ended")
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    def closed(self) -> None:
+        self._halt()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 _VMSTAT: list[int] = []  # /proc/vmstat, opened once: read for every attempt
