@@ -270,3 +270,55 @@ def test_a_paused_task_resumes_elsewhere_from_its_last_checkpoint(env, workers: 
           f"{paused_at} (without a checkpoint: all {paused_at})")  # fmt: skip
     logs = gpumesh("logs", tid, env=env).stderr
     assert "restored the checkpoint of attempt 1" in logs, logs
+
+
+@pytest.mark.security
+def test_a_checkpoint_takes_no_link_and_restores_no_name_outside_its_directory(tmp_path):
+    import io
+    import tarfile
+
+    from gpumesh.errors import UsageError
+    from gpumesh.store import checkpoints
+
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("PRIVATE KEY")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "sub" / "weights.bin").write_bytes(b"w" * 100)
+    (ckpt / "key").symlink_to(secret)  # what a task leaves for the worker to read
+    (ckpt / "dir").symlink_to(tmp_path)
+    fd = os.open(ckpt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        data, size = checkpoints.pack(fd, 0)
+    finally:
+        os.close(fd)
+    with data, tarfile.open(fileobj=data) as tar:
+        assert sorted(m.name for m in tar) == ["sub", "sub/weights.bin"]
+        data.seek(0)
+        into = tmp_path / "restored"
+        into.mkdir()
+        fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
+        assert checkpoints.unpack(data, fd) == 1
+    try:
+        assert (into / "sub" / "weights.bin").read_bytes() == b"w" * 100
+        for name in ("../escaped", "/etc/escaped", "a/../../escaped"):
+            evil = io.BytesIO()
+            with tarfile.open(fileobj=evil, mode="w") as tar:
+                info = tarfile.TarInfo(name)
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+            evil.seek(0)
+            with pytest.raises(UsageError):
+                checkpoints.unpack(evil, fd)
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "escaped").exists() and not Path("/etc/escaped").exists()
+
+
+@pytest.mark.core
+def test_doctor_says_what_the_idle_probe_reads(env, tmp_path):
+    p = gpumesh("doctor", "--json", env={**env, "GPUMESH_IDLE_PROBE": fixture(tmp_path / "idle", "42\n")})
+    line = next(x for x in json.loads(p.stdout) if x["check"] == "lend idle")
+    assert (
+        line["status"] == "ok" and line["detail"] == "--lend idle reads GPUMESH_IDLE_PROBE: 42 s since the last input"
+    )

@@ -16,7 +16,7 @@ _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def since_of(text: str | None) -> float:
-    """--since as Unix time: an age (30m, 12h, 7d) or a local date or time (2026-03-01, 2026-03-01T18:00)."""
+    """--since as Unix time: an age (30m, 12h, 7d) or a local date or time (YYYY-MM-DD[THH:MM])."""
     if not text:
         return 0.0
     m = _AGO.fullmatch(text.strip())
@@ -25,11 +25,11 @@ def since_of(text: str | None) -> float:
     try:
         return datetime.datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:
-        raise UsageError(f"--since {text!r}: expected an age (30m, 12h, 7d) or a date (2026-03-01T18:00)") from None
+        raise UsageError(f"--since {text!r}: expected an age (30m, 12h, 7d) or a local date YYYY-MM-DD[THH:MM]") from None
 
 
 @click.command()
-@click.option("--since", metavar="AGE|DATE", help="Only attempts that started since: 30m, 12h, 7d, or 2026-03-01.")
+@click.option("--since", metavar="AGE|DATE", help="Only attempts that started since: 30m, 12h, 7d, or a local date YYYY-MM-DD[THH:MM].")
 @json_option
 def lent(since: str | None, as_json: bool) -> None:
     """List every attempt this machine's workers ran for the mesh: job, name, submitter, script digest, start,
