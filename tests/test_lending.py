@@ -80,7 +80,7 @@ def test_a_pause_hands_the_task_back_unspent_and_it_runs_elsewhere(env, workers:
     assert st["status"] == "done" and st["paused_handbacks"] == 1 and st["paused_lost_s"] > 0  # --max-attempts 1 held
     assert "handed back by pauses" in gpumesh("status", job, env=env).stdout
     flag.unlink()
-    wait_until(lambda: not {w["name"]: w for w in workers_json(env)}["lender"]["paused"], timeout=10,
+    wait_until(lambda: not {w["name"]: w for w in workers_json(env)}["lender"].get("paused"), timeout=10,
                what="the lender to resume")  # fmt: skip
     assert lender.poll() is None
     log = workers.log(0)
@@ -94,7 +94,7 @@ def fixture(path: Path, text: str) -> str:
 
 
 def paused_of(env: dict[str, str]) -> dict[str, str | None]:
-    return {w["name"]: w["paused"] for w in workers_json(env)}
+    return {w["name"]: w.get("paused") for w in workers_json(env)}
 
 
 @pytest.mark.processes

@@ -637,6 +637,8 @@ class Saver:
         if fd is None:
             return False
         with self._lock:
+            if not self.seq and not self._has_files(fd):
+                return False  # nothing in the directory, and nothing saved before: nothing to save
             try:
                 data, size = checkpoints.pack(fd, int(self.settings.checkpoint_mb * (1 << 20)))
             except checkpoints.Changed as exc:
@@ -646,8 +648,6 @@ class Saver:
                 self._note(f"checkpoint not saved: {exc}")
                 return False
             with data:
-                if size <= 1024 and not self.seq and not self._has_files(fd):
-                    return False  # nothing in the directory: nothing to save
                 self.seq += 1
                 try:
                     kept, refused = self.ex.checkpoints.save(self.lease, self.seq, data, size)
