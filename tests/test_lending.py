@@ -17,7 +17,7 @@ import redis
 
 from gpumesh.store import keys
 
-from .conftest import Workers, gpumesh, wait_until, written
+from .conftest import Workers, gpumesh, pid_alive, wait_until, written
 
 FAST_PROBE = {"GPUMESH_PAUSE_PROBE_INTERVAL": "0.2", "GPUMESH_STOP_GRACE": "2"}
 
@@ -62,18 +62,24 @@ def test_a_pause_hands_the_task_back_unspent_and_it_runs_elsewhere(env, workers:
     lender = workers.start("--name", "lender", "--pause-when", f"test -e {flag}", **FAST_PROBE)
     job, tid = submit_one(env, counter(tmp_path, steps=60), "--max-attempts", "1")
     wait_until(lambda: written(tmp_path / "pid-1"), what="attempt 1 on the lender")
+    first = int((tmp_path / "pid-1").read_text())
+    (tmp_path / "pid-1").unlink()
+    workers.start("--name", "other")  # idle beside the lender
     t0 = time.time()
     flag.write_text("")
     wait_until(lambda: written(tmp_path / "term-1"), timeout=10, what="SIGTERM to the paused task")
     term_after = float((tmp_path / "term-1").read_text()) - t0
-    wait_until(lambda: r.hget(keys.task(tid), "status") == "queued", timeout=10, what="the task handed back")
-    queued_after = time.time() - t0
+    wait_until(lambda: not pid_alive(first), timeout=10, interval=0.01, what="the paused task's process gone")
+    freed_after = time.time() - t0
+    # handed back unspent: the next attempt is attempt 1 again, on the other worker
+    wait_until(lambda: written(tmp_path / "pid-1"), timeout=15, interval=0.01, what="the task running elsewhere")
+    elsewhere_after = time.time() - t0
     shown = {w["name"]: w for w in workers_json(env)}["lender"]
     assert shown["state"] == "paused" and shown["paused"].startswith("--pause-when"), shown
     assert "paused: --pause-when" in gpumesh("workers", env=env).stdout
-    workers.start("--name", "other")
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=30, what="the task done elsewhere")
-    print(f"\npause -> SIGTERM in the task: {term_after:.2f} s; -> queued again: {queued_after:.2f} s")
+    print(f"\npause -> SIGTERM in the task {term_after:.2f} s, its process gone {freed_after:.2f} s, "
+          f"running elsewhere {elsewhere_after:.2f} s")  # fmt: skip
     result = json.loads(r.hget(keys.task(tid), "result"))
     assert result["worker"].startswith("other-")  # the paused lender took nothing more
     st = json.loads(gpumesh("status", job, "--json", env=env).stdout)
@@ -313,6 +319,12 @@ def test_a_checkpoint_takes_no_link_and_restores_no_name_outside_its_directory(t
     finally:
         os.close(fd)
     assert not (tmp_path / "escaped").exists() and not Path("/etc/escaped").exists()
+    fd = os.open(ckpt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(checkpoints.TooLarge):
+            checkpoints.pack(fd, 50)  # over the cap: not saved
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.core
@@ -322,3 +334,75 @@ def test_doctor_says_what_the_idle_probe_reads(env, tmp_path):
     assert (
         line["status"] == "ok" and line["detail"] == "--lend idle reads GPUMESH_IDLE_PROBE: 42 s since the last input"
     )
+
+
+# Writes its step into its checkpoint directory as it goes (never calling gpumesh.checkpoint()); on SIGTERM
+# it writes what it was doing there too, within its grace.
+SAVED_BY_THE_WORKER = """
+import json, os, signal, sys, time
+ckpt = os.environ["GPUMESH_CHECKPOINT_DIR"]
+found = {{n: open(os.path.join(ckpt, n)).read() for n in os.listdir(ckpt)}}
+if found or os.environ["GPUMESH_WORKER_ID"].startswith("other-"):
+    print(json.dumps(found))
+    sys.exit(0)
+def term(*_):
+    open(os.path.join(ckpt, "on-sigterm"), "w").write("saved in the grace")
+    sys.exit(1)
+signal.signal(signal.SIGTERM, term)
+for i in range(1, 600):
+    with open(os.path.join(ckpt, "step.tmp"), "w") as f:
+        f.write(str(i))
+    os.replace(os.path.join(ckpt, "step.tmp"), os.path.join(ckpt, "step"))
+    open(os.path.join({tmp!r}, "at"), "w").write(str(i))
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.faults
+def test_checkpoints_saved_every_interval_and_in_the_grace_are_restored_and_go_with_the_job(
+    env, workers: Workers, r: redis.Redis, tmp_path
+):
+    from gpumesh.store.submit import delete_job
+
+    flag = tmp_path / "owner-is-back"
+    path = tmp_path / "steps.py"
+    path.write_text(textwrap.dedent(SAVED_BY_THE_WORKER.format(tmp=str(tmp_path))))
+    workers.start("--name", "lender", "--pause-when", f"test -e {flag}", GPUMESH_CHECKPOINT_EVERY="0.5",
+                  **FAST_PROBE)  # fmt: skip
+    job, tid = submit_one(env, path, "--max-attempts", "1")
+    wait_until(lambda: int(written(tmp_path / "at") or 0) >= 20, timeout=60, what="20 steps")
+    wait_until(lambda: r.hget(keys.task(tid), "ckpt"), timeout=10, what="a save every 0.5 s")
+    flag.write_text("")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "queued", timeout=15, what="the task handed back")
+    workers.start("--name", "other")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the task done elsewhere")
+    restored = json.loads(r.hget(keys.task(tid), "result"))
+    assert restored["on-sigterm"] == "saved in the grace"  # written after SIGTERM, saved as the attempt ended
+    assert int(restored["step"]) >= 20  # the last step it took, saved by the worker
+    assert r.exists(keys.task_checkpoint(tid))
+    delete_job(r, job, keys.JOBS)
+    assert not r.exists(keys.task_checkpoint(tid))  # deleted with the job
+
+
+FAILS_ONCE = """
+import json, os, sys
+import gpumesh
+ckpt = os.path.join(os.environ["GPUMESH_CHECKPOINT_DIR"], "progress")
+if os.environ["GPUMESH_ATTEMPT"] == "1":
+    open(ckpt, "w").write("half done")
+    assert gpumesh.checkpoint(timeout=30)
+    sys.exit("a bug after the checkpoint")
+print(json.dumps({"found": open(ckpt).read() if os.path.exists(ckpt) else None}))
+"""
+
+
+@pytest.mark.processes
+def test_a_retried_failure_starts_from_the_checkpoint_its_first_attempt_saved(env, workers: Workers, r: redis.Redis,
+                                                                               tmp_path):  # fmt: skip
+    path = tmp_path / "fails_once.py"
+    path.write_text(FAILS_ONCE)
+    workers.start()
+    job, tid = submit_one(env, path, "--max-attempts", "2", "--retry-on", "script")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the retry to finish")
+    assert json.loads(r.hget(keys.task(tid), "result")) == {"found": "half done"}
+    assert r.hget(keys.task(tid), "attempts") == "2"
