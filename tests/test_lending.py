@@ -406,3 +406,28 @@ def test_a_retried_failure_starts_from_the_checkpoint_its_first_attempt_saved(en
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the retry to finish")
     assert json.loads(r.hget(keys.task(tid), "result")) == {"found": "half done"}
     assert r.hget(keys.task(tid), "attempts") == "2"
+
+
+@pytest.mark.security
+def test_on_a_served_broker_jobs_name_their_credential_and_a_worker_credential_keeps_checkpoints(
+    env, workers: Workers, tmp_path
+):
+    import re
+
+    from .conftest import Serve, free_port
+
+    serve = Serve(env, tmp_path / "broker", free_port())
+    try:
+        text = "\n".join(serve.lines)
+        submit_url = re.search(r"--url '(redis://submitter:[^']+)' --wait", text).group(1)
+        admin = json.loads((tmp_path / "broker" / "credentials.json").read_text())["admin"]
+        client = redis.Redis.from_url(f"redis://admin:{admin}@{serve.url.rsplit('@', 1)[1]}", decode_responses=True)
+        path = tmp_path / "fails_once.py"
+        path.write_text(FAILS_ONCE)
+        workers.start("--accept-from", "submitter", client=client, GPUMESH_URL=serve.url)
+        job, tid = submit_one({**env, "GPUMESH_URL": submit_url}, path, "--max-attempts", "2", "--retry-on", "script")
+        assert client.hget(keys.job(job), "submitter") == "submitter"  # CLIENT INFO's user, as serve's rules allow
+        wait_until(lambda: client.hget(keys.task(tid), "status") == "done", timeout=60, what="the retry to finish")
+        assert json.loads(client.hget(keys.task(tid), "result")) == {"found": "half done"}  # saved and restored
+    finally:
+        serve.stop()
