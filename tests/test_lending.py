@@ -367,8 +367,7 @@ def test_checkpoints_saved_every_interval_and_in_the_grace_are_restored_and_go_w
     flag = tmp_path / "owner-is-back"
     path = tmp_path / "steps.py"
     path.write_text(textwrap.dedent(SAVED_BY_THE_WORKER.format(tmp=str(tmp_path))))
-    workers.start("--name", "lender", "--pause-when", f"test -e {flag}", GPUMESH_CHECKPOINT_EVERY="0.5",
-                  **FAST_PROBE)  # fmt: skip
+    workers.start("--name", "lender", "--pause-when", f"test -e {flag}", "--checkpoint-every", "0.5", **FAST_PROBE)
     job, tid = submit_one(env, path, "--max-attempts", "1")
     wait_until(lambda: int(written(tmp_path / "at") or 0) >= 20, timeout=60, what="20 steps")
     wait_until(lambda: r.hget(keys.task(tid), "ckpt"), timeout=10, what="a save every 0.5 s")

@@ -25,11 +25,17 @@ def since_of(text: str | None) -> float:
     try:
         return datetime.datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:
-        raise UsageError(f"--since {text!r}: expected an age (30m, 12h, 7d) or a local date YYYY-MM-DD[THH:MM]") from None
+        raise UsageError(
+            f"--since {text!r}: expected an age (30m, 12h, 7d) or a local date YYYY-MM-DD[THH:MM]"
+        ) from None
 
 
 @click.command()
-@click.option("--since", metavar="AGE|DATE", help="Only attempts that started since: 30m, 12h, 7d, or a local date YYYY-MM-DD[THH:MM].")
+@click.option(
+    "--since",
+    metavar="AGE|DATE",
+    help="Only attempts that started since: 30m, 12h, 7d, or a local date YYYY-MM-DD[THH:MM].",
+)
 @json_option
 def lent(since: str | None, as_json: bool) -> None:
     """List every attempt this machine's workers ran for the mesh: job, name, submitter, script digest, start,

@@ -162,6 +162,13 @@ def worker_options(f: Any) -> Any:
                 metavar="NAME,...",
                 help="Run only jobs submitted with these credentials (their names in `gpumesh access list`).",
             ),
+            click.option(
+                "--checkpoint-every",
+                type=click.FloatRange(min=0),
+                metavar="SEC",
+                help="Save each task's GPUMESH_CHECKPOINT_DIR this often, besides when the task asks "
+                "(gpumesh.checkpoint()) and when it is stopped (also GPUMESH_CHECKPOINT_EVERY; 0: off, the default).",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -219,6 +226,8 @@ def _isolation_flags(opts: dict[str, Any]) -> None:
             raise UsageError(f"--cache-path {path}: a cache's path may not hold ',', ':' or '\\'; link it elsewhere")
     if opts["no_isolation"]:
         os.environ["GPUMESH_ISOLATION"] = "false"
+    if opts.get("checkpoint_every") is not None:  # a setting, so that the per-GPU workers see it too
+        os.environ["GPUMESH_CHECKPOINT_EVERY"] = repr(opts["checkpoint_every"])
     for flag, var in (
         ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
     ):  # fmt: skip
