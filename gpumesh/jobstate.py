@@ -53,9 +53,15 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
         "waiting_for": [],
         "failed_by_kind": {k: n for k, n in by_kind.items() if n > 0},
         "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
-        "paused_handbacks": count(h.get("paused_handbacks")),
-        "paused_lost_s": seconds(h.get("paused_lost_s")),
+        **paused(h),
     }
+
+
+def paused(h: dict[str, str]) -> dict[str, Any]:
+    """Attempts handed back because their worker's lender paused it, and how long they had run: only for a job
+    that had such an attempt (models.JobStatus leaves them out too when there was none)."""
+    n = count(h.get("paused_handbacks"))
+    return {"paused_handbacks": n, "paused_lost_s": seconds(h.get("paused_lost_s"))} if n else {}
 
 
 def seconds(text: str | None) -> float:

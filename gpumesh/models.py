@@ -18,6 +18,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_serializer,
 )
 
 from gpumesh import jobstate
@@ -278,6 +279,15 @@ class JobStatus(Model):
     # Attempts handed back because their worker's lender paused it (no attempt spent), and how long they had run.
     paused_handbacks: int = 0
     paused_lost_s: float = 0.0
+
+    @model_serializer(mode="wrap")
+    def _without_unused_pause_fields(self, handler: Any) -> Any:
+        """The pause fields only for a job that had an attempt handed back by a pause (as jobstate.fields)."""
+        data = handler(self)
+        if isinstance(data, dict) and not self.paused_handbacks:
+            data.pop("paused_handbacks", None)
+            data.pop("paused_lost_s", None)
+        return data
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:

@@ -736,8 +736,8 @@ class MeshWorker(LeanRQWorker):
         if reason and not was:
             log.warning("paused: %s: taking no new task%s", reason,
                         f"; handing {running.lease.task_id} back" if running is not None else "")  # fmt: skip
-            if running is not None:
-                running.stop(lending.PAUSED + reason)
+        if reason and running is not None:  # also one leased in the moment the pause began
+            running.stop(lending.PAUSED + reason)
         elif was and not reason:
             log.info("resumed: the lender's probes allow work again")
         if reason != was and announce:
