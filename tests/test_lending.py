@@ -154,9 +154,12 @@ def test_dispatch_gives_a_worker_only_jobs_within_its_lender_s_limits(env, worke
         path = tmp_path / "cores.py"
         path.write_text("import json, os\nprint(json.dumps({'cores': len(os.sched_getaffinity(0)), "
                         "'worker': os.environ['GPUMESH_WORKER_ID']}))\n")  # fmt: skip
-        workers.start("--name", "lender", "--accept-from", "alice,carol", "--max-task-hours", "1", "--cpu-cores", "1")
+        workers.start("--name", "lender", "--accept-from", "alice,carol", "--max-task-hours", "1", "--cpu-cores", "1",
+                      "--resource", "vram_gb=24", "--max-vram-gb", "12")  # fmt: skip
         shown = {w["name"]: w for w in workers_json(env)}["lender"]["resources"]
         assert (shown["accept_from"], shown["max_task_hours"], shown["cpu_cores"]) == ("alice,carol", 1, 1)
+        assert (shown["vram_gb"], shown["max_vram_gb"]) == (12, 12)
+        big, _ = submit_one(alice, path, "--timeout", "60", "--require", "vram_gb>=16")  # more than lent
         by_default, _ = submit_one(env, path, "--timeout", "60")  # submitted as another credential
         too_long, _ = submit_one(alice, path, "--timeout", "7200")  # longer than the lender allows
         fits, fits_task = submit_one(alice, path, "--timeout", "60")
@@ -164,7 +167,7 @@ def test_dispatch_gives_a_worker_only_jobs_within_its_lender_s_limits(env, worke
         assert r.hget(keys.job(fits), "submitter") == "alice" and r.hget(keys.job(by_default), "submitter") == "default"
         assert json.loads(r.hget(keys.task(fits_task), "result"))["cores"] == 1  # --cpu-cores: affinity
         time.sleep(1.5)
-        for job in (by_default, too_long):  # never leased to the lender, not even once
+        for job in (by_default, too_long, big):  # never leased to the lender, not even once
             assert r.hget(keys.task(keys.task_id(job, 0)), "attempts") in (None, "0"), job
         workers.start("--name", "anyone")
         for job in (by_default, too_long):

@@ -109,9 +109,9 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
         log.warning(warning)
     if opts.cpu_cores is not None:
         pin_cores(opts.cpu_cores)  # before the zygote starts: it and every task inherit the cores
-    probed = cap.resources().get("vram_gb")
-    if opts.max_vram_gb is not None and probed:  # what dispatch matches tasks' vram_gb requirements against
-        declared.setdefault("vram_gb", min(float(probed), opts.max_vram_gb))
+    have = declared.get("vram_gb", cap.resources().get("vram_gb"))
+    if opts.max_vram_gb is not None and have is not None:  # what dispatch matches vram_gb requirements against
+        declared["vram_gb"] = min(float(have), opts.max_vram_gb)
     declared = {**limits, **declared}
     cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
     zygote = start_zygote(opts.warm, opts.preload, broker.settings.sandbox_python, cuda)
