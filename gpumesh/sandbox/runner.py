@@ -29,6 +29,7 @@ from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_com
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.spares import Spares
+from gpumesh.sandbox.taskdir import CHECKPOINT
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
 TRUNCATED = "[gpumesh] output truncated: the log cap of {cap} bytes was reached"
@@ -375,9 +376,6 @@ def _steps(
             finally:
                 os.close(workdir_fd)
     return out
-
-
-CHECKPOINT = "checkpoint"  # GPUMESH_CHECKPOINT_DIR, in the attempt's directory
 
 
 class Checkpoint(Protocol):

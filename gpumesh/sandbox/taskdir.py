@@ -14,6 +14,7 @@ import tempfile
 from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, TASK_DIR_PREFIX
 
 OUTPUT = "output"  # the task's output directory, inside its own (GPUMESH_OUTPUT_DIR)
+CHECKPOINT = "checkpoint"  # the task's checkpoint directory, inside its own (GPUMESH_CHECKPOINT_DIR)
 
 
 def make() -> str:
@@ -127,7 +128,7 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
             os.unlink(os.path.basename(script), dir_fd=dir_fd)
         os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
         with contextlib.suppress(FileNotFoundError):  # GPUMESH_CHECKPOINT_DIR, left empty by most tasks
-            os.rmdir("checkpoint", dir_fd=dir_fd)
+            os.rmdir(CHECKPOINT, dir_fd=dir_fd)
         if _rmdir_made(workdir, dir_fd):
             return
     except OSError:

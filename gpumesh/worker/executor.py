@@ -138,8 +138,10 @@ class Executor:
         self.checkpoints = checkpoints.Store(
             self.broker.rq, self.broker.r, self.broker.scripts, self.settings.artifacts
         )
+        self.watcher = Watcher()  # the running attempt's checkpoint directory, looked at by one thread
         self._jobs_seen: dict[str, dict[str, str]] = {}  # job id -> what `gpumesh lent` records of it
         self._sent = 0  # bytes of output files the last attempt stored
+        self._lent: lent.Record | None = None  # this machine's record of what it ran (`gpumesh lent`)
 
     def close(self) -> None:
         begun = self.begun
@@ -148,6 +150,8 @@ class Executor:
         self.tidy()
         if self.spares is not None:
             self.spares.close()
+        if self._lent is not None:
+            self._lent.close()
 
     def tidy(self) -> None:
         """Do at once what waits for the next attempt to run (sandbox.Meanwhile): the worker has no task now."""
@@ -293,7 +297,9 @@ class Executor:
             **({"why": stopped} if stopped else {}),
         }  # fmt: skip
         try:
-            lent.append(lent.path_of(self.w.lent_path), entry)
+            if self._lent is None:
+                self._lent = lent.Record(lent.path_of(self.w.lent_path))
+            self._lent.append(entry)
         except OSError as exc:
             log.warning("could not add the attempt to this machine's record of what it ran (%s)", exc)
 
@@ -578,6 +584,41 @@ class Executor:
                 delay = min(delay * 2, 2.0)
 
 
+class Watcher:
+    """One thread per worker that looks at the running attempt's checkpoint directory every 0.1 s (Saver.tick):
+    started at the first attempt, idle between attempts."""
+
+    def __init__(self) -> None:
+        self._saver: Saver | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, saver: Saver) -> None:
+        with self._cond:
+            self._saver = saver
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gpumesh-checkpoint", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def unwatch(self, saver: Saver) -> None:
+        with self._cond:
+            if self._saver is saver:
+                self._saver = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._saver is None:
+                    self._cond.wait()
+                saver = self._saver
+            try:
+                saver.tick()
+            except Exception:
+                log.exception("checkpoint watcher error")
+            time.sleep(0.1)
+
+
 class Saver:
     """One attempt's checkpoints (sandbox.runner.Checkpoint): the task's newest restored into its
     GPUMESH_CHECKPOINT_DIR before it starts; saved when the task asks (gpumesh.checkpoint(), or the marker file),
@@ -589,9 +630,8 @@ class Saver:
         self.settings = executor.settings
         self.seq = 0
         self._fd: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while the directory is read or closed
+        self._due = float("inf")
 
     def _note(self, line: str) -> None:
         self.ex.w.logs.put(self.lease.task_id, "gpumesh", line)
@@ -609,78 +649,75 @@ class Saver:
 
     def started(self, dir_fd: int) -> None:
         self._fd = os.dup(dir_fd)
-        self._thread = threading.Thread(target=self._loop, name="gpumesh-checkpoint", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
         every = self.settings.checkpoint_every
-        due = time.monotonic() + every if every else float("inf")
-        while not self._stop.wait(0.1):
-            asked = self._asked()
-            if asked or time.monotonic() >= due:
-                self.save("asked by the task" if asked else f"every {every:g} s")
-                due = time.monotonic() + every if every else float("inf")
-                if asked and self._fd is not None:  # done: the task's gpumesh.checkpoint() returns
-                    with contextlib.suppress(OSError):
-                        os.unlink(checkpoints.SAVE_MARKER, dir_fd=self._fd)
+        self._due = time.monotonic() + every if every else float("inf")
+        self.ex.watcher.watch(self)
 
-    def _asked(self) -> bool:
-        try:
-            os.stat(checkpoints.SAVE_MARKER, dir_fd=self._fd, follow_symlinks=False)
-            return True
-        except (OSError, TypeError):
-            return False
-
-    def save(self, why: str) -> bool:
-        """Pack, upload and keep the directory as the task's newest checkpoint; whether it was kept."""
-        fd = self._fd
-        if fd is None:
-            return False
+    def tick(self) -> None:
+        """Save when the task asked (then remove its marker: its gpumesh.checkpoint() returns), or when the
+        interval is up."""
         with self._lock:
-            if not self.seq and not self._has_files(fd):
-                return False  # nothing in the directory, and nothing saved before: nothing to save
+            fd = self._fd
+            if fd is None:
+                return
+            asked = _exists(checkpoints.SAVE_MARKER, fd)
+            if not asked and time.monotonic() < self._due:
+                return
+            every = self.settings.checkpoint_every
+            self._save(fd, "asked by the task" if asked else f"every {every:g} s")
+            self._due = time.monotonic() + every if every else float("inf")
+            if asked:
+                with contextlib.suppress(OSError):
+                    os.unlink(checkpoints.SAVE_MARKER, dir_fd=fd)
+
+    def _save(self, fd: int, why: str) -> bool:
+        """Pack, upload and keep the directory as the task's newest checkpoint; whether it was kept."""
+        if not self.seq and not any(name != checkpoints.SAVE_MARKER for name in os.listdir(fd)):
+            return False  # nothing in the directory, and nothing saved before: nothing to save
+        try:
+            data, size = checkpoints.pack(fd, int(self.settings.checkpoint_mb * (1 << 20)))
+        except checkpoints.Changed as exc:
+            log.debug("%s: checkpoint skipped: %s changed while it was read", self.lease.task_id, exc)
+            return False
+        except (checkpoints.TooLarge, OSError) as exc:
+            self._note(f"checkpoint not saved: {exc}")
+            return False
+        with data:
+            self.seq += 1
             try:
-                data, size = checkpoints.pack(fd, int(self.settings.checkpoint_mb * (1 << 20)))
-            except checkpoints.Changed as exc:
-                log.debug("%s: checkpoint skipped: %s changed while it was read", self.lease.task_id, exc)
+                kept, refused = self.ex.checkpoints.save(self.lease, self.seq, data, size)
+            except Exception as exc:  # noqa: BLE001 - the broker or the object store failed: the next save may not
+                log.warning("%s: checkpoint not saved (%s)", self.lease.task_id, exc)
                 return False
-            except (checkpoints.TooLarge, OSError) as exc:
-                self._note(f"checkpoint not saved: {exc}")
-                return False
-            with data:
-                self.seq += 1
-                try:
-                    kept, refused = self.ex.checkpoints.save(self.lease, self.seq, data, size)
-                except Exception as exc:  # noqa: BLE001 - the broker or the object store failed: the next save may not
-                    log.warning("%s: checkpoint not saved (%s)", self.lease.task_id, exc)
-                    return False
         if kept:
             log.debug("%s: checkpoint %d saved (%s, %d bytes)", self.lease.task_id, self.seq, why, size)
             self._note(f"checkpoint saved ({why}, {size} bytes)")
-        elif refused not in ("backup",):
+        elif refused != "backup":
             log.info("%s: checkpoint not kept (%s)", self.lease.task_id, refused)
         return kept
 
-    @staticmethod
-    def _has_files(fd: int) -> bool:
-        return any(name != checkpoints.SAVE_MARKER for name in os.listdir(fd))
-
     def ended(self, dir_fd: int, out: sandbox.Attempt) -> None:
-        self._halt()
+        self.ex.watcher.unwatch(self)
         stopped = out.killed and not out.killed.startswith(UNREPORTED) and out.killed != "cancelled"
         if stopped or (out.returncode not in (0, None) and not out.killed):
-            self.save("as the attempt ended")
-
-    def _halt(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
+            with self._lock:
+                if self._fd is not None:
+                    self._save(self._fd, "as the attempt ended")
 
     def closed(self) -> None:
-        self._halt()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.ex.watcher.unwatch(self)
+        with self._lock:  # after a save in progress
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
 
 
 _VMSTAT: list[int] = []  # /proc/vmstat, opened once: read for every attempt

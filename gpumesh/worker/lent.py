@@ -24,19 +24,40 @@ def path_of(configured: str = "") -> Path:
     return Path(base) / "gpumesh" / "lent.jsonl"
 
 
-def append(path: Path, entry: dict[str, Any]) -> None:
-    """Add one attempt to the record (mode 0600 in a 0700 directory), trimming it past MAX_BYTES."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    line = (json.dumps(entry, separators=(",", ":"), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
+class Record:
+    """The record a worker appends to: opened once (mode 0600, in a 0700 directory), opened again when it was
+    moved or deleted, trimmed past MAX_BYTES."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_nlink and os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+                    return self._fd
+            except OSError:
+                pass
+            self.close()
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.fchmod(fd, 0o600)
-        os.write(fd, line)
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if size > MAX_BYTES:
-        _trim(path)
+        self._fd = fd
+        return fd
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Add one attempt to the record."""
+        fd = self._open()
+        os.write(fd, (json.dumps(entry, separators=(",", ":"), sort_keys=True) + "\n").encode())
+        if os.fstat(fd).st_size > MAX_BYTES:
+            _trim(self.path)
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _trim(path: Path) -> None:
