@@ -433,3 +433,18 @@ def test_on_a_served_broker_jobs_name_their_credential_and_a_worker_credential_k
         assert json.loads(client.hget(keys.task(tid), "result")) == {"found": "half done"}  # saved and restored
     finally:
         serve.stop()
+
+
+@pytest.mark.processes
+def test_checkpoints_go_to_the_object_store_when_output_files_do(env, workers: Workers, r: redis.Redis, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    path = tmp_path / "fails_once.py"
+    path.write_text(FAILS_ONCE)
+    workers.start(GPUMESH_ARTIFACTS=f"file://{store}")
+    job, tid = submit_one(env, path, "--max-attempts", "2", "--retry-on", "script")
+    wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the retry to finish")
+    assert json.loads(r.hget(keys.task(tid), "result")) == {"found": "half done"}
+    index = json.loads(r.hget(keys.task(tid), "ckpt"))
+    assert index["store"] == f"file://{store}" and (store / index["path"]).is_file()
+    assert not r.exists(keys.task_checkpoint(tid))  # the broker holds only the index
