@@ -448,3 +448,52 @@ def test_checkpoints_go_to_the_object_store_when_output_files_do(env, workers: W
     index = json.loads(r.hget(keys.task(tid), "ckpt"))
     assert index["store"] == f"file://{store}" and (store / index["path"]).is_file()
     assert not r.exists(keys.task_checkpoint(tid))  # the broker holds only the index
+
+
+@pytest.mark.core
+def test_checkpoints_are_fenced_like_results_and_one_replaced_while_read_restores_nothing(broker, r, tmp_path):
+    from gpumesh.models import JobOptions
+    from gpumesh.store import checkpoints, scripts
+    from gpumesh.worker.reaper import reap_once
+
+    store = checkpoints.Store(broker.rq, broker.r, broker.scripts)
+    job = broker.submit("print('{}')", "t.py", [{"i": 0}], JobOptions()).job_id
+    tid = broker.task_ids(job)[0]
+
+    def save(lease: scripts.Lease, seq: int, text: str) -> tuple[bool, str]:
+        where = tmp_path / f"{text}-{seq}"
+        where.mkdir()
+        (where / "state").write_text(text)
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            data, size = checkpoints.pack(fd, 0)
+        finally:
+            os.close(fd)
+        with data:
+            return store.save(lease, seq, data, size)
+
+    def restored() -> str:
+        into = tmp_path / f"into-{time.monotonic_ns()}"
+        into.mkdir()
+        fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            store.restore(tid, fd)
+        finally:
+            os.close(fd)
+        return (into / "state").read_text()
+
+    old = scripts.acquire(broker.scripts, r, tid, "old", 50)
+    assert save(old, 1, "one") == (True, "saved")
+    assert save(old, 1, "again") == (False, "older")  # not newer than what this attempt saved
+    time.sleep(0.1)  # its lease lapses; the task is leased again
+    assert reap_once(broker, audit_grace_ms=0)["requeued"] == 1
+    new = scripts.acquire(broker.scripts, r, tid, "new", 30_000)
+    assert save(old, 2, "stale") == (False, "stale")  # the lapsed attempt cannot replace it
+    assert r.keys("gpumesh:task:*:files:ckpt-*") == []  # nor leave its upload behind
+    assert restored() == "one"
+    assert save(new, 1, "two") == (True, "saved")  # the new lease counts its saves from 1
+    index, chunks = store.newest(tid)
+    assert save(new, 2, "three") == (True, "saved")  # replaced while a backup copy would read it
+    with pytest.raises(LookupError):
+        list(chunks)
+    assert restored() == "three"
