@@ -11,7 +11,10 @@ four fleets, each started anew for every run:
   * forming: the workers are started 2 s before the submit (some may still be starting);
   * joining: the job is submitted first, then the workers start weakest first, one a second;
   * changing: settled, then the score-4 worker is stopped (SIGTERM) 3 s after the submit and a new
-    score-4 worker is started at 5 s.
+    score-4 worker is started at 5 s;
+  * pausing: settled, the strongest worker lent with `--pause-when` and paused by its owner from 3 s to 6 s
+    after the submit (its running task handed back unspent); gpumesh contenders only, in a section of its
+    own. Its bound counts the paused worker's capacity lost during the pause.
 Contenders: this gpumesh (placement at dispatch; backup copies on by default), the same with
 --no-speculate, gpumesh 8c0e58b (git archive of --baseline, through PYTHONPATH, tiers bound
 at submit), and four plain RQ workers on one FIFO queue with the same strengths.
@@ -60,12 +63,22 @@ print(Broker(Settings(url=url)).submit(script, "sleep.py", payloads, JobOptions(
 """
 
 
-def lower_bound(starts: list[tuple[float, float]], costs: list[float]) -> float:
-    """Least T with Σ s·max(0, T − t) ≥ Σ cost, and T ≥ min (t + c_max / s); (score, start) pairs."""
+PAUSE = (3.0, 6.0)  # the pausing fleet's pause of its strongest worker, seconds after the submit
+
+
+def lower_bound(
+    starts: list[tuple[float, float]], costs: list[float], pause: tuple[float, float, float] | None = None
+) -> float:
+    """Least T with Σ s·max(0, T − t) ≥ Σ cost, and T ≥ min (t + c_max / s); (score, start) pairs. ``pause``:
+    (score, from, to) of a worker that does nothing in that span."""
+
+    def lost(t: float) -> float:
+        return pause[0] * max(0.0, min(t, pause[2]) - pause[1]) if pause else 0.0
+
     work, lo, hi = sum(costs), 0.0, 1e6
     for _ in range(200):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(s * max(0.0, mid - t) for s, t in starts) < work else (lo, mid)
+        lo, hi = (mid, hi) if sum(s * max(0.0, mid - t) for s, t in starts) - lost(mid) < work else (lo, mid)
     return max(hi, min(t + max(costs) / s for s, t in starts))
 
 
@@ -79,15 +92,15 @@ class Contender:
             self.env["PYTHONPATH"] = str(v1)
         self.r = redis.Redis.from_url(url, decode_responses=True)
 
-    def worker(self, score: float) -> subprocess.Popen[bytes]:
+    def worker(self, score: float, *args: str, **env_extra: str) -> subprocess.Popen[bytes]:
         if self.fifo:
             cmd = [str(Path(sys.executable).parent / "rq"), "worker", "--url", self.url, "-w", "rq.worker.SimpleWorker",
                    "--serializer", "rq.serializers.JSONSerializer", "--path", str(Path(__file__).parent), "-q", "fifo"]  # fmt: skip
             env = {**self.env, "BENCH_SCORE": str(score)}
         else:
             cmd = [sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--warm", "--log-level",
-                   "WARNING"]  # fmt: skip
-            env = self.env
+                   "WARNING", *args]  # fmt: skip
+            env = {**self.env, **env_extra}
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, cwd=self.cwd)  # fmt: skip
 
@@ -125,13 +138,30 @@ class Contender:
         return status == "done"
 
 
+def owner(flag: Path, now: float) -> None:
+    """The lender's owner: at the machine (the flag there) during PAUSE, away otherwise."""
+    if PAUSE[0] <= now < PAUSE[1] and not flag.exists():
+        flag.touch()
+    elif now >= PAUSE[1] and flag.exists():
+        flag.unlink()
+
+
 def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> tuple[float, float]:
     """(makespan, lower bound) of one run; the bound counts each worker from when it registered."""
     c.r.flushdb()
     procs: list[subprocess.Popen[bytes]] = []
     schedule: list[tuple[float, float]] = []  # (seconds after the submit, score) of workers still to start
+    flag = c.tmp / f"paused-{os.getpid()}"
+    flag.unlink(missing_ok=True)
+    lender = max(scores)
     try:
-        if fleet in ("settled", "changing"):
+        if fleet == "pausing":  # the strongest worker is lent, and its owner comes back for 3 s
+            procs = [c.worker(s, *(["--pause-when", f"test -e {flag}"] if s == lender else []),
+                              GPUMESH_PAUSE_PROBE_INTERVAL="0.2") for s in scores]  # fmt: skip
+            while c.registered() < len(scores):
+                time.sleep(0.05)
+            time.sleep(2.5)
+        elif fleet in ("settled", "changing"):
             procs = [c.worker(s) for s in scores]
             while c.registered() < len(scores):
                 time.sleep(0.05)
@@ -151,6 +181,8 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
             now = time.perf_counter() - t0
             while schedule and schedule[0][0] <= now:
                 procs.append(c.worker(schedule.pop(0)[1]))
+            if fleet == "pausing":
+                owner(flag, now)
             if not stopped and now >= 3.0:
                 stopped = True
                 procs[scores.index(4.0)].send_signal(signal.SIGTERM)  # leaves after its current task
@@ -160,6 +192,7 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
         makespan = time.perf_counter() - t0
     finally:
         stop(procs)
+        flag.unlink(missing_ok=True)
     joined += [makespan] * (len(scores) + (fleet == "changing") - len(joined))
     if fleet == "joining":  # they start weakest first, a second apart: the k-th to register is the k-th started
         starts = list(zip(sorted(scores), joined))
@@ -167,7 +200,8 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
         starts = [(s, 0.0) for s in scores] + [(4.0, joined[-1])]
     else:  # started together: the earliest registrations credited to the strongest (the lowest bound)
         starts = list(zip(sorted(scores, reverse=True), sorted(joined)))
-    return makespan, lower_bound(starts, [p["cost"] * p["unit"] for p in payloads])
+    pause = (lender, *PAUSE) if fleet == "pausing" else None
+    return makespan, lower_bound(starts, [p["cost"] * p["unit"] for p in payloads], pause)
 
 
 def baseline_tree(rev: str, dest: Path) -> Path:
@@ -190,7 +224,7 @@ def main() -> None:
         default="8c0e58b",
         help="git revision to compare with (tiers)",
     )
-    ap.add_argument("--fleets", default="settled,forming,joining,changing")
+    ap.add_argument("--fleets", default="settled,forming,joining,changing,pausing")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
     fleets = args.fleets.split(",")
@@ -211,39 +245,52 @@ def main() -> None:
             payloads = [{"i": i, "cost": c, "unit": args.unit} for i, c in enumerate(order)]
             for fleet in fleets:
                 for c in contenders:
+                    if fleet == "pausing" and (c.v1 is not None or c.fifo):
+                        continue  # --pause-when is this version's
                     t, bound = run(c, fleet, scores, payloads)
                     results.setdefault((fleet, c.name), []).append((t, bound))
                     print(f"round {seed} {fleet:9s} {c.name:40s} {t:6.2f} s, bound {bound:.2f}", file=sys.stderr)
     finally:
         server.stop()
-    rows = []
-    for fleet in fleets:
-        for c in contenders:
-            runs = results[(fleet, c.name)]
-            ratios = [t / b for t, b in runs]
-            rows.append((fleet, c.name, f"{med([t for t, _ in runs]):.2f}", f"{med([b for _, b in runs]):.2f}",
-                         f"**{med(ratios):.2f}**", rounds(ratios)))  # fmt: skip
-    body = (
-        f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} (Σ {sum(COSTS):.0f}); "
-        f"unit {args.unit} s; heartbeat 1 s. Targets: settled and forming ≤ 1.15 × the bound, "
-        "joining ≤ 1.25 ×.\n\n"
-        + table(
-            [
-                "fleet",
-                "schedule",
-                "makespan, s (median)",
-                "lower bound, s",
-                "÷ lower bound (median)",
-                "÷ bound, rounds",
-            ],
-            rows,
+    for name, title, shown, target in (
+        ("makespan", "Makespan on settled, forming, joining and changing fleets",
+         [f for f in fleets if f != "pausing"],
+         "Targets: settled and forming ≤ 1.15 × the bound, joining ≤ 1.25 ×."),
+        ("makespan-pause", "Makespan when a lender pauses its worker mid-job", [f for f in fleets if f == "pausing"],
+         f"The score-{max(scores):g} worker is paused (`--pause-when`) from {PAUSE[0]:g} s to {PAUSE[1]:g} s after "
+         "the submit; the bound counts its capacity lost meanwhile. Target: ≤ 1.25 × that bound."),
+    ):  # fmt: skip
+        rows = []
+        for fleet in shown:
+            for c in contenders:
+                runs = results.get((fleet, c.name))
+                if not runs:
+                    continue
+                ratios = [t / b for t, b in runs]
+                rows.append((fleet, c.name, f"{med([t for t, _ in runs]):.2f}", f"{med([b for _, b in runs]):.2f}",
+                             f"**{med(ratios):.2f}**", rounds(ratios)))  # fmt: skip
+        if not rows:
+            continue
+        body = (
+            f"Fleet scores {args.scores}; {len(COSTS)} tasks, costs {sorted(set(COSTS))} (Σ {sum(COSTS):.0f}); "
+            f"unit {args.unit} s; heartbeat 1 s. {target}\n\n"
+            + table(
+                [
+                    "fleet",
+                    "schedule",
+                    "makespan, s (median)",
+                    "lower bound, s",
+                    "÷ lower bound (median)",
+                    "÷ bound, rounds",
+                ],
+                rows,
+            )
         )
-    )
-    publish(
-        "makespan", "Makespan on settled, forming, joining and changing fleets", body,
-        f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
-        f" --baseline {args.first_version}",
-    )  # fmt: skip
+        publish(
+            name, title, body,
+            f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
+            f" --baseline {args.first_version} --fleets {','.join(shown)}",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

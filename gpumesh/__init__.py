@@ -21,6 +21,7 @@ __version__ = "0.2.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "connect": "gpumesh.api",
+    "checkpoint": "gpumesh.checkpointing",
     "Mesh": "gpumesh.api",
     "Job": "gpumesh.api",
     "GpumeshError": "gpumesh.errors",
@@ -40,6 +41,7 @@ _EXPORTS = {
 __all__ = [
     "__version__",
     "connect",
+    "checkpoint",
     "Mesh",
     "Job",
     "GpumeshError",
@@ -58,6 +60,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from gpumesh.api import Job, Mesh, connect
+    from gpumesh.checkpointing import checkpoint
     from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, TaskFailed, UsageError
     from gpumesh.models import Attempt, JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
 

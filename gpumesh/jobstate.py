@@ -53,7 +53,24 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
         "waiting_for": [],
         "failed_by_kind": {k: n for k, n in by_kind.items() if n > 0},
         "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
+        **paused(h),
     }
+
+
+def paused(h: dict[str, str]) -> dict[str, Any]:
+    """Attempts handed back because their worker's lender paused it, and how long they had run: only for a job
+    that had such an attempt (models.JobStatus leaves them out too when there was none)."""
+    n = count(h.get("paused_handbacks"))
+    return {"paused_handbacks": n, "paused_lost_s": seconds(h.get("paused_lost_s"))} if n else {}
+
+
+def seconds(text: str | None) -> float:
+    """A time counter as stored; one that is not a number reads as 0."""
+    try:
+        value = float(text or 0)
+    except ValueError:
+        return 0.0
+    return round(value, 3) if 0 <= value < 1e12 else 0.0
 
 
 def to_json(st: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
 )
 
 from gpumesh import jobstate
@@ -323,6 +324,18 @@ class JobStatus(Model):
     # Failed tasks by the kind their last attempt recorded (RECORDED_KINDS), and what the job retries.
     failed_by_kind: dict[str, int] = Field(default_factory=dict)
     retry_on: list[str] = Field(default_factory=list)
+    # Attempts handed back because their worker's lender paused it (no attempt spent), and how long they had run.
+    paused_handbacks: int = 0
+    paused_lost_s: float = 0.0
+
+    @model_serializer(mode="wrap")
+    def _without_unused_pause_fields(self, handler: Any) -> Any:
+        """The pause fields only for a job that had an attempt handed back by a pause (as jobstate.fields)."""
+        data = handler(self)
+        if isinstance(data, dict) and not self.paused_handbacks:
+            data.pop("paused_handbacks", None)
+            data.pop("paused_lost_s", None)
+        return data
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:
@@ -618,7 +631,8 @@ class WorkerInfo(Model):
     device_name: str
     score_gflops: float
     tier: int
-    state: Literal["idle", "busy"]
+    state: Literal["idle", "busy", "paused"]
     current_task: str | None
     last_heartbeat: datetime | None
     resources: dict[str, Any] = Field(default_factory=dict)
+    paused: str | None = None  # why its lender's probes let it take no work now (``gpumesh worker --lend``)

@@ -93,6 +93,36 @@ class Settings(BaseModel):
         "(comma-separated)",
     )
 
+    stop_grace: float = Field(
+        3.0,
+        ge=0,
+        le=3600,
+        description="worker: seconds between a stopped task's SIGTERM and its SIGKILL (a pause, a timeout)",
+    )
+    pause_probe_interval: float = Field(
+        2.0, gt=0, le=3600, description="worker: how often the --lend and --pause-when probes are asked"
+    )
+    pause_probe_timeout: float = Field(
+        10.0, gt=0, le=600, description="worker: a probe that takes longer counts as not allowing work"
+    )
+    idle_probe: str = Field(
+        "", description="worker: a command printing the seconds since the last input (for --lend idle)"
+    )
+    gpu_probe: str = Field(
+        "",
+        description="worker: a command printing 'PID, USED_MIB' per GPU process (for --lend gpu-free, --max-vram-gb)",
+    )
+    checkpoint_every: float = Field(
+        0,
+        ge=0,
+        le=86400,
+        description="worker: save each task's GPUMESH_CHECKPOINT_DIR this often (s); 0 = only when asked",
+    )
+    checkpoint_mb: float = Field(1024, ge=0, description="largest checkpoint kept per task, MiB; 0 = no cap")
+    lent_file: str = Field(
+        "", description="worker: where `gpumesh lent` reads what ran here (default $XDG_STATE_HOME/gpumesh/lent.jsonl)"
+    )
+
     @model_validator(mode="after")
     def _heartbeat_fits_lease(self) -> Settings:
         if self.heartbeat_interval * 2 > self.lease_ttl:

@@ -119,6 +119,7 @@ def env(redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     values = {
         "GPUMESH_URL": redis_server.url,
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "XDG_STATE_HOME": str(tmp_path / "state"),  # where workers keep what ran on their machine (`gpumesh lent`)
         "GPUMESH_CONFIG": str(tmp_path / "config.toml"),
         # Tasks in the suite leave marker files in the test's directory: the workers' Landlock rules let them.
         "GPUMESH_WRITE_PATHS": str(tmp_path),

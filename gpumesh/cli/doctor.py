@@ -451,8 +451,25 @@ def machine_lines(settings: Settings) -> list[Line]:
         ("landlock", landlock_line),
         ("namespaces", namespaces_line),
         ("cgroup", cgroup_line),
+        ("lend idle", lambda: lend_idle_line(settings.idle_probe)),
     ]
     return [guarded(name, check) for name, check in checks]
+
+
+def lend_idle_line(fixture: str) -> Line:
+    """What `worker --lend idle` would read on this machine, and what it reads now."""
+    from gpumesh.worker import lending
+
+    sources = lending.idle_sources(fixture)
+    if not sources:
+        return ok("lend idle", "no source of the last keyboard or mouse input here (no X display with xprintidle, no "
+                  "logged-in terminal): a worker with --lend idle would stay paused; use --lend HH:MM-HH:MM or "
+                  "--pause-when CMD")  # fmt: skip
+    try:
+        idle = f"{lending.idle_seconds(5.0, fixture):.0f} s since the last input"
+    except lending.ProbeError as exc:
+        idle = f"unreadable now ({exc})"
+    return ok("lend idle", f"--lend idle reads {', '.join(sources)}: {idle}")
 
 
 def guarded(name: str, check: Callable[[], Line]) -> Line:

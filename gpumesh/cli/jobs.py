@@ -206,7 +206,8 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
     """List live workers with their device, score and tier (score band: 0 the weakest)."""
     rows = open_mesh(ctx, url).workers()
     if as_json:
-        emit_json([r.model_dump(mode="json") for r in rows])
+        # ``paused`` only for a worker its lender's probes pause (``worker --lend``)
+        emit_json([r.model_dump(mode="json", exclude=None if r.paused else {"paused"}) for r in rows])
     else:
         render.out().print(render.workers_table(rows))
 

@@ -131,6 +131,53 @@ def worker_options(f: Any) -> Any:
                 "gpu or cpu, vram_gb, vram_free_gb, cpu_cores, ram_gb, task_memory_gb) and overriding it, e.g. "
                 "--resource vram_gb=80 --resource dataset=imagenet. Names are case-sensitive.",
             ),
+            click.option(
+                "--lend",
+                "lend",
+                multiple=True,
+                metavar="WHEN",
+                help="When this machine takes work: always (default); idle[=MIN] (nobody used its keyboard, mouse "
+                "or terminals for MIN minutes, 5 by default); HH:MM-HH:MM (local time; repeat for more windows); "
+                "gpu-free (no process but the worker's uses the GPU). Repeatable: all must allow. Paused, it takes "
+                "no task, and a running one gets SIGTERM, GPUMESH_STOP_GRACE seconds, then SIGKILL, and goes back "
+                "to the queue without spending an attempt.",
+            ),
+            click.option(
+                "--pause-when",
+                "pause_when",
+                multiple=True,
+                metavar="CMD",
+                help="Pause while the shell command CMD exits 0, e.g. --pause-when 'pgrep -x steam' (repeatable). "
+                "A probe that fails or hangs counts as paused.",
+            ),
+            click.option(
+                "--max-vram-gb",
+                type=click.FloatRange(min=0, min_open=True),
+                help="At most this much GPU memory per task: published as vram_gb (tasks that require more go "
+                "elsewhere), given to tasks as GPUMESH_MAX_VRAM_GB, and a task that uses more is killed.",
+            ),
+            click.option(
+                "--cpu-cores",
+                type=click.IntRange(min=1),
+                help="Run the worker and its tasks on this many of the machine's cores (CPU affinity).",
+            ),
+            click.option(
+                "--max-task-hours",
+                type=click.FloatRange(min=0, min_open=True),
+                help="Take no task whose job's timeout is longer than this many hours.",
+            ),
+            click.option(
+                "--accept-from",
+                metavar="NAME,...",
+                help="Run only jobs submitted with these credentials (their names in `gpumesh access list`).",
+            ),
+            click.option(
+                "--checkpoint-every",
+                type=click.FloatRange(min=0),
+                metavar="SEC",
+                help="Save each task's GPUMESH_CHECKPOINT_DIR this often, besides when the task asks "
+                "(gpumesh.checkpoint()) and when it is stopped (also GPUMESH_CHECKPOINT_EVERY; 0: off, the default).",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -150,6 +197,8 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
         resources=tuple(opts["resource"]), exit_with_parent=opts["exit_with_parent"], gpus=opts["gpus"],
         log_level=opts["log_level"], log_format=opts["log_format"],
         rq_logging_level=logging.getLevelName(logging.getLogger("rq").level),
+        lend=tuple(opts["lend"]), pause_when=tuple(opts["pause_when"]), max_vram_gb=opts["max_vram_gb"],
+        cpu_cores=opts["cpu_cores"], max_task_hours=opts["max_task_hours"], accept_from=opts["accept_from"],
     )  # fmt: skip
     from gpumesh.requirements import parse_resource
 
@@ -161,6 +210,7 @@ def _run_worker(ctx: click.Context, url: str | None, opts: dict[str, Any]) -> No
             "letter or digit), as others' terminals and pages show it; e.g. --name lab-a100"
         )
     _isolation_flags(opts)
+    build.lender_limits(options)  # a bad --lend or limit is a usage error before anything connects
     code = build.run(connect(ctx, url, worker=True), options)
     if code:
         ctx.exit(code)
@@ -185,6 +235,8 @@ def _isolation_flags(opts: dict[str, Any]) -> None:
             raise UsageError(f"--cache-path {path}: a cache's path may not hold ',', ':' or '\\'; link it elsewhere")
     if opts["no_isolation"]:
         os.environ["GPUMESH_ISOLATION"] = "false"
+    if opts.get("checkpoint_every") is not None:  # a setting, so that the per-GPU workers see it too
+        os.environ["GPUMESH_CHECKPOINT_EVERY"] = repr(opts["checkpoint_every"])
     for flag, var in (
         ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
     ):  # fmt: skip
@@ -205,6 +257,15 @@ def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opt
     finishes the current task and exits; a second one, a second or more later, hands the task
     back to the queue at once.
     Tuning: GPUMESH_LEASE_TTL (30 s), GPUMESH_HEARTBEAT_INTERVAL (5 s), GPUMESH_TIERS (3).
+
+    Lending (docs/how-to/lend-a-machine.md), for example:
+
+    \b
+      gpumesh worker URL --lend 22:00-07:00 --lend idle=10
+      gpumesh worker URL --lend gpu-free --max-vram-gb 12 --cpu-cores 4
+      gpumesh worker URL --pause-when 'pgrep -x steam' --max-task-hours 2 --accept-from alice,bob
+
+    `gpumesh lent` then lists what ran here.
     """
     _run_worker(ctx, broker_url or url, opts)
 

@@ -131,6 +131,8 @@ def status_line(st: JobStatus, rate: Rate | None = None) -> str:
         line += " (" + ", ".join(f"{k} {n}" for k, n in st.failed_by_kind.items()) + ")"
     if t.cancelled:
         line += f", {t.cancelled} cancelled"
+    if st.paused_handbacks:  # time lost to lenders' pauses: what those attempts had run when handed back
+        line += f", {st.paused_handbacks} handed back by pauses ({_duration(st.paused_lost_s)} of work lost)"
     if rate is not None and not st.finished:
         speed, eta = rate.describe(st)
         if speed != "-":
@@ -292,8 +294,8 @@ def workers_table(rows: Iterable[WorkerInfo]) -> Table:
     table = _table("worker", "host", "device", "GFLOP/s", "tier", "state", "task", title="workers")
     for r in rows:
         table.add_row(
-            *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier), r.state,
-                        r.current_task or ""))
+            *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier),
+                        f"paused: {r.paused}" if r.paused else r.state, r.current_task or ""))
         )  # fmt: skip
     return table
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import psutil
 
@@ -29,6 +29,7 @@ from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_com
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.spares import Spares
+from gpumesh.sandbox.taskdir import CHECKPOINT
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
 TRUNCATED = "[gpumesh] output truncated: the log cap of {cap} bytes was reached"
@@ -270,6 +271,7 @@ def run(
     spares: Spares | None = None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
     meanwhile: Meanwhile | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> Attempt:
     """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
     ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown).
@@ -280,8 +282,9 @@ def run(
     With ``meanwhile`` (a worker's), what it holds is done as soon as this attempt runs, and a confined attempt
     that ended as it should leaves its directory to it."""
     return start(
-        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile
-    ).finish()
+        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile,
+        checkpoint=checkpoint,
+    ).finish()  # fmt: skip
 
 
 class Started:
@@ -316,13 +319,15 @@ def start(
     meanwhile: Meanwhile | None = None,
     project: projectview.View | None = None,
     output_globs: tuple[str, ...] = (),
+    checkpoint: Checkpoint | None = None,
 ) -> Started:
     """Hand the attempt over to what runs it and return at once (see :class:`Started`): nothing of it is left
     behind when this raises. ``project``: the attempt's directory shows that tree's files (projectview), and
-    ``script_name`` is the script's path in it; ``output_globs``: files of the directory ``collect`` gets too."""
+    ``script_name`` is the script's path in it; ``output_globs``: files of the directory ``collect`` gets too;
+    ``checkpoint``: where the attempt's checkpoint directory is restored from and saved to."""
     steps = _steps(
         source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile, project,
-        output_globs,
+        output_globs, checkpoint,
     )  # fmt: skip
     next(steps)  # to the hand-over; an error before it has cleaned up already
     return Started(steps)
@@ -342,6 +347,7 @@ def _steps(
     meanwhile: Meanwhile | None,
     project: projectview.View | None = None,
     output_globs: tuple[str, ...] = (),
+    checkpoint: Checkpoint | None = None,
 ) -> Generator[None, None, Attempt]:
     """:func:`run`, in two steps: up to the hand-over (a ``yield``), then the rest."""
     out = Attempt()
@@ -361,10 +367,12 @@ def _steps(
     cgroup = ahead = owner = None
     handing: list[bool] = []  # set once the attempt is handed to the zygote, a spare or a new launcher
     swept = False  # what escaped the attempt was killed already
+    ckpt_fd = None  # the checkpoint directory's, opened before the task could touch it
     try:
         full_env = _prepare(
             source, workdir_fd, script, output_dir, env, limits, None if shown else project, script_rel, project
         )
+        ckpt_fd = _checkpoint_dir(checkpoint, workdir, workdir_fd, limits, full_env)
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
         owner = zygote if zygote is not None else spares if limits.user is None else None
@@ -376,6 +384,8 @@ def _steps(
             )  # fmt: skip
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
+        if checkpoint is not None and ckpt_fd is not None:
+            checkpoint.started(ckpt_fd)
         try:
             yield  # handed over: start() returns, and finish() goes on from here
         except BaseException:  # never finished (a bug, or the interpreter going down): it dies with its tree
@@ -403,11 +413,14 @@ def _steps(
         tree.kill_escaped(proc.pid, since)
         swept = True
         out.duration = time.monotonic() - started
+        if checkpoint is not None and ckpt_fd is not None:
+            checkpoint.ended(ckpt_fd, out)  # what the task left there, saved before its directory goes
         if collect is not None and out.returncode == 0 and not out.killed:
             out.collected = collect(
                 outputs.walk_with_globs(os.path.basename(output_dir), workdir_fd, output_globs, frozenset({script_rel}))
             )
     finally:
+        _close_checkpoint(checkpoint, ckpt_fd)
         if ahead is not None and cgroup is not None and owner is not None and not handing:
             tree.attempt_not_started(owner, cgroup, ahead)  # its spare waits in it still: keep it for the next
             cgroup = None
@@ -430,6 +443,44 @@ def _steps(
             finally:
                 os.close(workdir_fd)
     return out
+
+
+class Checkpoint(Protocol):
+    """What saves and restores an attempt's checkpoint directory (the worker's executor): ``restore`` fills it
+    before the task starts, ``started`` as it runs, ``ended`` once its whole tree is gone (``closed`` always
+    follows, the descriptor about to be closed)."""
+
+    def restore(self, dir_fd: int, owner: tuple[int, int] | None) -> None: ...
+    def started(self, dir_fd: int) -> None: ...
+    def ended(self, dir_fd: int, out: Attempt) -> None: ...
+    def closed(self) -> None: ...
+
+
+def _checkpoint_dir(
+    checkpoint: Checkpoint | None, workdir: str, workdir_fd: int, limits: Limits, env: dict[str, str]
+) -> int | None:
+    """Make the attempt's checkpoint directory (the task's user owns it), open it, name it in ``env`` and restore
+    the task's newest checkpoint into it, before the task runs; its descriptor (None: no ``checkpoint``)."""
+    if checkpoint is None:
+        return None
+    os.mkdir(CHECKPOINT, 0o700, dir_fd=workdir_fd)
+    if limits.user is not None:
+        os.chown(CHECKPOINT, *limits.user, dir_fd=workdir_fd, follow_symlinks=False)
+    fd = os.open(CHECKPOINT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=workdir_fd)
+    env["GPUMESH_CHECKPOINT_DIR"] = os.path.join(workdir, CHECKPOINT)
+    try:
+        checkpoint.restore(fd, limits.user)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _close_checkpoint(checkpoint: Checkpoint | None, fd: int | None) -> None:
+    if fd is not None:
+        if checkpoint is not None:
+            checkpoint.closed()
+        os.close(fd)
 
 
 def _confined(limits: Limits) -> bool:

@@ -4,6 +4,7 @@ worker dies during the attempt)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, TASK_DIR_PREFIX
 
 OUTPUT = "output"  # the task's output directory, inside its own (GPUMESH_OUTPUT_DIR)
+CHECKPOINT = "checkpoint"  # the task's checkpoint directory, inside its own (GPUMESH_CHECKPOINT_DIR)
 
 
 def make() -> str:
@@ -131,6 +133,8 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
         if script is not None:
             os.unlink(os.path.basename(script), dir_fd=dir_fd)
         os.rmdir(os.path.basename(output_dir), dir_fd=dir_fd)
+        with contextlib.suppress(FileNotFoundError):  # GPUMESH_CHECKPOINT_DIR, left empty by most tasks
+            os.rmdir(CHECKPOINT, dir_fd=dir_fd)
         if _rmdir_made(workdir, dir_fd):
             return
     except OSError:

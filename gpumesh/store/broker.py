@@ -553,10 +553,11 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         device_name=h.get("device_name", ""),
         score_gflops=float(h.get("score", 0)),
         tier=tiers.get(w, 0),
-        state="busy" if h.get("current_task") else "idle",
+        state="busy" if h.get("current_task") else "paused" if h.get("paused") else "idle",
         current_task=h.get("current_task") or None,
         last_heartbeat=ts(h.get("last_heartbeat")),
         resources=resources if isinstance(resources, dict) else {},
+        paused=h.get("paused") or None,
     )
 
 

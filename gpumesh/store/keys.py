@@ -75,6 +75,16 @@ def task_files_staging(task_id: str, copy: str) -> str:
     return f"{PREFIX}task:{task_id}:files:{copy}"
 
 
+def task_checkpoint(task_id: str) -> str:
+    """hash: the task's newest checkpoint, as chunks (field "c:<chunk>"); see store/checkpoints.py."""
+    return f"{PREFIX}task:{task_id}:files:ckpt"
+
+
+def task_checkpoint_upload(task_id: str, copy: str, seq: int) -> str:
+    """hash, with a TTL: a checkpoint while it uploads (renamed to task_checkpoint when it is saved)."""
+    return f"{PREFIX}task:{task_id}:files:ckpt-{copy}-{seq}"
+
+
 def script(sha: str) -> str:
     return f"{PREFIX}script:{sha}"
 

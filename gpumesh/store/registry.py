@@ -42,7 +42,9 @@ class Registry:
         self._queue_key = rq_queue_key  # the worker's own RQ queue
         self._queues_set = rq_queues_set  # RQ's set of every queue (rq:queues)
 
-    def register(self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int) -> None:
+    def register(
+        self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int, paused: str = ""
+    ) -> None:
         """Announce the worker (hash with a TTL, its score) and tell the dispatcher the fleet changed."""
         with self.r.pipeline(transaction=True) as p:
             p.hset(
@@ -58,12 +60,23 @@ class Registry:
                     "score": cap.score_gflops,
                     "version": __version__,
                     "current_task": "",
+                    "paused": paused,
                 },
             )
             p.pexpire(keys.worker(self.worker_id), ttl_ms)
             p.zadd(keys.SCORES, {self.worker_id: cap.score_gflops})
             fleet_changed(p)
             p.execute()
+
+    def set_paused(self, reason: str, ttl_ms: int) -> None:
+        """Why the worker takes no work now (the lender's probes), or '' when it does: ``workers`` shows it. Written
+        only into a live registration (one that expired is written whole again by the next heartbeat)."""
+        key = keys.worker(self.worker_id)
+        if self.r.exists(key):
+            with self.r.pipeline(transaction=True) as p:
+                p.hset(key, "paused", reason)
+                p.pexpire(key, ttl_ms)
+                p.execute()
 
     def unregister(self) -> None:
         """Remove every trace of the worker: registration, wake list, its queue; the fleet changed."""

@@ -60,6 +60,7 @@ NAMES = (
     "stage",
     "project_attach",
     "project_detach",
+    "checkpoint",
 )
 
 
@@ -511,6 +512,17 @@ def heartbeat(
     )
     epoch_ok, f = int(r[0]) == 1, _fields(r)  # not ok: the broker lost its data (a new epoch)
     return Beat(bool(int(f.get("registered", 0))), r[1] if epoch_ok else "none", int(f["server_ms"]), epoch_ok)
+
+
+def checkpoint(s: Scripts, client: Any, lease: Lease, upload: str, seq: int, index: str) -> tuple[bool, str]:
+    """Make an uploaded checkpoint (``upload``: its staging key, '' in an object store) the task's newest, if
+    this attempt still holds the lease and nothing newer is kept: (saved, why not)."""
+    r = s["checkpoint"](
+        keys=[keys.task(lease.task_id), upload, keys.task_checkpoint(lease.task_id)],
+        args=[lease.task_id, lease.token, seq, index],
+        client=client,
+    )
+    return int(r[0]) == 1, str(r[1])
 
 
 def reap(s: Scripts, client: Any, task_id: str) -> Any:

@@ -162,6 +162,7 @@ def delete_job(
             chunk = tids[start : start + 1000]
             p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
             p.delete(*[keys.task_files(t) for t in chunk])
+            p.delete(*[keys.task_checkpoint(t) for t in chunk])
         p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id),
                  keys.job_attempts(job_id))  # fmt: skip
         p.delete(keys.spent(job_id))
@@ -188,6 +189,18 @@ class Submitter:
         self.scripts = scripts
         self._live = live
         self._epoch_made = False
+        self._who: str | None = None
+
+    def submitter(self) -> str:
+        """The name of the credential this client submits with, as the broker knows it (CLIENT INFO's user):
+        recorded in each job, for workers started with --accept-from. Read once."""
+        if self._who is None:
+            try:
+                who = str(cast(Any, self.r).client_info().get("user") or "")
+            except redis.ResponseError:  # a Redis before 6.2, or one that refuses CLIENT INFO
+                who = ""
+            self._who = who or "default"
+        return self._who
 
     def _make_epoch(self) -> None:
         """The broker's epoch, made by the first submit (or worker) on a broker without ACLs, once the job is
@@ -391,6 +404,7 @@ class Submitter:
                 "speculate": int(options.speculate),
                 **({"reuse_process": 1} if options.reuse_process else {}),
                 **self._project_fields(job),
+                "submitter": self.submitter(),
             },
         )
         p.zadd(keys.JOBS, {job.id: job.created})

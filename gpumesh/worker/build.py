@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import re
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpumesh import capability
 from gpumesh.errors import BrokerError, UsageError
@@ -20,6 +22,7 @@ from gpumesh.sandbox import namespaces
 from gpumesh.sandbox.warm import Zygote, ZygoteError
 from gpumesh.signing import Verifier
 from gpumesh.store.broker import Broker
+from gpumesh.worker.lending import Lend, parse_lend
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -42,17 +45,59 @@ class WorkerOptions:
     log_level: str = "info"
     log_format: str = "text"
     rq_logging_level: str = field(default="INFO", compare=False)
+    lend: tuple[str, ...] = ()  # --lend: always, idle[=MIN], HH:MM-HH:MM, gpu-free
+    pause_when: tuple[str, ...] = ()  # --pause-when CMD: paused while it exits 0
+    max_vram_gb: float | None = None
+    cpu_cores: int | None = None
+    max_task_hours: float | None = None
+    accept_from: str | None = None  # NAME,NAME: only jobs submitted with these credentials
 
 
 # The resource a worker started with --trust publishes: the ids of the keys it trusts, comma-separated.
 TRUSTS = "trusts"
 
 
+def lender_limits(opts: WorkerOptions) -> tuple[Lend, dict[str, Any]]:
+    """The parsed --lend/--pause-when, and the resources the lender's limits publish (what dispatch reads:
+    max_task_hours, accept_from, cpu_cores, max_vram_gb). UsageError on a bad value."""
+    lend = parse_lend(opts.lend, opts.pause_when)
+    limits: dict[str, Any] = {}
+    if opts.max_task_hours is not None:
+        limits["max_task_hours"] = opts.max_task_hours
+    if opts.accept_from is not None:
+        names = [n.strip() for n in opts.accept_from.split(",") if n.strip()]
+        if not names or any(not ACL_NAME.fullmatch(n) for n in names):
+            raise UsageError(
+                f"--accept-from {opts.accept_from!r}: expected credential names separated by commas, e.g. "
+                "--accept-from alice,lab-bob (the names `gpumesh access list` shows)"
+            )
+        limits["accept_from"] = ",".join(names)
+    if opts.cpu_cores is not None:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if opts.cpu_cores > have:
+            raise UsageError(f"--cpu-cores {opts.cpu_cores}: this worker may use {have} cores; lend at most {have}")
+        limits["cpu_cores"] = opts.cpu_cores
+    if opts.max_vram_gb is not None:
+        limits["max_vram_gb"] = opts.max_vram_gb
+    return lend, limits
+
+
+# A credential's name as --accept-from takes it (ACL user names, as `gpumesh access add` makes them).
+ACL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+
+
+def pin_cores(n: int) -> None:
+    """Run this worker and everything it starts (the zygote, every task) on ``n`` of the cores it may use."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:n])
+
+
 def run(broker: Broker, opts: WorkerOptions) -> int:
     """Run a worker (or, with ``gpus``, a supervisor of one per GPU) until it stops; the exit code."""
+    lend, limits = lender_limits(opts)
     if opts.gpus is not None:
         return supervise(broker, opts)
-    declared = dict(parse_resource(r) for r in opts.resources)
+    declared: dict[str, Any] = dict(parse_resource(r) for r in opts.resources)
     trusted = [*opts.trust, *[p.strip() for p in broker.settings.trusted_keys.split(",") if p.strip()]]
     verifier = Verifier(trusted) if trusted else None
     if verifier is not None:  # dispatch gives this worker only tasks signed by one of these keys
@@ -62,13 +107,20 @@ def run(broker: Broker, opts: WorkerOptions) -> int:
     warning = capability.warning(cap)
     if warning:
         log.warning(warning)
+    if opts.cpu_cores is not None:
+        pin_cores(opts.cpu_cores)  # before the zygote starts: it and every task inherit the cores
+    have = declared.get("vram_gb", cap.resources().get("vram_gb"))
+    if opts.max_vram_gb is not None and have is not None:  # what dispatch matches vram_gb requirements against
+        declared["vram_gb"] = min(float(have), opts.max_vram_gb)
+    declared = {**limits, **declared}
     cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
     zygote = start_zygote(opts.warm, opts.preload, broker.settings.sandbox_python, cuda)
     from gpumesh.worker.worker import MeshWorker  # imports RQ: only when a worker really starts
 
     w = MeshWorker(
         broker, cap, name=opts.name, cuda_visible_devices=cuda, parent_pid=opts.exit_with_parent,
-        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote, resources=declared,
+        verifier=verifier, sandbox_user=sandbox_user, zygote=zygote, resources=declared, lend=lend,
+        max_vram_gb=opts.max_vram_gb, lent_path=broker.settings.lent_file,
     )  # fmt: skip
     try:
         w.work(burst=opts.burst, logging_level=opts.rq_logging_level)
@@ -145,5 +197,10 @@ def supervise(broker: Broker, opts: WorkerOptions) -> int:
     args += ["--warm" if opts.warm else "--fresh"]
     args += ["--preload", opts.preload] if opts.preload else []
     args += [a for r in opts.resources for a in ("--resource", r)]
+    args += [a for v in opts.lend for a in ("--lend", v)]
+    args += [a for v in opts.pause_when for a in ("--pause-when", v)]
+    for flag, value in (("--max-vram-gb", opts.max_vram_gb), ("--cpu-cores", opts.cpu_cores),
+                        ("--max-task-hours", opts.max_task_hours), ("--accept-from", opts.accept_from)):  # fmt: skip
+        args += [flag, str(value)] if value is not None else []
     sup = Supervisor(gpus, args, opts.name or socket.gethostname(), restart=not opts.burst, url=broker.url)
     return sup.run()

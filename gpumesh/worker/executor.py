@@ -7,6 +7,7 @@ alive, then completes or fails the task with its fenced token.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -31,8 +32,10 @@ from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
-from gpumesh.store import artifacts, keys, scripts
+from gpumesh.store import artifacts, checkpoints, keys, scripts
 from gpumesh.store.broker import Broker
+from gpumesh.worker import lent
+from gpumesh.worker.lending import PAUSED, VRAM_OVER
 from gpumesh.worker.logship import LogShipper
 from gpumesh.worker.projects import Held, ProjectCache, ProjectError
 
@@ -117,6 +120,8 @@ class Host:
     got_next: Callable[[scripts.Lease, float], None] = lambda lease, leased_at: None
     # Start that task at once, if the worker means to run it next (Executor.begin), once the last one is reported.
     begin_next: Callable[[], None] = lambda: None
+    lent_path: str | None = None  # where each attempt this machine ran is recorded (`gpumesh lent`); None: nowhere
+    task_env: dict[str, str] = field(default_factory=dict)  # more for every task (GPUMESH_MAX_VRAM_GB)
 
 
 _executor: Executor | None = None
@@ -162,6 +167,13 @@ class Executor:
         self._extras: dict[str, JobExtras] = {}
         self._projects: ProjectCache | None = None
         self._held: Held | None = None  # the project tree the last attempt ran in, held until another is needed
+        self.checkpoints = checkpoints.Store(
+            self.broker.rq, self.broker.r, self.broker.scripts, self.settings.artifacts
+        )
+        self.watcher = Watcher()  # the running attempt's checkpoint directory, looked at by one thread
+        self._jobs_seen: dict[str, dict[str, str]] = {}  # job id -> what `gpumesh lent` records of it
+        self._sent = 0  # bytes of output files the last attempt stored
+        self._lent: lent.Record | None = None  # this machine's record of what it ran (`gpumesh lent`)
 
     @property
     def projects(self) -> ProjectCache:
@@ -214,6 +226,8 @@ class Executor:
         self._release_tree()
         if self.spares is not None:
             self.spares.close()
+        if self._lent is not None:
+            self._lent.close()
 
     def prune_residents(self) -> None:
         """End the reused processes idle too long, and those whose job has ended (done, failed, cancelled or
@@ -342,6 +356,8 @@ class Executor:
             running = Running(lease) if leased_at is None else Running(lease, last_renewal=leased_at)
         self.current = running
         log.info("run %s attempt %d%s", task_id, lease.attempt, " (backup copy)" if lease.backup else "")
+        started, status, self._sent = time.time(), "lost", 0
+        self._job_seen(lease.job_id)  # read now, once per job: the record is written even if the broker goes away
         try:
             status = self._attempt(running, begun)
         except BaseException:
@@ -350,7 +366,44 @@ class Executor:
             raise
         finally:
             self.current = None
+            self._record_lent(lease, started, status, running.stop_reason)
         return {"task_id": task_id, "attempt": lease.attempt, "status": status}
+
+    def _job_seen(self, job_id: str) -> dict[str, str]:
+        """What `gpumesh lent` records of a job (its name, submitter, project and environment digests), read
+        once per job; empty fields while the broker cannot be read."""
+        job = self._jobs_seen.get(job_id)
+        if job is None and self.w.lent_path is not None:
+            try:
+                got = self.broker.r.hmget(keys.job(job_id), "name", "submitter", "project", "env", "reuse_process")
+            except redis.RedisError:
+                return {"name": "", "submitter": "", "project": "", "env": "", "reused": ""}
+            job = {k: str(v or "") for k, v in zip(("name", "submitter", "project", "env", "reused"), got)}
+            if len(self._jobs_seen) > 256:
+                self._jobs_seen.clear()
+            self._jobs_seen[job_id] = job
+        return job or {}
+
+    def _record_lent(self, lease: scripts.Lease, started: float, status: str, stopped: str | None) -> None:
+        """Add the attempt to this machine's own record (`gpumesh lent`), broker or not."""
+        if self.w.lent_path is None:
+            return
+        job = self._job_seen(lease.job_id)
+        outcome_ = "handed back" if stopped and stopped.startswith(PAUSED) else status
+        if outcome_.startswith("rejected:") or outcome_ == "running":
+            outcome_ = "lost"
+        entry = {
+            "job": lease.job_id, "task": lease.task_id, "attempt": lease.attempt, "backup": bool(lease.backup),
+            **job, "script": lease.script_sha, "start": round(started, 3),
+            "duration": round(time.time() - started, 3), "outcome": outcome_, "sent_bytes": self._sent,
+            **({"why": stopped} if stopped else {}),
+        }  # fmt: skip
+        try:
+            if self._lent is None:
+                self._lent = lent.Record(lent.path_of(self.w.lent_path))
+            self._lent.append(entry)
+        except OSError as exc:
+            log.warning("could not add the attempt to this machine's record of what it ran (%s)", exc)
 
     def _attempt(self, running: Running, begun: Begun | None = None) -> str:
         """One attempt, in three steps: check the task may run here, run it in the sandbox, report it.
@@ -424,7 +477,7 @@ class Executor:
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=collect, meanwhile=self.meanwhile,
-            project=view, output_globs=extras.globs,
+            project=view, output_globs=extras.globs, checkpoint=Saver(self, running),
         )  # fmt: skip
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
@@ -476,6 +529,7 @@ class Executor:
         }
         if self.w.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.w.cuda_visible_devices
+        env.update(self.w.task_env)
         return env
 
     def _report(self, running: Running, out: sandbox.Attempt, limits: sandbox.Limits) -> str:
@@ -496,6 +550,8 @@ class Executor:
         if not (out.returncode != 0 or out.killed or why or isinstance(out.collected, artifacts.StageFailed)):
             return self._complete(running, out)  # its log lines go in the completion's round trip
         self._flush_logs()
+        if out.killed and out.killed.startswith(PAUSED):
+            return self._hand_back_paused(running, out)
         if out.killed and out.killed.startswith(UNREPORTED):
             log.warning("%s: %s; the attempt was killed and is not reported", lease.task_id, out.killed)
             return "lost"
@@ -512,6 +568,27 @@ class Executor:
             return self._fail(running, why, out.duration)
         assert isinstance(out.collected, artifacts.StageFailed)  # the worker's storage failed, not the script
         return self._fail(running, out.collected.reason, out.duration, kind="lost")
+
+    def _hand_back_paused(self, running: Running, out: sandbox.Attempt) -> str:
+        """The lender paused this machine: the task goes back to queued without spending its attempt, and its
+        job counts the time its attempt had run (status: time lost to pauses)."""
+        lease = running.lease
+        why = out.killed or PAUSED
+        res = self._patiently(lambda: self._end(lease, f"handed back: {why}", out.duration, release=True, kind="lost"))
+        copy = "backup copy of attempt" if lease.backup else "attempt"
+        self.w.logs.put(
+            lease.task_id, "gpumesh", f"{copy} {lease.attempt} handed back after {out.duration:.1f}s: {why}"
+        )
+        log.info("%s: handed back (%s) after %.1fs", lease.task_id, why, out.duration)
+        if res.accepted:
+            try:
+                with self.broker.r.pipeline(transaction=False) as p:
+                    p.hincrbyfloat(keys.job(lease.job_id), "paused_lost_s", round(out.duration, 3))
+                    p.hincrby(keys.job(lease.job_id), "paused_handbacks", 1)
+                    p.execute()
+            except redis.RedisError as exc:
+                log.debug("could not count the pause in its job (%s)", exc)
+        return "lost"
 
     def _complete(self, running: Running, out: sandbox.Attempt) -> str:
         lease, result = running.lease, out.last_line or ""
@@ -545,6 +622,7 @@ class Executor:
                 log.warning("%s: result rejected (%s): the lease moved on", lease.task_id, res.status)
             return f"rejected:{res.status}"
         log.info("done %s in %.2fs%s", lease.task_id, out.duration, " (the backup copy won)" * lease.backup)
+        self._sent = staged.total if staged is not None else 0
         return "done"
 
     def _refusal(self, lease: scripts.Lease, source: str) -> str | None:
@@ -644,6 +722,142 @@ class Executor:
                 delay = min(delay * 2, 2.0)
 
 
+class Watcher:
+    """One thread per worker that looks at the running attempt's checkpoint directory every 0.1 s (Saver.tick):
+    started at the first attempt, idle between attempts."""
+
+    def __init__(self) -> None:
+        self._saver: Saver | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, saver: Saver) -> None:
+        with self._cond:
+            self._saver = saver
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gpumesh-checkpoint", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def unwatch(self, saver: Saver) -> None:
+        with self._cond:
+            if self._saver is saver:
+                self._saver = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._saver is None:
+                    self._cond.wait()
+                saver = self._saver
+            try:
+                saver.tick()
+            except Exception:
+                log.exception("checkpoint watcher error")
+            time.sleep(0.1)
+
+
+class Saver:
+    """One attempt's checkpoints (sandbox.runner.Checkpoint): the task's newest restored into its
+    GPUMESH_CHECKPOINT_DIR before it starts; saved when the task asks (gpumesh.checkpoint(), or the marker file),
+    every GPUMESH_CHECKPOINT_EVERY seconds, and once more when it was stopped (a pause, a timeout, a failure:
+    what it wrote in its grace after SIGTERM included)."""
+
+    def __init__(self, executor: Executor, running: Running) -> None:
+        self.ex, self.running, self.lease = executor, running, running.lease
+        self.settings = executor.settings
+        self.seq = 0
+        self._fd: int | None = None
+        self._lock = threading.Lock()  # held while the directory is read or closed
+        self._due = float("inf")
+
+    def _note(self, line: str) -> None:
+        self.ex.w.logs.put(self.lease.task_id, "gpumesh", line)
+
+    def restore(self, dir_fd: int, owner: tuple[int, int] | None) -> None:
+        try:
+            index = self.ex.checkpoints.restore(self.lease.task_id, dir_fd, owner)
+        except Exception as exc:  # noqa: BLE001 - whatever the store or the archive says: the task starts afresh
+            self._note(f"checkpoint not restored ({type(exc).__name__}: {exc}); the task starts without it")
+            log.warning("%s: checkpoint not restored (%s)", self.lease.task_id, exc)
+            return
+        if index is not None:
+            self._note(f"restored the checkpoint of attempt {index.get('attempt', '?')} ({index['bytes']} bytes, "
+                       f"{index['files']} files)")  # fmt: skip
+
+    def started(self, dir_fd: int) -> None:
+        self._fd = os.dup(dir_fd)
+        every = self.settings.checkpoint_every
+        self._due = time.monotonic() + every if every else float("inf")
+        self.ex.watcher.watch(self)
+
+    def tick(self) -> None:
+        """Save when the task asked (then remove its marker: its gpumesh.checkpoint() returns), or when the
+        interval is up."""
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                return
+            asked = _exists(checkpoints.SAVE_MARKER, fd)
+            if not asked and time.monotonic() < self._due:
+                return
+            every = self.settings.checkpoint_every
+            self._save(fd, "asked by the task" if asked else f"every {every:g} s")
+            self._due = time.monotonic() + every if every else float("inf")
+            if asked:
+                with contextlib.suppress(OSError):
+                    os.unlink(checkpoints.SAVE_MARKER, dir_fd=fd)
+
+    def _save(self, fd: int, why: str) -> bool:
+        """Pack, upload and keep the directory as the task's newest checkpoint; whether it was kept."""
+        if not self.seq and not any(name != checkpoints.SAVE_MARKER for name in os.listdir(fd)):
+            return False  # nothing in the directory, and nothing saved before: nothing to save
+        try:
+            data, size = checkpoints.pack(fd, int(self.settings.checkpoint_mb * (1 << 20)))
+        except checkpoints.Changed as exc:
+            log.debug("%s: checkpoint skipped: %s changed while it was read", self.lease.task_id, exc)
+            return False
+        except (checkpoints.TooLarge, OSError) as exc:
+            self._note(f"checkpoint not saved: {exc}")
+            return False
+        with data:
+            self.seq += 1
+            try:
+                kept, refused = self.ex.checkpoints.save(self.lease, self.seq, data, size)
+            except Exception as exc:  # noqa: BLE001 - the broker or the object store failed: the next save may not
+                log.warning("%s: checkpoint not saved (%s)", self.lease.task_id, exc)
+                return False
+        if kept:
+            log.debug("%s: checkpoint %d saved (%s, %d bytes)", self.lease.task_id, self.seq, why, size)
+            self._note(f"checkpoint saved ({why}, {size} bytes)")
+        elif refused != "backup":
+            log.info("%s: checkpoint not kept (%s)", self.lease.task_id, refused)
+        return kept
+
+    def ended(self, dir_fd: int, out: sandbox.Attempt) -> None:
+        self.ex.watcher.unwatch(self)
+        stopped = out.killed and not out.killed.startswith(UNREPORTED) and out.killed != "cancelled"
+        if stopped or (out.returncode not in (0, None) and not out.killed):
+            with self._lock:
+                if self._fd is not None:
+                    self._save(self._fd, "as the attempt ended")
+
+    def closed(self) -> None:
+        self.ex.watcher.unwatch(self)
+        with self._lock:  # after a save in progress
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+
+
 _VMSTAT: list[int] = []  # /proc/vmstat, opened once: read for every attempt
 
 
@@ -671,6 +885,8 @@ def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tu
         return "timeout", None, said
     if out.killed == "memory":
         return "memory", ram, said
+    if out.killed and out.killed.startswith(VRAM_OVER):
+        return "memory", _resource(resources, "vram_gb"), said
     if out.killed:  # stopped for the worker's reason (it stops, the backup copy yielded): not the script's doing
         return "lost", None, said
     # What the script died of: its exception's line when it ended with a traceback (a script that logged

@@ -49,7 +49,7 @@ from gpumesh.sandbox.taskdir import sweep_dead_workers_dirs
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
-from gpumesh.worker import executor, reaper
+from gpumesh.worker import executor, lending, reaper
 from gpumesh.worker.logship import LogShipper
 from gpumesh.worker.rqworker import BAD_DATA, REFUSED, LeanRQWorker
 
@@ -181,7 +181,10 @@ class MeshWorker(LeanRQWorker):
         verifier: Any = None,
         sandbox_user: tuple[int, int] | None = None,
         zygote: Any = None,
-        resources: dict[str, str] | None = None,
+        resources: dict[str, Any] | None = None,
+        lend: lending.Lend | None = None,
+        max_vram_gb: float | None = None,
+        lent_path: str | None = None,
     ) -> None:
         self.broker = broker
         self.settings = broker.settings
@@ -199,12 +202,22 @@ class MeshWorker(LeanRQWorker):
         task_memory_gb = round((self.settings.task_memory_mb << 20 or self._default_task_memory) / 2**30, 2)
         self.resources = {**capability.resources(), "task_memory_gb": task_memory_gb, **(resources or {})}
         self.logs = LogShipper(broker.redis)
+        # The lender's say (--lend, --pause-when, --max-vram-gb): asked by a thread of its own (_lend_loop)
+        self.lend = lend or lending.Lend()
+        self.max_vram_gb = max_vram_gb
+        self.monitor = lending.Monitor(
+            self.lend, self.settings.pause_probe_timeout, cuda_visible_devices, self.settings.idle_probe,
+            self.settings.gpu_probe,
+        )  # fmt: skip
+        self.paused: str | None = None  # why the worker takes no work now (the lender's probes), or None
+        self._lend_changed = threading.Event()
+        task_env = {"GPUMESH_MAX_VRAM_GB": f"{max_vram_gb:g}"} if max_vram_gb else {}
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(
             executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
                           verifier, self.dispatched, self.resources, self.send_records, self._wants_next,
-                          self._got_next, self._begin_next)
+                          self._got_next, self._begin_next, lent_path, task_env)
         )  # fmt: skip
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
@@ -298,6 +311,13 @@ class MeshWorker(LeanRQWorker):
         errors = 0  # dispatches in a row that failed on what some credential wrote into Redis
         while not (self._stop_requested or self.fatal):
             try:
+                if self.paused:  # the lender's probes say no: nothing new, and what was leased goes back
+                    self._hand_back_all(f"paused: {self.paused}")
+                    self._lend_changed.wait(self.dequeue_timeout)
+                    self._lend_changed.clear()
+                    if timeout is None:
+                        return None
+                    continue
                 if not self.dispatched and self._heartbeat_stalled():
                     self._hand_back_next("no heartbeat gets through: its lease would lapse here")
                     self._sleep_after_error(1)  # no new work until a heartbeat gets through again
@@ -406,6 +426,8 @@ class MeshWorker(LeanRQWorker):
         deliver what it holds already."""
         if self._stop_requested or self.fatal or self.revoked or self.dispatched or self._next is not None:
             return None
+        if self.paused:
+            return None
         if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
             return None
         return scripts.Next(int(self.settings.lease_ttl * 1000), self.capability.score_gflops, scripts.new_token())
@@ -419,7 +441,7 @@ class MeshWorker(LeanRQWorker):
         delivery (Executor.begin), when nothing will come before it: no stop, no straggler scan (the fleet
         is as the last scan saw it), a heartbeat that gets through."""
         held = self._next
-        if held is None or self._stop_requested or self.fatal or self.revoked or self.dispatched:
+        if held is None or self._stop_requested or self.fatal or self.revoked or self.dispatched or self.paused:
             return
         if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
             return
@@ -637,6 +659,12 @@ class MeshWorker(LeanRQWorker):
         swept = sweep_dead_workers_dirs()
         if swept:
             log.info("removed %d task directories that workers which died on this machine left behind", swept)
+        lend_thread = None
+        if not self.lend.always or self.max_vram_gb:
+            log.info("lending: %s%s", self.lend.describe(),
+                     f"; at most {self.max_vram_gb:g} GB of GPU memory per task" if self.max_vram_gb else "")  # fmt: skip
+            self._lend_check(announce=False)  # before the first dispatch: a worker started paused takes nothing
+            lend_thread = threading.Thread(target=self._lend_loop, name="gpumesh-lend", daemon=True)
         self._register()
         try:
             self._beat()
@@ -644,6 +672,8 @@ class MeshWorker(LeanRQWorker):
             log.warning("first heartbeat failed (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
         self._hb_thread.start()
+        if lend_thread is not None:
+            lend_thread.start()
         log.info(
             "worker %s ready: %s (%s), %.1f GFLOP/s, broker %s",
             self.worker_id, self.capability.device, self.capability.device_name,
@@ -672,6 +702,7 @@ class MeshWorker(LeanRQWorker):
         mem = self.settings.task_memory_mb << 20 or self._default_task_memory
         cpus = os.cpu_count() or 1
         return Limits(
+            grace=self.settings.stop_grace,
             timeout=timeout,
             memory_bytes=mem,
             cpu_seconds=math.ceil(timeout * cpus) + 10,
@@ -684,7 +715,49 @@ class MeshWorker(LeanRQWorker):
 
     def _register(self) -> None:
         ttl_ms = int(self.settings.worker_ttl * 1000)
-        self.registry.register(self.display_name, self.capability, self.resources, ttl_ms)
+        self.registry.register(self.display_name, self.capability, self.resources, ttl_ms, paused=self.paused or "")
+
+    # -- the lender's say ----------------------------------------------------------------------------
+
+    def _lend_loop(self) -> None:
+        """Ask the lender's probes every GPUMESH_PAUSE_PROBE_INTERVAL; pause or resume on what they say."""
+        while not self._hb_stop.wait(self.settings.pause_probe_interval):
+            try:
+                self._lend_check()
+            except Exception:
+                log.exception("lending probe error")
+
+    def _lend_check(self, announce: bool = True) -> None:
+        """Pause (no new task, the running one handed back after SIGTERM and the grace) or resume, as the probes
+        say; kill an attempt over the lender's VRAM cap."""
+        reason = self.monitor.check()
+        was, self.paused = self.paused, reason
+        running = self.executor.current
+        if reason and not was:
+            log.warning("paused: %s: taking no new task%s", reason,
+                        f"; handing {running.lease.task_id} back" if running is not None else "")  # fmt: skip
+        if reason and running is not None:  # also one leased in the moment the pause began
+            running.stop(lending.PAUSED + reason)
+        elif was and not reason:
+            log.info("resumed: the lender's probes allow work again")
+        if reason != was and announce:
+            with contextlib.suppress(redis.RedisError):
+                self.registry.set_paused(reason or "", int(self.settings.worker_ttl * 1000))
+            if not reason:
+                with contextlib.suppress(redis.RedisError):
+                    self.broker.rq.lpush(keys.wake(self.worker_id), "resumed")  # out of its wait for work at once
+            self._lend_changed.set()
+        if self.max_vram_gb and running is not None and reason is None:
+            self._vram_check(running)
+
+    def _vram_check(self, running: executor.Running) -> None:
+        try:
+            used = self.monitor.vram_used_mib(lending.own_pids(os.getpid()))
+        except lending.ProbeError as exc:
+            log.debug("VRAM probe: %s", exc)
+            return
+        if self.max_vram_gb and used > self.max_vram_gb * 1024:
+            running.stop(f"{lending.VRAM_OVER} ({used / 1024:.1f} GB used, at most {self.max_vram_gb:g} GB)")
 
     def _unregister(self) -> None:
         if self.revoked:

@@ -331,6 +331,28 @@ local function accepts_signer(res, key_id)
   return string.find(',' .. trusts .. ',', ',' .. key_id .. ',', 1, true) ~= nil
 end
 
+-- Whether a worker's lender lets it run a job (gpumesh worker --max-task-hours, --accept-from): the job's
+-- timeout (s) within max_task_hours, and the credential that submitted it ('submitter', recorded at submit)
+-- among accept_from (comma-separated). A job that recorded no submitter runs on no worker with accept_from.
+-- res: the worker's resources (decoded), or nil.
+local function lender_accepts(res, timeout, submitter)
+  if type(res) ~= 'table' then
+    return true
+  end
+  local hours = tonumber(res['max_task_hours'])
+  if hours and (tonumber(timeout) or math.huge) > hours * 3600 then
+    return false
+  end
+  local from = res['accept_from']
+  if type(from) == 'string' and from ~= '' then
+    if type(submitter) ~= 'string' or submitter == '' or string.find(submitter, ',', 1, true) then
+      return false
+    end
+    return string.find(',' .. from .. ',', ',' .. submitter .. ',', 1, true) ~= nil
+  end
+  return true
+end
+
 -- Requirements (gpumesh/requirements.py has the same rules, tested against the same table).
 -- reqs: list of {key, op, value}; res: the worker's resources (strings and numbers).
 -- A decimal number or nil, as requirements.py reads one (strtod alone would take 'inf', 'nan', hex).

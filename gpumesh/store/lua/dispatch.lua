@@ -96,13 +96,17 @@ local function decode_resources()
   end
   return {}
 end
-if trusting then
+-- A lender's limits (--max-task-hours, --accept-from): each candidate job is checked against them.
+local limited = raw and (string.find(raw, '"max_task_hours"', 1, true) or string.find(raw, '"accept_from"', 1, true))
+if trusting or limited then
   resources = decode_resources()
 end
 local KEY_ID = 4 + 6  -- where the job's key_id sits in JOB_FIELDS (CHOOSE_BY fields, then TAKE_JOB's)
 -- what we choose by (the first CHOOSE_BY fields), then what take() needs, in one read per candidate job
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
 local CHOOSE_BY = 4
+JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
+local SUBMITTER = #JOB_FIELDS
 local NO_REQUIREMENTS = '[[]]'
 -- Job fields the lease carries as numbers (their position in JOB_FIELDS), as the worker reads them.
 local NUMERIC = {{'timeout', CHOOSE_BY + 5, 'number'}, {'expires_at', CHOOSE_BY + 7, 'number'},
@@ -262,6 +266,9 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       else
         if ok and trusting then
           ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
+        end
+        if ok and limited then  -- a task longer than the lender allows, or a submitter it does not accept
+          ok = lender_accepts(resources, job[CHOOSE_BY + 5], job[SUBMITTER])
         end
         if ok then
           local running, left, created = tonumber(job[2]) or 0, tonumber(job[4]) or 0, tonumber(job[3]) or 0

@@ -57,7 +57,7 @@ end
 -- a credential wrote that does not decode counts as a worker that may not run it.
 local MORE = 1.2  -- "more memory" is this much more: two machines of one size differ by a few MB
 local function bigger_worker(key, above)
-  local job = redis.pcall('HMGET', job_key, 'classes', 'key_id')
+  local job = redis.pcall('HMGET', job_key, 'classes', 'key_id', 'timeout', 'submitter')
   local klass = redis.pcall('HGET', task_key, 'class')
   if type(job) ~= 'table' or job.err or type(job[1]) ~= 'string' then
     return nil
@@ -73,7 +73,7 @@ local function bigger_worker(key, above)
     if type(raw) == 'string' and #raw <= 65536 then
       local fine, res = pcall(cjson.decode, raw)
       local have = fine and type(res) == 'table' and decimal(tostring(res[key]))
-      if have and have >= most and accepts_signer(res, job[2]) then
+      if have and have >= most and accepts_signer(res, job[2]) and lender_accepts(res, job[3], job[4]) then
         local meets_ok, meets = pcall(meets_all, reqs, res)
         if meets_ok and meets then
           best, most = id, have

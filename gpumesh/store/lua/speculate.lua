@@ -78,6 +78,9 @@ end
 if not accepts_signer(res, key_id) then
   return {0, 'not signed by a key it trusts'}
 end
+if not lender_accepts(res, timeout, redis.call('HGET', job_key, 'submitter')) then
+  return {0, 'not a job its lender accepts'}
+end
 if mode ~= 'straggler' and tonumber(queued) > 0 then
   return {0, 'job has queued tasks'}
 end
