@@ -29,7 +29,7 @@ NAMES = (
     "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
     "trusted_keys", "project_max_mb", "project_max_files", "project_cache", "project_cache_mb",
     "stop_grace", "pause_probe_interval", "pause_probe_timeout", "idle_probe", "gpu_probe", "checkpoint_every",
-    "checkpoint_mb", "lent_file",
+    "checkpoint_mb", "lent_file", "reuse_idle",
 )  # fmt: skip
 
 
