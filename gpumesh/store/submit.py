@@ -26,8 +26,9 @@ from gpumesh import requirements, scheduling
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.models import JobOptions, SubmitResult, check_payloads, check_script, payload_cost, payload_requires
 from gpumesh.settings import Settings
-from gpumesh.store import artifacts, keys, scripts
+from gpumesh.store import keys, scripts
 from gpumesh.store.connection import TextClient, translate
+from gpumesh.store.retention import delete_job
 
 
 def _c_payload_json() -> Callable[[Any], str]:
@@ -115,32 +116,6 @@ def _check_idempotency_key(key: str) -> None:
         raise UsageError("--idempotency-key must be text (UTF-8); got bytes that are not") from None
     if not key or len(key) > MAX_IDEMPOTENCY_KEY:
         raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
-
-
-def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> None:
-    """Delete a job with its tasks, logs, output files and pending sets, and drop it from ``index`` (the
-    jobs index, or the staging claims for a job that never became visible). Files in an object store
-    are deleted only from ``own_store`` (this machine's GPUMESH_ARTIFACTS), in the background."""
-    tids = r.lrange(keys.job_tasks(job_id), 0, -1)
-    classes, store = r.hmget(keys.job(job_id), "classes", "artifact_store")
-    if classes is not None:
-        pending = [keys.pending(job_id, k) for k in range(len(json.loads(classes)))]
-    else:  # staged, never made visible: its classes were not recorded
-        pending = list(r.scan_iter(match=keys.pending(job_id, 0)[:-1] + "*", count=1000))
-    if store:
-        artifacts.delete_from_object_store(store, job_id, own_store)
-    with r.pipeline(transaction=True) as p:
-        if pending:
-            p.delete(*pending)
-        for start in range(0, len(tids), 1000):
-            chunk = tids[start : start + 1000]
-            p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
-            p.delete(*[keys.task_files(t) for t in chunk])
-        p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id),
-                 keys.job_attempts(job_id))  # fmt: skip
-        p.delete(keys.spent(job_id))
-        p.zrem(index, job_id)
-        p.execute()
 
 
 class Submitter:
