@@ -549,7 +549,7 @@ def delivery_label(
 ) -> tuple[str, dict[str, Any]]:
     """What rq-dashboard shows of a delivery: a one-line description and meta (JSON), e.g.
     ``task 7 of job "sweep" (3f2a9c1d0b7e): attempt 2 of 3, cost 4, requires vram_gb>=40``.
-    The worker adds how the attempt ended once it has run (``-> done``, ``-> failed: ...``)."""
+    RQ keeps a delivery while it is queued or running (its record goes as its run ends: RESULT_TTL)."""
     cost: float | None = None
     reqs: list[str] | None = None
     if len(lease.payload) <= PAYLOAD_LABEL_BYTES:
