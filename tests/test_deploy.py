@@ -134,6 +134,8 @@ def test_rq_dashboard_sees_the_mesh(env, workers: Workers, redis_server):
         assert len(ws) == 1 and ws[0]["queues"] and ws[0]["name"].startswith(os.uname().nodename[:3])
         assert ws[0]["successful_job_count"] == 6 and not workers.r.keys("rq:job:*")
         assert not workers.r.keys("rq:results:*")
+        rows = json.loads(gpumesh("results", job, "--json", env=env).stdout)  # the outcome: gpumesh's to keep
+        assert [row["status"] for row in rows] == ["done"] * 6
     finally:
         os.killpg(dash.pid, signal.SIGTERM)
         dash.communicate(timeout=10)

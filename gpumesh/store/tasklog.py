@@ -37,12 +37,17 @@ def _split(task_id: str) -> tuple[str, str]:
     return job_id, task_id[len(job_id) + 1 :]
 
 
+def command(task_id: str, stream: str, line: str) -> tuple[str, ...]:
+    """The XADD that appends one line of a task to its job's log."""
+    job_id, index = _split(task_id)
+    return ("XADD", keys.job_log(job_id), "*", "index", index, "stream", stream, "line", line)
+
+
 def append(pipe: Any, lines: Iterable[Line]) -> int:
     """Queue an XADD per line on ``pipe`` (a redis-py pipeline), on the stream of the line's job; how many."""
     n = 0
     for task_id, stream, line in lines:
-        job_id, index = _split(task_id)
-        pipe.xadd(keys.job_log(job_id), {"index": index, "stream": stream, "line": line})
+        pipe.execute_command(*command(task_id, stream, line))
         n += 1
     return n
 
