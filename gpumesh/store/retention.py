@@ -80,7 +80,7 @@ def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "", dead
     With ``deadline`` (time.monotonic()), stops between steps once it has passed and answers False: the job
     stays in ``gpumesh:pruning`` for the next call (resuming()) to finish. True once the job is gone."""
     begin(r, job_id, index)
-    while step(r, job_id):
+    while step(r, job_id) == STEP:  # fewer: the list is empty now
         if deadline is not None and time.monotonic() >= deadline:
             return False
     finish(r, job_id, own_store)
