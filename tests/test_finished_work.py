@@ -49,7 +49,7 @@ def test_a_finished_task_costs_its_hash_and_a_few_stream_entries_and_rq_keeps_no
     assert per_task < 600, f"{per_task:.0f} bytes a finished task"
     done = r.hgetall(keys.task(keys.task_id(big.id, 7)))
     assert done["status"] == "done" and done["result"] == "{}"
-    assert not {"lease", "error", "promoted", "backup"} & set(done), "a done task keeps no running task's fields"
+    assert not {"lease", "error", "promoted"} & set(done), "a done task keeps no running task's fields"
     assert [(row.index, row.result) for row in big.results()[:2]] == [(0, {}), (1, {})]  # what readers show
 
 

@@ -474,8 +474,11 @@ class Broker:
     def drop_files(self, job_id: str) -> int:
         """Delete the output files a job's tasks stored, from the broker or its object store; how many
         tasks had some."""
+        stored, store = self.r.hmget(keys.job(job_id), "artifact_bytes", "artifact_store")
+        if stored is None and not store:  # no task of it ever kept a file (complete counts their bytes)
+            self.job_status(job_id)  # NotFound
+            return 0
         ids = self.task_ids(job_id)
-        store = self.r.hget(keys.job(job_id), "artifact_store")
         from gpumesh.store import artifacts
 
         return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)

@@ -71,10 +71,10 @@ end
 local cost = tonumber(t[9] or 1) or 1  -- read before the result's fields are written
 redis.call('HSET', task_key, 'status', 'done', 'result', result, 'finished_at', secs(ms), 'duration', duration,
   'done_token', done_token(token))
--- A finished task keeps only what its readers show: the fields a running task needed go (an absent field reads
--- as empty), so that a million done tasks stay small (docs/finished-work.md).
-redis.call('HDEL', task_key, 'lease', 'error', 'promoted', 'backup', 'backup_worker', 'backup_until',
-  'backup_started_at', 'backup_mode')
+-- A finished task keeps only what its readers show: the fields every running task had go (an absent field reads
+-- as empty), so that a million done tasks stay small (docs/finished-work.md). A task that had a backup copy
+-- keeps clear_backup's empty fields: few do.
+redis.call('HDEL', task_key, 'lease', 'error', 'promoted')
 if won then  -- the result is the backup's: `results`, `status` and the dashboard name the worker that made it
   redis.call('HSET', task_key, 'worker', won.worker)
   if won.started ~= '' then
