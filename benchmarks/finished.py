@@ -166,8 +166,9 @@ def slowest(r: redis.Redis) -> tuple[float, str, int]:
     return top["duration"] / 1000, " ".join(cmd.split()[:2])[:60], len(entries)
 
 
-def child_rss(url: str, *argv: str) -> tuple[float, int, float]:
-    """(wall s, peak RSS in MiB, output MB) of a `gpumesh` CLI command run as its own process."""
+def child_rss(url: str, *argv: str, out: Path | None = None) -> tuple[float, int, float]:
+    """(wall s, peak RSS in MiB, output MB) of a `gpumesh` CLI command run as its own process (its output
+    written to ``out`` when given, by the command's own -o)."""
     code = (
         "import atexit, resource, runpy, sys\n"
         "atexit.register(lambda: sys.stderr.write('RSS %d\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
@@ -175,10 +176,14 @@ def child_rss(url: str, *argv: str) -> tuple[float, int, float]:
         "runpy.run_module('gpumesh', run_name='__main__')\n"
     )
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code, *argv, "--url", url], capture_output=True, check=True)
+    to = ["-o", str(out)] if out else []
+    ran = subprocess.run([sys.executable, "-c", code, *argv, *to, "--url", url], capture_output=True, check=True)
     wall = time.monotonic() - t0
-    rss = int(out.stderr.decode().rsplit("RSS ", 1)[1].split()[0]) / 1024
-    return wall, rss, len(out.stdout) / 1e6
+    rss = int(ran.stderr.decode().rsplit("RSS ", 1)[1].split()[0]) / 1024
+    size = out.stat().st_size if out else len(ran.stdout)
+    if out:
+        out.unlink()
+    return wall, rss, size / 1e6
 
 
 def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
@@ -203,7 +208,8 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     assert sim["done"] == n, sim["done"]
     assert not any(True for _ in r.scan_iter("rq:job:*", count=10_000)), "RQ job hashes left"
     fam = families(r)
-    res_wall, res_rss, res_mb = child_rss(server.url, "results", job.job_id, "--format", "jsonl")
+    res_wall, res_rss, res_mb = child_rss(server.url, "results", job.job_id, "--format", "jsonl",
+                                          out=server.tmp / "results.jsonl")  # fmt: skip
     st_wall, st_rss, _ = child_rss(server.url, "status", job.job_id, "--json")
 
     # pruning: the reaper's passes until the job's keys are gone
