@@ -219,7 +219,7 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     r.slowlog_reset()
     t0, passes = time.monotonic(), 0
     while r.exists(keys.job(job.job_id)) or r.zcard(keys.PRUNING):
-        reaper.reap_once(b)
+        reaper.reap_once(b, prune_budget=reaper.SERVE_PRUNE_BUDGET_S)  # as `gpumesh serve`'s reaper does
         passes += 1
     prune_wall = time.monotonic() - t0
     prune_slow = slowest(r)
@@ -295,7 +295,8 @@ def main() -> None:
             f"\n\nWhere a finished task's bytes are, after the simulated run:\n\n{fam_table(m['families'], m['n'])}\n\n"
             f"On that job of {m['n']:,} done tasks: `gpumesh results JOB --format jsonl` wrote {rmb:,.0f} MB in "
             f"{rw:.1f} s with a peak RSS of **{rrss:,.0f} MiB**; `gpumesh status JOB --json` {sw:.2f} s, "
-            f"{srss:,.0f} MiB. Pruning it took {passes} reaper pass(es), {pw:.1f} s, and left "
+            f"{srss:,.0f} MiB. Pruning it took {passes} pass(es) of `gpumesh serve`'s reaper "
+            f"({reaper.SERVE_PRUNE_BUDGET_S:g} s of steps each at most), {pw:.1f} s, and left "
             f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); the longest Redis command meanwhile "
             f"**{pms:.2f} ms** ({pcmd or 'none over the threshold'}; {pn} commands over {SLOW_US} µs). "
             f"Cancelling a second job of {m['n']:,} tasks, 100 of them running: {cw:.1f} s, longest command "
