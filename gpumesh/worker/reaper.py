@@ -29,7 +29,7 @@ from gpumesh.store.submit import STAGING_STALE_MS
 ABANDONED_STAGING_MS = STAGING_STALE_MS  # a staged job that made no progress this long was abandoned
 # s of deletion steps a pass of `gpumesh serve`'s reaper takes at most (its thread has nothing else to do; a
 # worker's pass, in its heartbeat thread, takes half a heartbeat interval): a job of 1,000,000 tasks fits
-SERVE_PRUNE_BUDGET_S = 10.0
+SERVE_PRUNE_BUDGET_S = 30.0
 
 
 def reap_until(b: Broker, stop: threading.Event, interval: float) -> None:
