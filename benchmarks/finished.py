@@ -227,6 +227,7 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     # pruning: the reaper's passes until the job's keys are gone
     r.config_set("slowlog-log-slower-than", SLOW_US)
     r.config_set("slowlog-max-len", 100_000)
+    register(b.r, ids)  # heartbeats now: the reaper's passes below prune, they do not drop the simulated fleet
     time.sleep(1.1)  # past the 1 s retention
     r.slowlog_reset()
     r.config_resetstat()
@@ -332,13 +333,15 @@ def main() -> None:
             f"{rw:.1f} s with a peak RSS of **{rrss:,.0f} MiB**; `gpumesh status JOB --json` {sw:.2f} s, "
             f"{srss:,.0f} MiB. Pruning it took {passes} pass(es) of `gpumesh serve`'s reaper "
             f"({reaper.SERVE_PRUNE_BUDGET_S:g} s of steps each at most), {pw:.1f} s, and left "
-            f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); its {pcalls:,} steps' DEL took "
+            f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); its {pcalls:,} steps (DEL, and the UNLINK of the "
+            f"job's own keys) took "
             f"**{pmean / 1000:.2f} ms** each on average (`INFO commandstats`), the longest Redis command "
             f"meanwhile {pms:.2f} ms ({pcmd or 'none over the threshold'}; {pn} commands over {SLOW_US} µs). "
             f"Cancelling a second job of {m['n']:,} tasks, 100 of them running: {cw:.1f} s, {ccalls:,} calls of "
             f"**{cmean:.0f} µs** on average, the longest {cms:.2f} ms ({ccmd or 'none over the threshold'}; {cn} "
             f"over {SLOW_US} µs). The longest commands are where the VM's scheduler paused Redis mid-command "
-            f"(the load average was {m.get('load', '?')} during the run: other work shared the 2 cores)."
+            f"(the load average was {m.get('load', '?')} during the run: other work shared the 2 cores; a scratch "
+            "run of 200,000 cancels logged plain HSETs of 16 ms and a run of calls of 12.1 ms each, a time slice)."
         )  # fmt: skip
     body += f"\n\n<!-- finished:data {json.dumps(out)} -->"
     sizes = {"real": args.real, "simulated": args.simulated} | {k: v["n"] for k, v in out.items()}
