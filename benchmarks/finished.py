@@ -167,6 +167,12 @@ def slowest(r: redis.Redis) -> tuple[float, str, int]:
     return top["duration"] / 1000, " ".join(cmd.split()[:2])[:60], len(entries)
 
 
+def redis_cpu(r: redis.Redis) -> float:
+    """Seconds of CPU the Redis server has used: what a step costs it, whatever else the VM runs meanwhile."""
+    info = r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def per_call(r: redis.Redis, *names: str) -> tuple[int, float]:
     """(calls, mean µs a call) of these commands since the last CONFIG RESETSTAT (INFO commandstats)."""
     stats = r.info("commandstats")
@@ -231,11 +237,11 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
     time.sleep(1.1)  # past the 1 s retention
     r.slowlog_reset()
     r.config_resetstat()
-    t0, passes = time.monotonic(), 0
+    t0, passes, cpu0 = time.monotonic(), 0, redis_cpu(r)
     while r.exists(keys.job(job.job_id)) or r.zcard(keys.PRUNING):
         reaper.reap_once(b, prune_budget=reaper.SERVE_PRUNE_BUDGET_S)  # as `gpumesh serve`'s reaper does
         passes += 1
-    prune_wall = time.monotonic() - t0
+    prune_wall, prune_cpu = time.monotonic() - t0, redis_cpu(r) - cpu0
     prune_slow = slowest(r)
     prune_stats = per_call(r, "del", "unlink")
     while int(r.info("memory").get("lazyfree_pending_objects", 0)):  # UNLINK frees big keys in the background
@@ -249,9 +255,9 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
         scripts.dispatch(b.scripts, b.r, wid, 600_000, 1.0)
     r.slowlog_reset()
     r.config_resetstat()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), redis_cpu(r)
     st = b.cancel(big.job_id)
-    cancel_wall = time.monotonic() - t0
+    cancel_wall, cancel_cpu = time.monotonic() - t0, redis_cpu(r) - cpu0
     cancel_slow = slowest(r)
     cancel_stats = per_call(r, "fcall")
     assert st.status == "cancelled" and st.tasks.cancelled == n, st
@@ -262,7 +268,8 @@ def simulated(server: PrivateRedis, n: int, n_workers: int) -> dict:
             "after": after, "families": fam, "done": sim["done"], "results": (res_wall, res_rss, res_mb),
             "status": (st_wall, st_rss), "prune": (prune_wall, passes, prune_slow), "pruned": pruned,
             "cancel": (cancel_wall, cancel_slow), "prune_per_call": prune_stats,
-            "cancel_per_call": cancel_stats, "load": load}  # fmt: skip
+            "cancel_per_call": cancel_stats, "load": load, "prune_cpu": prune_cpu,
+            "cancel_cpu": cancel_cpu}  # fmt: skip
 
 
 def previous() -> dict[str, dict]:
@@ -334,11 +341,12 @@ def main() -> None:
             f"{srss:,.0f} MiB. Pruning it took {passes} pass(es) of `gpumesh serve`'s reaper "
             f"({reaper.SERVE_PRUNE_BUDGET_S:g} s of steps each at most), {pw:.1f} s, and left "
             f"{mb(m['pruned'])} (before the submit: {mb(m['before'])}); its {pcalls:,} steps (DEL, and the UNLINK of the "
-            f"job's own keys) took "
-            f"**{pmean / 1000:.2f} ms** each on average (`INFO commandstats`), the longest Redis command "
+            f"job's own keys) took **{pmean / 1000:.2f} ms** each on average (`INFO commandstats`, wall time "
+            f"in Redis) and {1000 * m.get('prune_cpu', 0) / max(pcalls, 1):.2f} ms of Redis CPU, the longest Redis command "
             f"meanwhile {pms:.2f} ms ({pcmd or 'none over the threshold'}; {pn} commands over {SLOW_US} µs). "
             f"Cancelling a second job of {m['n']:,} tasks, 100 of them running: {cw:.1f} s, {ccalls:,} calls of "
-            f"**{cmean:.0f} µs** on average, the longest {cms:.2f} ms ({ccmd or 'none over the threshold'}; {cn} "
+            f"**{cmean:.0f} µs** on average ({1e6 * m.get('cancel_cpu', 0) / max(ccalls, 1):.0f} µs of Redis CPU), "
+            f"the longest {cms:.2f} ms ({ccmd or 'none over the threshold'}; {cn} "
             f"over {SLOW_US} µs). The longest commands are where the VM's scheduler paused Redis mid-command "
             f"(the load average was {m.get('load', '?')} during the run: other work shared the 2 cores; a scratch "
             "run of 200,000 cancels logged plain HSETs of 16 ms and a run of calls of 12.1 ms each, a time slice)."
