@@ -16,11 +16,13 @@ task does what `gpumesh worker` does around it:
   3. RQ's pop: the LMOVE of its queue, which the worker sends in the delivery's transaction and so never
      reads back the RQ job it has just written (replayed as an LPOP in the next round); an --against
      revision from before that change read it back with HGETALL (Job.fetch), replayed for it;
-  4. complete.lua with the lease token.
+  4. complete.lua with the lease token, and (delivery variant) the DEL of the RQ job: a real worker's
+     record of the run's end deletes the delivery's RQ job (Broker.deliver keeps no RQ result).
 Variant `delivery` does all four (what a real worker asks of Redis); variant `bare` leaves out 2
 and 3 (the gpumesh scripts alone). Left out of both: the task itself and RQ's per-job execution
-bookkeeping (status, started/finished registries, result), which every RQ worker pays whatever
-the scheduler is; this measures what the broker carries.
+bookkeeping (status, started registry, the worker's counters), which every RQ worker pays whatever
+the scheduler is; this measures what the broker carries. With ``logs`` (benchmarks/finished.py), the
+completion carries the attempt's two log lines in its round trip, as a real worker's does.
 
 The harness advances all workers one step per round and sends each round's commands as a stream,
 as if 1,000 clients' commands arrived interleaved: a Python client sending one command at a time
@@ -60,7 +62,7 @@ from rq.serializers import JSONSerializer
 
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, scripts, tasklog
 from gpumesh.store.broker import EXECUTOR, FAILURE_TTL, RESULT_TTL, Broker
 
 LEASE_MS = 30_000
@@ -95,6 +97,8 @@ while True:
         if read_back:
             b.rq.hgetall("rq:job:" + rq_id)
     assert scripts.complete(b.scripts, b.r, lease, "probe", "{}", 0.001, 1.0).accepted
+    if deliver:
+        b.rq.delete("rq:job:" + rq_id)  # as a real worker's record of the run's end does
     time.sleep(0.002)
 print(json.dumps(lat[:-1]))  # the last call found nothing left
 """
@@ -200,8 +204,10 @@ class Group:
     Redis, the harness parses the other's replies and packs its next round, so Redis never waits for it."""
 
     def __init__(self, url: str, ids: list[str], score: dict[str, float], fn: dict[str, str], epoch: str,
-                 heartbeat: float, dl: Delivery | None, offset: int, n: int, read_back: bool) -> None:  # fmt: skip
+                 heartbeat: float, dl: Delivery | None, offset: int, n: int, read_back: bool,
+                 logs: bool = False) -> None:  # fmt: skip
         self.raw, self.active, self.score, self.fn, self.epoch, self.dl = Raw(url), list(ids), score, fn, epoch, dl
+        self.logs = logs  # the completion carries the attempt's log lines (the worker's note, the result line)
         self.read_back = read_back  # the pop reads the RQ job back (HGETALL), as workers before the fused pop did
         self.heartbeat = heartbeat
         # phase: ("dispatch",) | ("deliver"|"pop"|"complete", tid, token) | ("idle",)
@@ -262,13 +268,19 @@ class Group:
                 steps.append((wid, step, 1 + self.read_back))
             else:
                 tid = ph[1]
+                n0 = len(chunk)
+                if self.logs:  # tasklog.append's XADDs, which ride in the completion's round trip
+                    for stream, line in (("gpumesh", f"attempt 1 on {wid}"), ("stdout", "{}")):
+                        chunk.append(tasklog.command(tid, stream, line))
                 files = keys.task_files(tid)  # no output files: the staging and kept names are the same
                 chunk.append(("FCALL", fn["complete"], 11, keys.task(tid), keys.lease(tid), keys.LEASES,
                               keys.job(keys.job_of_task(tid)), keys.EVENTS, keys.worker(wid), keys.STATS,
                               keys.STATS_DURATION, files, files, keys.spent(keys.job_of_task(tid)),
                               tid, ph[2], "{}", "0.001", self.score[wid], "", 0, "", 0, ""))  # fmt: skip
                 # (the KEYS and ARGV of scripts.complete for an unsigned task without files)
-                steps.append((wid, step, 1))
+                if self.dl:  # the worker's record of the run's end deletes the delivery's RQ job
+                    chunk.append(("DEL", f"rq:job:{keys.rq_job_id(tid, 1)}"))
+                steps.append((wid, step, len(chunk) - n0))
             if len(chunk) >= 256:
                 self.raw.send(chunk)
                 self.sent += len(chunk)
@@ -306,7 +318,8 @@ class Group:
                 self.bad_pops += popped != keys.rq_job_id(ph[1], 1).encode() or not job
                 self.phase[wid] = ("complete", ph[1], ph[2])
             else:
-                self.done += int(reply[0]) == 1
+                done = reply if k == 1 else reply[2 * self.logs]  # complete's reply, after the log lines'
+                self.done += int(done[0]) == 1
                 self.phase[wid] = ("dispatch",)
         self.active = [wid for wid in self.active if self.phase[wid][0] != "idle"]
 
@@ -320,14 +333,17 @@ def simulate(
     dl: Delivery | None,
     read_back: bool = False,
     groups: int = 3,
+    logs: bool = False,
 ) -> dict:
-    """Run the fleet until every worker finds nothing left; ``dl`` None leaves the RQ delivery out."""
+    """Run the fleet until every worker finds nothing left; ``dl`` None leaves the RQ delivery out; ``logs``:
+    each completion carries its attempt's two log lines."""
     score = {wid: SCORES[i % len(SCORES)] for i, wid in enumerate(ids)}
     fn = {name: s[name].name for name in ("dispatch", "complete", "heartbeat")}  # FCALL names of the library
     size = -(-len(ids) // groups)
     parts = [ids[i : i + size] for i in range(0, len(ids), size)]
     gs = [
-        Group(url, part, score, fn, epoch, heartbeat, dl, i * size, len(ids), read_back) for i, part in enumerate(parts)
+        Group(url, part, score, fn, epoch, heartbeat, dl, i * size, len(ids), read_back, logs)
+        for i, part in enumerate(parts)
     ]
     started = time.monotonic()
     for g in gs:
@@ -374,8 +390,8 @@ def check(r: redis.Redis, jobs: list[str], total: int, delivered: bool) -> list[
     if r.zcard(keys.LEASES) or r.zcard(keys.READY):
         problems.append(f"leases {r.zcard(keys.LEASES)}, ready {r.zcard(keys.READY)} left")
     rq_jobs = sum(1 for _ in r.scan_iter("rq:job:*", count=10_000))
-    if rq_jobs != (total if delivered else 0):
-        problems.append(f"{rq_jobs} RQ job hashes for {total} tasks")
+    if rq_jobs:  # each delivery's went as its run ended
+        problems.append(f"{rq_jobs} RQ job hashes left for {total} tasks")
     queued = sum(r.llen(q) for q in r.scan_iter("rq:queue:*", count=10_000))
     if queued:
         problems.append(f"{queued} deliveries left in RQ queues")
@@ -448,8 +464,12 @@ def measure(
     cpu = (_redis_cpu(broker.r) - cpu0) / sim["wall"]
     probe_ms = sorted(json.loads(probe.communicate(timeout=60)[0]))
     problems = check(broker.r, jobs, args.tasks, delivered)
-    if delivered:
+    if delivered:  # what the replay writes is a delivery RQ reads as the real one
         tid = keys.task_id(jobs[0], 0)
+        with broker.rq.pipeline(transaction=False) as p:
+            for cmd in dl.commands_for("probe-check", tid) if dl else []:
+                p.execute_command(*cmd)
+            p.execute()
         sample = Job.fetch(keys.rq_job_id(tid, 1), connection=broker.rq, serializer=JSONSerializer)
         if sample.func_name != EXECUTOR or list(sample.args) != [tid]:
             problems.append(f"a replayed RQ delivery reads back as {sample.func_name}{sample.args}")

@@ -497,9 +497,18 @@ class Job:
         Each row says whether its result verifies (``verified``) with the registered result key of the
         worker credential that signed it (``signed_by``); see :func:`gpumesh.signing.verify_result`.
         """
-        rows = self.mesh.broker.results(self.id)
+        return list(self.iter_results())
+
+    def iter_results(self) -> Iterator[TaskResult]:
+        """The rows of :meth:`results`, read a page at a time as they are consumed: what a job of a million
+        tasks is read with (``gpumesh results`` streams them so).
+
+        >>> for row in job.iter_results():                         # doctest: +SKIP
+        ...     out.write(json.dumps(row.result) + "\n")
+        """
         registry = self._result_keys()
-        return [row.verify_with(registry) for row in rows]
+        for row in self.mesh.broker.iter_results(self.id):
+            yield row.verify_with(registry)
 
     def _result_keys(self) -> dict[str, str]:
         """The broker's registry of worker result keys (ACL user -> public key), written by the admin."""
@@ -527,22 +536,24 @@ class Job:
 
         total = ride(lambda: broker.job_status(self.id)).tasks.total
         registry = ride(self._result_keys)
-        seen: set[str] = set()
+        seen = _Seen(total)  # a bit per task: a job of 1,000,000 tasks holds 125 KB here, not a million ids
         after = "0"  # the last entry read from the stream of ends
-        while len(seen) < total:
+        while seen.n < total:
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: {len(seen)} of {total} tasks ended within {timeout} s")
+                raise TimeoutError(f"job {self.id}: {seen.n} of {total} tasks ended within {timeout} s")
             after, ended = ride(functools.partial(broker.task_ends, self.id, after, block_ms=1000))
-            fresh = [t for t in dict.fromkeys(ended) if t not in seen]
+            pages: Iterable[list[str]] = [list(dict.fromkeys(ended))]
             finished = False
             if not ended:  # nothing ended for a second: still going? (also what survives a lost stream)
                 finished = ride(lambda: broker.job_status(self.id)).finished
                 if finished:
-                    fresh = [t for t in ride(lambda: broker.task_ids(self.id)) if t not in seen]
-            for res in ride(functools.partial(broker.task_results, fresh)):
-                if res.status in TERMINAL:  # a task re-queued since (retry) ends again later
-                    seen.add(res.task_id)
-                    yield res.verify_with(registry)
+                    pages = broker.iter_task_ids(self.id)  # every task not seen yet, a page at a time
+            for page in pages:
+                fresh = [t for t in page if t not in seen]
+                for res in ride(functools.partial(broker.task_results, fresh)):
+                    if res.status in TERMINAL:  # a task re-queued since (retry) ends again later
+                        seen.add(res.task_id)
+                        yield res.verify_with(registry)
             if finished:
                 return  # every task that still exists was read once the job had ended
 
@@ -645,6 +656,35 @@ class Job:
             summary, job_id=self.id, index=res.index, task_id=res.task_id, kind=kind, error=res.error or "",
             exc_type=exc_type, message=message, traceback=tb,
         )  # fmt: skip
+
+
+class _Seen:
+    """Which of a job's tasks were yielded already: a bit per task index (its id is ``<job>-<index>``)."""
+
+    def __init__(self, total: int) -> None:
+        self.bits = bytearray((total + 7) // 8)
+        self.other: set[str] = set()  # an id that is not ``<job>-<index>`` within the total
+        self.n = 0
+
+    def _bit(self, task_id: str) -> int | None:
+        index = task_id.rpartition("-")[2]
+        return int(index) if index.isdigit() and int(index) < len(self.bits) * 8 else None
+
+    def __contains__(self, task_id: object) -> bool:
+        if not isinstance(task_id, str):
+            return False
+        i = self._bit(task_id)
+        return task_id in self.other if i is None else bool(self.bits[i >> 3] & (1 << (i & 7)))
+
+    def add(self, task_id: str) -> None:
+        if task_id in self:
+            return
+        i = self._bit(task_id)
+        if i is None:
+            self.other.add(task_id)
+        else:
+            self.bits[i >> 3] |= 1 << (i & 7)
+        self.n += 1
 
 
 def follow_logs(

@@ -18,7 +18,7 @@ from gpumesh.cli import render
 from gpumesh.errors import UsageError
 from gpumesh.models import JobStatus, TaskCounts
 from gpumesh.settings import Settings
-from gpumesh.store import keys
+from gpumesh.store import keys, tasklog
 
 from .conftest import ROOT, MeshWorkers, cli, gpumesh, wait_until
 
@@ -149,8 +149,8 @@ def test_a_running_task_s_lines_reach_the_broker_while_it_runs(
     )
     mesh_worker.start()
     job = cli("submit", str(script), "--payloads", "-", input="[{}]").stdout.strip()
-    log = keys.task_log(keys.task_id(job, 0))
-    wait_until(lambda: "begins" in _lines(r, log), timeout=10, what="the running task's first line in the broker")
+    tid = keys.task_id(job, 0)
+    wait_until(lambda: "begins" in _lines(r, tid), timeout=10, what="the running task's first line in the broker")
     assert json.loads(cli("status", job, "--json").stdout)["tasks"]["running"] == 1  # still running: streamed
     gate.touch()
     wait_until(lambda: json.loads(cli("status", job, "--json").stdout)["status"] == "done", what="the job done")
@@ -176,7 +176,7 @@ def test_every_line_of_a_task_is_in_the_broker_once_its_end_is(
     job = cli("submit", str(script), "--payloads", "-", "--max-attempts", "1", input=payloads).stdout.strip()
     wait_until(lambda: json.loads(cli("status", job, "--json").stdout)["status"] == "failed", what="the job's end")
     for i in range(20):
-        got = _lines(r, keys.task_log(keys.task_id(job, i)))
+        got = _lines(r, keys.task_id(job, i))
         assert got[0].startswith("attempt 1 on "), got
         if i % 5 == 4:  # failed: its own lines (the worker's note of the failure follows the report)
             assert sorted(got[1:3]) == sorted([f"begins {i}", "middle"]), got
@@ -193,23 +193,26 @@ def test_lines_a_report_took_but_did_not_send_go_back_first_in_line(r: redis.Red
 
     ship = LogShipper(r, linger=60.0)  # the thread sends nothing on its own within this test
     ship.start()
-    ship.put("t1", "stdout", "one")
-    ship.put("t1", "stdout", "two")
+    ship.put("j1-1", "stdout", "one")
+    ship.put("j1-1", "stdout", "two")
     with ship.riding(timeout=5) as lines:
         assert [line for _t, _s, line in lines] == ["one", "two"]
-        ship.put("t1", "stdout", "three")  # while the report holds the others: it waits behind them
+        ship.put("j1-1", "stdout", "three")  # while the report holds the others: it waits behind them
     assert ship.flush(timeout=5)
-    assert _lines(r, keys.task_log("t1")) == ["one", "two", "three"]
-    ship.put("t2", "stdout", "sent with the report")
+    assert _lines(r, "j1-1") == ["one", "two", "three"]
+    ship.put("j1-2", "stdout", "sent with the report")
     with ship.riding(timeout=5) as lines:
-        r.xadd(keys.task_log("t2"), {"stream": "stdout", "line": lines[0][2]})
+        with r.pipeline() as p:
+            tasklog.append(p, lines)
+            p.execute()
         lines.clear()  # sent: not again
     assert ship.flush(timeout=5)
-    assert _lines(r, keys.task_log("t2")) == ["sent with the report"] and ship.dropped == 0
+    assert _lines(r, "j1-2") == ["sent with the report"] and ship.dropped == 0
 
 
-def _lines(r: redis.Redis, task_log: str) -> list[str]:
-    return [fields["line"] for _id, fields in r.xrange(task_log)]
+def _lines(r: redis.Redis, task_id: str) -> list[str]:
+    """A task's lines as the broker keeps them (its job's log, store/tasklog.py)."""
+    return [line for _stream, line in tasklog.task_lines(r, task_id)[0]]
 
 
 @pytest.mark.core

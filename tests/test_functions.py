@@ -211,17 +211,22 @@ def test_no_pickle_anywhere_in_the_package() -> None:
 
 
 def test_map_runs_a_function_and_keeps_payload_order(env, r, mesh_worker) -> None:
-    mesh_worker.start()
+    w = mesh_worker.start()
+    raw = redis.Redis.from_url(env["GPUMESH_URL"])  # bytes, as RQ stores them
     with gpumesh.connect() as mesh:
         assert mesh.map(mapped.square, [{"x": x} for x in range(10)], progress=False) == [x * x for x in range(10)]
         rows = mesh.map(mapped.shifted, [{"x": 1}, {"x": 2}], progress=False)
         assert rows == [{"x": 1, "y": 101, "task": "0"}, {"x": 2, "y": 102, "task": "1"}]
         assert mesh.map(mapped.chatty, [{}], progress=False) == ["ok"]  # its own prints are only logs
-    # RQ carried every task, as JSON: no delivery anywhere is a pickle
-    raw = redis.Redis.from_url(env["GPUMESH_URL"])  # bytes, as RQ stores them
-    datas = [raw.hget(k, "data") for k in raw.scan_iter("rq:job:*") if raw.type(k) == b"hash"]
+        # RQ carried every task (a delivery's record goes as its run ends: the worker counts the runs), as
+        # JSON: the delivery of a running task is no pickle
+        job = mesh.submit(mapped.slow, [{"x": 1, "sleep": 2}])
+        wait_until(lambda: any(raw.type(k) == b"hash" for k in raw.scan_iter("rq:job:*")), what="a delivery")
+        datas = [raw.hget(k, "data") for k in raw.scan_iter("rq:job:*") if raw.type(k) == b"hash"]
+        assert job.wait(timeout=60).status == "done"
+    wait_until(lambda: int(raw.hget(w.key, "successful_job_count") or 0) >= 14, what="RQ's count of the runs")
     raw.close()
-    assert len(datas) >= 13 and all(d and json.loads(zlib.decompress(d)) for d in datas)
+    assert datas and all(d and json.loads(zlib.decompress(d)) for d in datas)
 
 
 def test_a_failed_task_raises_task_failed_and_cancels_the_rest(env, r, mesh_worker) -> None:

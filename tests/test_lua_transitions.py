@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from gpumesh.models import JobOptions
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, scripts, tasklog
 from gpumesh.store.broker import Broker
 from gpumesh.worker.reaper import reap_once
 
@@ -218,7 +218,7 @@ def test_a_completion_carrying_log_lines_after_the_broker_lost_the_functions_is_
     out = scripts.complete(broker.scripts, r, lease, "w", '{"ok": 1}', 0.1, lines=lines)
     assert out.accepted and r.hget(keys.task(tid), "status") == "done"
     assert lines == [], "the list is emptied once its lines were sent"
-    assert [f["line"] for _id, f in r.xrange(keys.task_log(tid))] == ["one", "two"]
+    assert [line for _stream, line in tasklog.task_lines(r, tid)[0]] == ["one", "two"]
 
 
 @pytest.mark.faults

@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from gpumesh.store import keys as k
+from gpumesh.store import tasklog
 
 from .conftest import Workers, free_port, gpumesh, wait_until
 from .test_serve_and_local import Serve
@@ -96,7 +97,7 @@ class Mesh:
 
     def ran(self, task_id: str, marker: str = "RAN") -> int:
         """How many times a task's script printed its marker (the task's log stream)."""
-        return sum(marker in fields.get("line", "") for _id, fields in self.admin.xrange(k.task_log(task_id)))
+        return sum(marker in line for _stream, line in tasklog.task_lines(self.admin, task_id)[0])
 
     def results(self, job: str, *args: str) -> subprocess.CompletedProcess[str]:
         return gpumesh("results", job, "--url", self.submitter_url, *args, env=self.env)

@@ -4,7 +4,10 @@ commands that submit and read jobs."""
 
 from __future__ import annotations
 
+import itertools
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,8 @@ from gpumesh.settings import Settings
 
 if TYPE_CHECKING:
     from rich.console import Group
+
+    from gpumesh.models import TaskResult
 
 
 @click.command()
@@ -177,25 +182,57 @@ def results(
     """
     if as_json:
         fmt = "json"
-    rows = open_mesh(ctx, url).job(job_id).results()
+    if fmt == "table" and output:
+        raise UsageError("--output needs --format json, jsonl or csv")
+    # Read a page at a time and written as read: a job of a million tasks is never held whole here.
+    check = _Verified()
+    rows = check.watch(open_mesh(ctx, url).job(job_id).iter_results())
     if fmt == "table":
-        if output:
-            raise UsageError("--output needs --format json, jsonl or csv")
-        render.out().print(render.results_table(rows))
+        page: list[TaskResult] = []
+        signed: bool | None = None
+        for row in itertools.chain(rows, [None]):
+            if row is not None:
+                page.append(row)
+            if page and (row is None or len(page) == RESULTS_TABLE_PAGE):
+                signed = any(r.verified is not None for r in page) if signed is None else signed
+                render.out().print(render.results_table(page, signed=signed, header=check.shown == 0))
+                check.shown += len(page)
+                page = []
+        if not check.shown:
+            render.out().print(render.results_table([]))
+    elif output:
+        with output.open("w") as f:
+            n = render.write_results(rows, fmt, f)
+        err.print(f"wrote {n} results to {output}")
     else:
-        text = render.results_text(rows, fmt)
-        if output:
-            output.write_text(text)
-            err.print(f"wrote {len(rows)} results to {output}")
-        else:
-            click.echo(text, nl=False)
-    if verify:
-        bad = [r for r in rows if r.status == "done" and r.verified is not True]
-        if bad:
-            which = ", ".join(str(r.index) for r in bad[:20]) + (", ..." if len(bad) > 20 else "")
-            why = "" if any(r.verified is not None for r in bad) else " (this broker registers no result keys)"
-            err.print(f"error: {len(bad)} result(s) do not verify{why}: task(s) {which}")
-            ctx.exit(1)
+        render.write_results(rows, fmt, sys.stdout)
+    if verify and check.bad:
+        which = ", ".join(str(i) for i in check.bad[:20]) + (", ..." if check.n_bad > 20 else "")
+        why = "" if check.any_checked else " (this broker registers no result keys)"
+        err.print(f"error: {check.n_bad} result(s) do not verify{why}: task(s) {which}")
+        ctx.exit(1)
+
+
+RESULTS_TABLE_PAGE = 1000  # rows a table of `gpumesh results` draws at once
+
+
+class _Verified:
+    """What `results --verify` reports, counted while the rows stream past."""
+
+    def __init__(self) -> None:
+        self.bad: list[int] = []  # the first 20 indexes of done tasks whose result does not verify
+        self.n_bad = 0
+        self.any_checked = False  # some such result was checked against a registered key
+        self.shown = 0
+
+    def watch(self, rows: Iterator[TaskResult]) -> Iterator[TaskResult]:
+        for r in rows:
+            if r.status == "done" and r.verified is not True:
+                self.n_bad += 1
+                self.any_checked = self.any_checked or r.verified is not None
+                if len(self.bad) < 20:
+                    self.bad.append(r.index)
+            yield r
 
 
 @click.command()

@@ -13,7 +13,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 
@@ -218,27 +218,42 @@ def follow(poll: Callable[[], JobStatus], quiet: bool, interval: float = 0.25) -
     return st
 
 
-def results_text(rows: list[TaskResult], fmt: str) -> str:
-    dumped = [r.model_dump(mode="json") for r in rows]
-    if fmt == "json":
-        return json.dumps(dumped, indent=2) + "\n"
-    if fmt == "jsonl":
-        return "".join(json.dumps(d) + "\n" for d in dumped)
+def results_text(rows: Iterable[TaskResult], fmt: str) -> str:
+    buf = io.StringIO()
+    write_results(rows, fmt, buf)
+    return buf.getvalue()
+
+
+def write_results(rows: Iterable[TaskResult], fmt: str, out: TextIO) -> int:
+    """Write the rows as json, jsonl or csv to ``out`` as they come, so that a job of a million tasks is never
+    held whole (json writes what ``json.dumps(rows, indent=2)`` would, a row at a time); how many rows."""
+    if fmt not in ("json", "jsonl", "csv"):
+        raise ValueError(fmt)
+    n = 0
+    writer: csv.DictWriter[str] | None = None
     if fmt == "csv":
-        buf = io.StringIO()
-        fields = list(TaskResult.model_fields)
-        w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
-        w.writeheader()
-        for d in dumped:
-            row = {
+        writer = csv.DictWriter(out, fieldnames=list(TaskResult.model_fields), lineterminator="\n")
+        writer.writeheader()
+    for row in rows:
+        d = row.model_dump(mode="json")
+        if fmt == "json":
+            out.write(
+                ("[\n" if n == 0 else ",\n") + "\n".join("  " + line for line in json.dumps(d, indent=2).splitlines())
+            )
+        elif fmt == "jsonl":
+            out.write(json.dumps(d) + "\n")
+        elif writer is not None:
+            cells = {
                 **d,
                 "result": json.dumps(d["result"]) if d["result"] is not None else "",
                 "artifacts": " ".join(a["path"] for a in d["artifacts"]),
                 "skipped_artifacts": " ".join(a["path"] for a in d["skipped_artifacts"]),
             }
-            w.writerow({k: csv_cell(v) for k, v in row.items()})
-        return buf.getvalue()
-    raise ValueError(fmt)
+            writer.writerow({k: csv_cell(v) for k, v in cells.items()})
+        n += 1
+    if fmt == "json":
+        out.write("[]\n" if n == 0 else "\n]\n")
+    return n
 
 
 _NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
@@ -257,10 +272,15 @@ def csv_cell(value: object) -> object:
     return plain(text)
 
 
-def results_table(rows: Iterable[TaskResult]) -> Table:
+def results_table(rows: Iterable[TaskResult], signed: bool | None = None, header: bool = True) -> Table:
+    """``signed``: with the "signed by" column (None: when a row was checked against registered result keys);
+    ``header``: False for the pages after the first of a long job's table (gpumesh results draws a page of
+    rows at a time)."""
     rows = list(rows)
-    signed = any(r.verified is not None for r in rows)  # a broker that registers result keys
+    if signed is None:
+        signed = any(r.verified is not None for r in rows)  # a broker that registers result keys
     table = _table("#", "status", "result", "error", "attempts", "worker", "s", *(["signed by"] if signed else []))
+    table.show_header = header
     for r in rows:
         table.add_row(
             *map(cell, (

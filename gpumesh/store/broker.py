@@ -19,7 +19,7 @@ from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
-from gpumesh.store import jobstatus, keys, scripts, sentinel
+from gpumesh.store import jobstatus, keys, scripts, sentinel, tasklog
 from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, translate
 
 if TYPE_CHECKING:
@@ -36,8 +36,12 @@ log = logging.getLogger("gpumesh")
 # The only function a gpumesh worker runs, by the name RQ records (rq-dashboard, `rq info`). Only compared,
 # never imported (MeshJob pins the function), so it keeps the name of earlier versions.
 EXECUTOR = "gpumesh.executor.run_task"
-RESULT_TTL = 600  # RQ keeps its own copy of a delivery's outcome this long; gpumesh keeps the real one
-FAILURE_TTL = 86400
+# RQ keeps no record of a delivery that ran to its end: gpumesh keeps the real outcome (the task's hash), and
+# RQ's copy (its job hash and result stream, about 6.8 KB) would cost the broker throughput x TTL while a big
+# job runs. The worker deletes RQ's job as the run ends, in the transaction that records it (LeanRQWorker);
+# rq-dashboard and `rq info` still see queues, workers and the deliveries queued or running.
+RESULT_TTL = 0
+FAILURE_TTL = 86400  # a delivery RQ itself failed (an exception, a worker that died mid-run): rare, kept a day
 JOB_LABELS_KEPT = 4096  # jobs whose name and requirements a worker keeps for its deliveries' labels
 FAILOVER_POLL = 0.25  # s between pings while a failover is awaited (Broker.ping)
 PAYLOAD_LABEL_BYTES = 1 << 20  # a larger payload is not parsed for its cost and requirements on the dispatch path
@@ -297,18 +301,28 @@ class Broker:
         return self.r.lrange(keys.job_tasks(job_id), 0, -1)
 
     def results(self, job_id: str) -> list[TaskResult]:
-        return self.task_results(self.task_ids(job_id))
+        return list(self.iter_results(job_id))
+
+    def iter_task_ids(self, job_id: str, page: int = scripts.READ_PAGE) -> Iterator[list[str]]:
+        """The job's task ids in payload order, a page at a time (a job of 1,000,000 tasks is never held whole)."""
+        start = 0
+        while True:
+            ids = self.r.lrange(keys.job_tasks(job_id), start, start + page - 1)
+            if not ids:
+                return
+            yield ids
+            start += len(ids)
+
+    def iter_results(self, job_id: str) -> Iterator[TaskResult]:
+        """Every task's row in payload order, read a page per call (scripts.read_tasks) as they are consumed."""
+        self.job_status(job_id)  # NotFound
+        for ids in self.iter_task_ids(job_id):
+            yield from self.task_results(ids)
 
     def task_results(self, ids: list[str]) -> list[TaskResult]:
         """The rows of these tasks, in this order (a task that no longer exists is left out)."""
-        rows: list[TaskResult] = []
-        for start in range(0, len(ids), 2000):
-            chunk = ids[start : start + 2000]
-            with self.r.pipeline(transaction=False) as p:
-                for tid in chunk:
-                    p.hgetall(keys.task(tid))
-                rows += [TaskResult.from_hash(tid, h) for tid, h in zip(chunk, p.execute()) if h]
-        return rows
+        hashes = scripts.read_tasks(self.scripts, self.redis, ids)
+        return [TaskResult.from_hash(tid, h) for tid, h in zip(ids, hashes) if h]
 
     def attempts(self, job_id: str) -> list[models.Attempt]:
         """Every attempt of the job's tasks, by start: those that ended (the job's stream of attempts), then
@@ -449,29 +463,35 @@ class Broker:
         return out
 
     def logs(self, target: str, cursors: dict[str, str] | None = None) -> Iterator[tuple[str, str, str]]:
-        """(task id, stream, line) of a task, or of every task of a job in payload order.
+        """(task id, stream, line) of a task, or of every task of a job: what was written since the last read,
+        grouped by task in payload order (each task's lines in the order written, across its attempts).
 
-        ``cursors`` (task id -> last stream id seen) is updated, so a follower reads only new lines."""
+        ``cursors`` (target -> the last entry read of the job's log) is updated, so a follower reads only new
+        lines. A job's read holds its new lines in memory to group them (store/tasklog.py)."""
         cursors = {} if cursors is None else cursors
         if self.r.exists(keys.job(target)):
-            ids = self.r.lrange(keys.job_tasks(target), 0, -1)
+            by_task: dict[int, list[tuple[str, str]]] = {}
+            for entry_id, index, stream, line in tasklog.job_lines(self.r, target, cursors.get(target)):
+                cursors[target] = entry_id
+                by_task.setdefault(index, []).append((stream, line))
+            for index in sorted(i for i in by_task if i >= 0):  # < 0: an entry that names no task
+                tid = keys.task_id(target, index)
+                for stream, line in by_task[index]:
+                    yield tid, stream, line
         elif self.r.exists(keys.task(target)):
-            ids = [target]
+            yield from self.task_logs([target], cursors)
         else:
             raise NotFound(f"no task {target!r} on this broker")
-        yield from self.task_logs(ids, cursors)
 
     def task_logs(self, ids: list[str], cursors: dict[str, str]) -> Iterator[tuple[str, str, str]]:
-        """(task id, stream, line) of these tasks' logs after ``cursors``, which is updated."""
-        for start in range(0, len(ids), 1000):
-            chunk = ids[start : start + 1000]
-            with self.r.pipeline(transaction=False) as p:
-                for tid in chunk:
-                    p.xrange(keys.task_log(tid), min=f"({cursors[tid]}" if tid in cursors else "-")
-                for tid, entries in zip(chunk, p.execute()):
-                    for entry_id, fields in entries:
-                        cursors[tid] = entry_id
-                        yield tid, fields.get("stream", "stdout"), fields.get("line", "")
+        """(task id, stream, line) of these tasks' logs after ``cursors`` (task id -> the last entry of its job's
+        log scanned for it), which is updated."""
+        for tid in ids:
+            lines, last = tasklog.task_lines(self.r, tid, cursors.get(tid))
+            if last:
+                cursors[tid] = last
+            for stream, line in lines:
+                yield tid, stream, line
 
     def target_ended(self, target: str) -> bool:
         """Whether a job, or a task, has reached a terminal status."""
@@ -485,11 +505,12 @@ class Broker:
     # -- changes ---------------------------------------------------------------------------------
 
     def cancel(self, job_id: str) -> JobStatus:
-        """Cancel every queued or running task; running ones are killed at their worker's next heartbeat."""
-        ids = self.task_ids(job_id)
-        for start in range(0, len(ids), 2000):
+        """Cancel every queued or running task; running ones are killed at their worker's next heartbeat. A call
+        per task (each holds Redis some microseconds), a page of them per round trip."""
+        self.job_status(job_id)  # NotFound
+        for ids in self.iter_task_ids(job_id, 2000):
             with self.r.pipeline(transaction=False) as p:
-                for tid in ids[start : start + 2000]:
+                for tid in ids:
                     scripts.cancel(self.scripts, p, tid)
                 p.execute()
         return self.job_status(job_id)
@@ -521,22 +542,24 @@ class Broker:
     def drop_files(self, job_id: str) -> int:
         """Delete the output files a job's tasks stored, from the broker or its object store; how many
         tasks had some."""
-        ids = self.task_ids(job_id)
-        store, project = self.r.hmget(keys.job(job_id), "artifact_store", "project")
+        stored, store, project = self.r.hmget(keys.job(job_id), "artifact_bytes", "artifact_store", "project")
         from gpumesh.store import artifacts, projects
 
         if project:  # the project's files go with the job's files, if no other job refers to them
             projects.detach(self.project_files(), self.scripts, self.r, job_id, project, self.settings.artifacts)
-        return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)
+        if stored is None and not store:  # no task of it ever kept a file (complete counts their bytes)
+            self.job_status(job_id)  # NotFound
+            return 0
+        return artifacts.drop(self.r, job_id, self.task_ids(job_id), store, self.settings.artifacts)
 
     def retry(self, job_id: str, cancelled: bool = False) -> tuple[int, JobStatus]:
         """Re-queue every failed task of a job (and, with ``cancelled``, every cancelled one) with a fresh set
         of attempts. Returns (tasks re-queued, status)."""
-        ids = self.task_ids(job_id)
+        self.job_status(job_id)  # NotFound
         n = 0
-        for start in range(0, len(ids), 2000):
+        for ids in self.iter_task_ids(job_id, 2000):
             with self.r.pipeline(transaction=False) as p:
-                for tid in ids[start : start + 2000]:
+                for tid in ids:
                     scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
@@ -599,7 +622,7 @@ def delivery_label(
 ) -> tuple[str, dict[str, Any]]:
     """What rq-dashboard shows of a delivery: a one-line description and meta (JSON), e.g.
     ``task 7 of job "sweep" (3f2a9c1d0b7e): attempt 2 of 3, cost 4, requires vram_gb>=40``.
-    The worker adds how the attempt ended once it has run (``-> done``, ``-> failed: ...``)."""
+    RQ keeps a delivery while it is queued or running (its record goes as its run ends: RESULT_TTL)."""
     cost: float | None = None
     reqs: list[str] | None = None
     if len(lease.payload) <= PAYLOAD_LABEL_BYTES:

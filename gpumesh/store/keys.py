@@ -18,6 +18,7 @@ EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
 STATS_DURATION = PREFIX + "stats:duration"  # hash: task duration histogram (per-bucket counts, sum, count)
+PRUNING = PREFIX + "pruning"  # zset: jobs the reaper deletes in steps (past their retention) -> when it began (ms)
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 # hash: worker ACL user -> its result public key (ed25519:<base64>), written by the admin only (signing.py)
 RESULT_KEYS = PREFIX + "resultkeys"
@@ -61,7 +62,14 @@ def task(task_id: str) -> str:
     return f"{PREFIX}task:{task_id}"
 
 
+def job_log(job_id: str) -> str:
+    """stream: the job's log, one entry per line of any of its tasks (index, stream, line): see store/tasklog.py."""
+    return f"{PREFIX}job:{job_id}:log"
+
+
 def task_log(task_id: str) -> str:
+    """The stream per task that held a task's log before logs moved to one stream per job (job_log): only
+    deleted now, with its job, so a broker that ran an earlier version is emptied whole."""
     return f"{PREFIX}task:{task_id}:log"
 
 

@@ -20,9 +20,9 @@ reply, ``[1, "running", "task_id", ..., "attempt", ..., ...]``, its field names 
 
 Lease tokens: the worker that takes a task makes a random token (``new_token``) and passes it in;
 Redis keeps only its digest (``token_digest``, SHA-1 hex: what the scripts compute with
-``redis.sha1hex``), in the lease key and the task's ``lease``/``backup``/``done_token`` fields. The
-holder presents the token itself to complete, fail or renew, so nothing readable in Redis lets
-another credential act as the holder.
+``redis.sha1hex``), in the lease key and the task's ``lease``/``backup`` fields (``done_token``: its first
+64 bits). The holder presents the token itself to complete, fail or renew, so nothing readable in Redis
+lets another credential act as the holder.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ NAMES = (
     "project_attach",
     "project_detach",
     "checkpoint",
+    "read",
 )
+READ_ONLY = frozenset({"read"})  # registered 'no-writes': callable by FCALL_RO, and never a write
 
 
 def _lua(name: str) -> str:
@@ -84,6 +86,11 @@ def token_digest(token: str) -> str:
     return hashlib.sha1(token.encode()).hexdigest()
 
 
+def done_token(token: str) -> str:
+    """What a done task keeps of the token that completed it: its digest's first 64 bits (_lib.lua's done_token)."""
+    return token_digest(token)[:16]
+
+
 @cache
 def library() -> tuple[str, str]:
     """(library name, the code FUNCTION LOAD takes): ``_lib.lua`` once at the top of the library (its
@@ -93,8 +100,10 @@ def library() -> tuple[str, str]:
     lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
     parts = ["#!lua name=" + _NAME, lib_code]
     for name, body in zip(NAMES, bodies):
+        flags = ", flags={'no-writes'}" if name in READ_ONLY else ""
         parts.append(
-            f"redis.register_function{{function_name='{_NAME}_{name}', callback=function(KEYS, ARGV)\n{body}\nend}}"
+            f"redis.register_function{{function_name='{_NAME}_{name}', callback=function(KEYS, ARGV)\n{body}\nend"
+            f"{flags}}}"
         )
     parts.append(
         f"redis.register_function{{function_name='{_NAME}_version', callback=function() return '{_NAME}' end, "
@@ -380,6 +389,19 @@ def stage(
         "" if not any(classes) else "\n".join(map(str, classes)),
     ]
     return s["stage"](keys=[keys.job_tasks(job_id)], args=args, client=client)
+
+
+READ_PAGE = 500  # task hashes one call of read returns (about a millisecond of Redis)
+
+
+def read_tasks(s: Scripts, client: Any, task_ids: list[str]) -> list[dict[str, str]]:
+    """The hashes of these tasks, in this order ({} for one that is gone): one call per READ_PAGE tasks."""
+    out: list[dict[str, str]] = []
+    for start in range(0, len(task_ids), READ_PAGE):
+        page = [keys.task(t) for t in task_ids[start : start + READ_PAGE]]
+        hashes = _fields(s["read"](keys=page, args=[], client=client))["hashes"]
+        out += [dict(zip(h[::2], h[1::2])) for h in hashes]
+    return out
 
 
 def wake(s: Scripts, client: Any) -> Any:

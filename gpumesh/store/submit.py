@@ -36,8 +36,9 @@ from gpumesh.models import (
 )
 from gpumesh.project import Packed
 from gpumesh.settings import Settings
-from gpumesh.store import artifacts, keys, projects, scripts
+from gpumesh.store import keys, projects, scripts
 from gpumesh.store.connection import TextClient, translate
+from gpumesh.store.retention import delete_job
 
 log = logging.getLogger("gpumesh")
 
@@ -139,37 +140,6 @@ def _check_idempotency_key(key: str) -> None:
         raise UsageError("--idempotency-key must be text (UTF-8); got bytes that are not") from None
     if not key or len(key) > MAX_IDEMPOTENCY_KEY:
         raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
-
-
-def delete_job(
-    r: TextClient, job_id: str, index: str, own_store: str = "", files: projects.Files | None = None
-) -> None:
-    """Delete a job with its tasks, logs, output files and pending sets, and drop it from ``index`` (the
-    jobs index, or the staging claims for a job that never became visible). Files in an object store
-    are deleted only from ``own_store`` (this machine's GPUMESH_ARTIFACTS), in the background."""
-    tids = r.lrange(keys.job_tasks(job_id), 0, -1)
-    classes, store, project = r.hmget(keys.job(job_id), "classes", "artifact_store", "project")
-    if classes is not None:
-        pending = [keys.pending(job_id, k) for k in range(len(json.loads(classes)))]
-    else:  # staged, never made visible: its classes were not recorded
-        pending = list(r.scan_iter(match=keys.pending(job_id, 0)[:-1] + "*", count=1000))
-    if store:
-        artifacts.delete_from_object_store(store, job_id, own_store)
-    with r.pipeline(transaction=True) as p:
-        if pending:
-            p.delete(*pending)
-        for start in range(0, len(tids), 1000):
-            chunk = tids[start : start + 1000]
-            p.delete(*[keys.task(t) for t in chunk], *[keys.task_log(t) for t in chunk])
-            p.delete(*[keys.task_files(t) for t in chunk])
-            p.delete(*[keys.task_checkpoint(t) for t in chunk])
-        p.delete(keys.job(job_id), keys.job_tasks(job_id), keys.job_ended(job_id), keys.job_failed(job_id),
-                 keys.job_attempts(job_id))  # fmt: skip
-        p.delete(keys.spent(job_id))
-        p.zrem(index, job_id)
-        p.execute()
-    if project and files is not None:  # the job's project goes with it, if no other job refers to it
-        projects.detach(files, scripts.Scripts(cast(redis.Redis, r)), r, job_id, project, own_store)
 
 
 class Submitter:

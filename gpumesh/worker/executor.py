@@ -271,8 +271,9 @@ class Executor:
 
     def run(self, task_id: str) -> dict[str, Any]:
         """Run the task the dispatcher leased to this worker; any other delivery is skipped (the worker
-        drops those before RQ runs them, so none is recorded as finished). The summary RQ keeps says how
-        the attempt ended for rq-dashboard: ``outcome`` done, failed (with ``error``), cancelled or lost."""
+        drops those before RQ runs them, so none is counted as a run). The summary RQ gets says how the attempt
+        ended (``outcome`` done, failed with ``error``, cancelled or lost); RQ keeps none of a delivery once its
+        run has ended (Broker.deliver's RESULT_TTL), but a job run by RQ's own ways would keep it."""
         held = self.w.dispatched.pop(task_id, None)
         if held is None:
             log.info("skip %s: not dispatched to this worker (a stale or foreign delivery)", task_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 
 import redis
 from rq.queue import Queue
@@ -20,12 +21,15 @@ from rq.worker import Worker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from gpumesh.models import TERMINAL
-from gpumesh.store import keys, projects, scripts
+from gpumesh.store import keys, projects, retention, scripts
 from gpumesh.store.broker import FAILURE_TTL, Broker
 from gpumesh.store.connection import translate
-from gpumesh.store.submit import STAGING_STALE_MS, delete_job
+from gpumesh.store.submit import STAGING_STALE_MS
 
 ABANDONED_STAGING_MS = STAGING_STALE_MS  # a staged job that made no progress this long was abandoned
+# s of deletion steps a pass of `gpumesh serve`'s reaper takes at most (its thread has nothing else to do; a
+# worker's pass, in its heartbeat thread, takes half a heartbeat interval): a job of 1,000,000 tasks fits
+SERVE_PRUNE_BUDGET_S = 30.0
 
 
 def reap_until(b: Broker, stop: threading.Event, interval: float) -> None:
@@ -34,14 +38,16 @@ def reap_until(b: Broker, stop: threading.Event, interval: float) -> None:
     log = logging.getLogger("gpumesh.serve")
     while not stop.wait(interval):
         try:
-            report = reap_once(b)
+            report = reap_once(b, prune_budget=SERVE_PRUNE_BUDGET_S)
             if any(report.values()):
                 log.info("reaper: %s", report)
         except redis.RedisError as exc:
             log.warning("reaper: %s", translate(exc, b.url))
 
 
-def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) -> dict[str, int]:
+def reap_once(
+    b: Broker, audit_grace_ms: int | None = None, batch: int = 500, prune_budget: float | None = None
+) -> dict[str, int]:
     """One reaper pass. Safe to run concurrently (every change is a fenced script or idempotent):
 
     * leases that lapsed send their tasks back to queued (or failed at max attempts), pending again;
@@ -49,7 +55,9 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
       RQ's queue registry), so placement stops counting them;
     * finished jobs older than the retention (``GPUMESH_JOB_RETENTION``) are deleted with their tasks
       and logs, so a busy mesh does not fill a ``noeviction`` Redis; so are the staged tasks of a large
-      submit whose submitter died before making its job visible.
+      submit whose submitter died before making its job visible. Each step of a deletion holds Redis about
+      a millisecond (store/retention.py); the pass stops taking steps after ``prune_budget`` seconds (default
+      half a heartbeat interval: a worker reaps from its heartbeat thread), and the next pass goes on.
 
     ``audit_grace_ms`` is accepted for compatibility and unused: there is no delivery to audit.
     """
@@ -81,7 +89,9 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
             p.execute()
         report["workers_dropped"] = len(dead)
     try:
-        report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
+        budget = b.settings.heartbeat_interval / 2 if prune_budget is None else prune_budget
+        deadline = time.monotonic() + budget
+        report["jobs_pruned"] = _prune(b, now, deadline) + _prune_abandoned_staging(b, now, deadline)
         files = b.project_files()
         report["projects_detached"] = projects.detach_dangling(files, b.scripts, b.r, now, b.settings.artifacts)
         report["project_files_swept"] = projects.sweep_unattached(files, b.r, b.settings.artifacts)
@@ -117,27 +127,38 @@ def _drop_rq_records(b: Broker, dead: list[str]) -> None:
             p.execute()
 
 
-def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
-    retention = b.settings.job_retention
-    if retention <= 0:
-        return 0
-    cutoff = now_ms / 1000 - retention
+def _prune(b: Broker, now_ms: int, deadline: float, batch: int = 50) -> int:
+    """Jobs past their retention, deleted; first those a pass before began and did not finish."""
     pruned = 0
+    files = b.project_files()
+    for job_id in retention.resuming(b.r, batch):
+        if not retention.delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts, deadline, files):
+            return pruned
+        pruned += 1
+    retention_s = b.settings.job_retention
+    if retention_s <= 0:
+        return pruned
+    cutoff = now_ms / 1000 - retention_s
     for job_id in b.r.zrangebyscore(keys.JOBS, "-inf", cutoff, start=0, num=batch):  # created before the cutoff
         status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
         if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
             continue  # still open, or finished within the retention
-        delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts, b.project_files())
+        if not retention.delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts, deadline, files):
+            return pruned
         pruned += 1
     return pruned
 
 
-def _prune_abandoned_staging(b: Broker, now_ms: int, batch: int = 50) -> int:
+def _prune_abandoned_staging(b: Broker, now_ms: int, deadline: float, batch: int = 50) -> int:
     """A large submit stages its tasks before the job becomes visible; a submitter that died there left them."""
     pruned = 0
     for job_id in b.r.zrangebyscore(keys.STAGING, "-inf", now_ms - ABANDONED_STAGING_MS, start=0, num=batch):
+        if time.monotonic() >= deadline:
+            break
         if not b.r.exists(keys.job(job_id)):
-            delete_job(b.r, job_id, keys.STAGING, b.settings.artifacts, b.project_files())
+            files = b.project_files()
+            if not retention.delete_job(b.r, job_id, keys.STAGING, b.settings.artifacts, deadline, files):
+                break
             pruned += 1
         else:
             b.r.zrem(keys.STAGING, job_id)

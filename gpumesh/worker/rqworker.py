@@ -7,8 +7,10 @@ stamps the job's heartbeat once more as it ends and reads a finished job's depen
 it. gpumesh keeps its own state and lease per task: here each of those reaches Redis at most once a
 second, or in the transaction that follows. A run's start and the last run's success then wait, in one
 transaction, until the next attempt runs, and go in the round trip it overlaps (send_records).
-rq-dashboard and ``rq info`` see the same workers, states, registries and results, a few milliseconds
-later (tests/test_dashboard_view.py compares a recorded success key by key with RQ's).
+rq-dashboard and ``rq info`` see the same workers, states, queues and running deliveries, a few milliseconds
+later (tests/test_dashboard_view.py compares a recorded success key by key with RQ's). A delivery's own RQ
+records go as its run ends: gpumesh keeps the outcome, and a finished delivery kept for RQ's result TTL would
+cost the broker about 6.8 KB each while a big job runs.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ class LeanRQWorker(SimpleWorker):
         WATCHes the job's dependents set and reads it, to enqueue the jobs that waited for this one: two
         round trips a task here, for a set that Broker.deliver never makes, and which only some credential
         writing into Redis could fill. Its counts, result, registries and the execution's record are RQ's, written
-        into the transaction ``p``."""
+        into the transaction ``p``; a delivery keeps no result (Broker.deliver's RESULT_TTL): its RQ job is
+        deleted there instead."""
         self.increment_successful_job_count(pipeline=p)
         assert job.started_at is not None and job.ended_at is not None  # set by RQ's run, as RQ asserts
         self.increment_total_working_time(job.ended_at - job.started_at, p)
@@ -231,8 +234,13 @@ class LeanRQWorker(SimpleWorker):
                 result_ttl, pipeline=p, worker_name=self.name, execution_id=execution.id,
                 execution_started_at=execution.created_at, execution_ended_at=job.ended_at,
             )  # fmt: skip
-        job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
+            job.cleanup(result_ttl, pipeline=p, remove_from_queue=False)
         self.cleanup_execution(job, pipeline=p, execution=execution)
+        if result_ttl == 0:
+            # A delivery (Broker.deliver, RESULT_TTL): RQ's record of it goes as the run ends. RQ's own
+            # job.cleanup(0) would read the job's status and executions first (two round trips a task); the
+            # execution went just above, and a delivery has no result, dependents or other registry entry.
+            p.delete(job.key)
         job._status = JobStatus.FINISHED
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)  # fmt: skip

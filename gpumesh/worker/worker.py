@@ -146,27 +146,6 @@ class MeshJob(Job):
             raise PermissionError(f"refused: function {self.func_name!r} is not gpumesh's executor")
         return executor.run_task
 
-    def perform(self) -> Any:
-        summary = super().perform()
-        if isinstance(summary, dict) and summary.get("outcome"):
-            self._label_outcome(summary)
-        return summary
-
-    def _label_outcome(self, summary: dict[str, Any]) -> None:
-        """Add how the attempt ended to what rq-dashboard shows of this delivery: its description and its
-        meta, both saved with RQ's record of the run (:meth:`_handle_success`)."""
-        ended = {k: summary[k] for k in ("outcome", "error", "next", "why") if summary.get(k)}
-        said = ended["outcome"] + (f": {ended['error']}" if "error" in ended else "")
-        said += f" ({ended['next']})" if "next" in ended else ""
-        self.description = f"{self.description} -> {said}"
-        self.meta.update(ended)
-        self._labelled = True
-
-    def _handle_success(self, result_ttl: Any, pipeline: Any, *args: Any, **kwargs: Any) -> None:
-        super()._handle_success(result_ttl, pipeline, *args, **kwargs)
-        if getattr(self, "_labelled", False):  # RQ saves the job without its meta: the label, in the same transaction
-            pipeline.hset(self.key, "meta", self.serializer.dumps(self.meta))
-
 
 class MeshWorker(LeanRQWorker):
     job_class = MeshJob

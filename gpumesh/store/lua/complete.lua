@@ -44,7 +44,7 @@ read[6] = 'cost'
 local copy, refused, has_backup, t = holder(task_key, token, read)
 if not copy then
   -- The same completion again (its first reply was lost and the call retried): it did win.
-  if refused[2] == 'done' and token ~= '' and redis.call('HGET', task_key, 'done_token') == digest(token) then
+  if refused[2] == 'done' and token ~= '' and redis.call('HGET', task_key, 'done_token') == done_token(token) then
     return {1, 'done'}
   end
   return refused
@@ -69,8 +69,12 @@ if has_backup then
   clear_backup(task_key)
 end
 local cost = tonumber(t[9] or 1) or 1  -- read before the result's fields are written
-redis.call('HSET', task_key, 'status', 'done', 'result', result, 'lease', '', 'error', '',
-  'finished_at', secs(ms), 'duration', duration, 'done_token', digest(token))
+redis.call('HSET', task_key, 'status', 'done', 'result', result, 'finished_at', secs(ms), 'duration', duration,
+  'done_token', done_token(token))
+-- A finished task keeps only what its readers show: the fields every running task had go (an absent field reads
+-- as empty), so that a million done tasks stay small (docs/finished-work.md). A task that had a backup copy
+-- keeps clear_backup's empty fields: few do.
+redis.call('HDEL', task_key, 'lease', 'error', 'promoted')
 if won then  -- the result is the backup's: `results`, `status` and the dashboard name the worker that made it
   redis.call('HSET', task_key, 'worker', won.worker)
   if won.started ~= '' then
