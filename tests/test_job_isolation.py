@@ -224,7 +224,8 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
     runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
     try:
         _, left = runner.run(LEAVE, payload, _limits(user))
-        assert left["shmid"] >= 0 and all(k >= 0 for k in left["keys"]), left  # it could make them: in its own
+        assert left["shmid"] >= 0, left  # it could make a segment: in its own IPC namespace
+        assert left["keys"] == [-1, -1], left  # and no key at all: add_key is refused by its seccomp filter
         _, seen = runner.run(FIND, payload, _limits(user))
         assert seen == {"shm": False, "sysv": False, "user_key": False, "session_key": False, "host_key": False}
         assert not Path("/dev/shm", name).exists()
@@ -234,6 +235,116 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
     finally:
         runner.close()
         _LIBC.syscall(250, 3, ctypes.c_long(mine))  # KEYCTL_REVOKE
+
+
+LINK_USER_KEYRING = """
+import ctypes, json, sys
+p = json.load(sys.stdin)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+keys = {l.split()[8].rstrip(":"): int(l.split()[0], 16) for l in open("/proc/keys")}
+rings = [v for k, v in keys.items() if k.startswith("_uid.") and not k.startswith("_uid_ses")]
+seen = {"rings": len(rings), "linked": [], "read": None}
+for ring in rings:  # KEYCTL_LINK the host's user keyring into the task's own session keyring
+    seen["linked"].append(libc.syscall(250, 8, ctypes.c_int(ring), ctypes.c_int(-3)))
+if p["name"] in keys:
+    buf = ctypes.create_string_buffer(64)
+    n = libc.syscall(250, 11, ctypes.c_long(keys[p["name"]]), buf, 64)  # KEYCTL_READ
+    seen["read"] = buf.raw[:n].decode() if n > 0 else -ctypes.get_errno()
+found = libc.syscall(250, 10, ctypes.c_int(-3), b"user", p["name"].encode(), 0)  # KEYCTL_SEARCH, after the link
+seen["searched"] = found if found < 0 else libc.syscall(250, 11, ctypes.c_long(found), None, 0)
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@needs_keyctl
+@pytest.mark.parametrize("user", _user_params())
+def test_a_task_cannot_link_its_user_s_keyring_and_read_its_keys(mode, user):
+    """/proc/keys names the host's ``_uid.N`` keyring of the task's user; a task linked it into its own session
+    keyring and read the user's keys from it (as --sandbox-user too). The attempt's seccomp filter refuses
+    keyctl: no link, no read, no search."""
+    name = f"gpumesh-host-{secrets.token_hex(4)}"
+    who = pwd.getpwnam(user).pw_uid if user else os.getuid()
+    # the key in the keyring of the user the task runs as (for nobody: made by a child that becomes nobody)
+    mine = -1
+    if user is None:
+        mine = _LIBC.syscall(248, b"user", name.encode(), b"hunter2", 7, ctypes.c_int(-4))
+        assert mine >= 0, os.strerror(ctypes.get_errno())
+    else:
+        import subprocess
+
+        made = subprocess.run(
+            [SYSTEM_PYTHON, "-c", textwrap.dedent(f"""
+                import ctypes, os
+                os.setgid({pwd.getpwnam(user).pw_gid}); os.setuid({who})
+                libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+                # 0x3f3f0000: the possessor and the user may view, read, write, search, link and set attributes
+                k = libc.syscall(248, b"user", b"{name}", b"hunter2", 7, ctypes.c_int(-4))
+                assert k >= 0, os.strerror(ctypes.get_errno())
+                assert libc.syscall(250, 5, ctypes.c_long(k), 0x3f3f0000) == 0  # KEYCTL_SETPERM
+                print(k)
+            """)], capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        mine = int(made.stdout)
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        _, seen = runner.run(LINK_USER_KEYRING, {"name": name}, _limits(user))
+        assert seen["rings"] >= 1, seen  # the attack is there to make: the user's keyring is listed
+        assert all(r < 0 for r in seen["linked"]) and seen["searched"] < 0, seen
+        assert seen["read"] != "hunter2", seen
+    finally:
+        runner.close()
+        _LIBC.syscall(250, 3, ctypes.c_long(mine))  # KEYCTL_REVOKE (root may revoke nobody's key too)
+
+
+NESTED = """
+import ctypes, json, multiprocessing, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+seen = {}
+seen["unshare"] = (libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())  # CLONE_NEWUSER|CLONE_NEWNS
+seen["setns"] = (libc.setns(os.open("/proc/self/ns/ipc", os.O_RDONLY), 0), ctypes.get_errno())
+# raw clone(CLONE_NEWUSER|SIGCHLD): the child, if it were made, exits at once
+pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+seen["clone_newuser"] = (min(pid, 0), ctypes.get_errno())
+if pid > 0:
+    os.waitpid(pid, 0)
+box = []
+t = threading.Thread(target=box.append, args=(1,))
+t.start()
+t.join()
+seen["thread"] = box == [1]
+seen["subprocess"] = subprocess.run([sys.executable, "-c", "print(6*7)"], capture_output=True, text=True).stdout
+child = os.fork()
+if child == 0:
+    os._exit(7)
+seen["fork"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    seen["pool"] = pool.map(abs, [-1, -2, -3])
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the task calls clone by its x86_64 number")
+@pytest.mark.parametrize("user", _user_params())
+def test_a_task_makes_no_namespace_of_its_own_yet_threads_and_processes_work(mode, user):
+    """A task made a user namespace of its own (unshare returned 0: every capability inside it), from which the
+    kernel's namespaced code is open to it. Now unshare, setns and clone with CLONE_NEWUSER are refused (EPERM),
+    and threads, subprocess, os.fork and a multiprocessing pool still work (glibc's clone3 falls back to clone)."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        _, seen = runner.run(NESTED, {}, _limits(user, memory_bytes=0))
+        assert seen["unshare"] == [-1, 1] and seen["setns"] == [-1, 1] and seen["clone_newuser"] == [-1, 1], seen
+        assert seen["thread"] and seen["subprocess"] == "42\n" and seen["fork"] == 7, seen
+        assert seen["pool"] == [1, 2, 3], seen
+    finally:
+        runner.close()
 
 
 FILL_SHM = """
@@ -363,3 +474,11 @@ def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(env, tmp_path:
     assert p.returncode == 2, p.stderr
     assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
     assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [p.stderr.strip().splitlines()[-1]]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="a filter for x86_64 and aarch64 only")
+def test_doctor_says_what_the_seccomp_filter_refuses(env):
+    """`gpumesh doctor` names the calls a task's seccomp filter refuses."""
+    p = gpumesh("doctor", "--json", env=env, timeout=120)
+    (row,) = [row for row in json.loads(p.stdout) if row["check"] == "seccomp"]
+    assert row["status"] == "ok" and "keyctl" in row["detail"] and "unshare" in row["detail"], row
