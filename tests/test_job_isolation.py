@@ -482,3 +482,35 @@ def test_doctor_says_what_the_seccomp_filter_refuses(env):
     p = gpumesh("doctor", "--json", env=env, timeout=120)
     (row,) = [row for row in json.loads(p.stdout) if row["check"] == "seccomp"]
     assert row["status"] == "ok" and "keyctl" in row["detail"] and "unshare" in row["detail"], row
+
+
+READ_TOKEN = """
+import json, sys
+p = json.load(sys.stdin)
+try:
+    print(json.dumps({"token": open(p["token"]).read()}))
+except OSError as exc:
+    print(json.dumps({"token": type(exc).__name__}))
+"""
+
+
+@needs_landlock
+@pytest.mark.parametrize("flag", ["--cache-path", "--read-path"])
+def test_a_path_that_holds_a_credential_is_refused_at_start(flag, env, workers: Workers, tmp_path: Path):
+    """`huggingface-cli login` keeps its token in ~/.cache/huggingface/token: a worker given that folder gave every
+    task the owner's login. It now refuses it in one line (exit 2); given the hub folder, as the docs say, it
+    starts, and a task reads the model but not the token."""
+    hf = tmp_path / "huggingface"
+    (hf / "hub" / "models--bert").mkdir(parents=True)
+    (hf / "hub" / "models--bert" / "config.json").write_text("{}")
+    (hf / "token").write_text("hf_ownerssecret")
+    p = gpumesh("worker", "--score", "1", "--burst", flag, str(hf), env=env, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"{flag} {hf}: holds token, which looks like a credential" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "huggingface/hub" in p.stderr.strip().splitlines()[-1]
+    workers.start(flag, str(hf / "hub"), GPUMESH_WRITE_PATHS="")  # not the test's directory, which holds hf
+    (tmp_path / "read.py").write_text(READ_TOKEN)
+    payload = json.dumps([{"token": str(hf / "token")}])
+    job = gpumesh("submit", str(tmp_path / "read.py"), "--payloads", "-", "--wait", env=env, input=payload)
+    (row,) = json.loads(gpumesh("results", job.stdout.split()[0], "--format", "json", env=env).stdout)
+    assert row["result"] == {"token": "PermissionError"}, (row, workers.log(0))
