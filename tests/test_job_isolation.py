@@ -18,6 +18,7 @@ import os
 import platform
 import pwd
 import secrets
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -514,3 +515,40 @@ def test_a_path_that_holds_a_credential_is_refused_at_start(flag, env, workers: 
     job = gpumesh("submit", str(tmp_path / "read.py"), "--payloads", "-", "--wait", env=env, input=payload)
     (row,) = json.loads(gpumesh("results", job.stdout.split()[0], "--format", "json", env=env).stdout)
     assert row["result"] == {"token": "PermissionError"}, (row, workers.log(0))
+
+
+PLANTED = """
+import importlib, os, sys
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ran-%d" % os.getpid()), "w") as f:
+    f.write(" ".join(sys.argv))
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)  # the real one, so that what imported it works on
+"""
+
+
+def test_a_module_in_the_working_directory_runs_in_no_gpumesh_process(env, tmp_path: Path):
+    """`gpumesh run --local` in a folder that holds a csv.py (a download, a clone) started its workers and their
+    launchers as `python -m …`, which puts the working directory first on sys.path: the planted module ran in
+    each of them, outside any sandbox. Every child gpumesh starts now runs with -P: `run --local` (warm workers)
+    and a `worker --fresh` started there run nothing of the folder."""
+    cwd = tmp_path / "downloads"
+    cwd.mkdir()
+    for name in ("csv", "json", "socket", "ctypes", "signal"):
+        (cwd / f"{name}.py").write_text(PLANTED)
+    (tmp_path / "task.py").write_text("import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n")
+    (tmp_path / "p.json").write_text('[{"a": 1}, {"a": 2}]')
+    console = str(Path(sys.executable).parent / "gpumesh")  # as a user runs it: the console script
+    task, payloads = str(tmp_path / "task.py"), str(tmp_path / "p.json")
+    p = subprocess.run([console, "run", task, "--payloads", payloads, "--local", "2", "--json"], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert [row["result"] for row in json.loads(p.stdout)] == [{"a": 1}, {"a": 2}]
+    job = gpumesh("submit", task, "--payloads", payloads, env=env).stdout.strip()
+    w = subprocess.run([console, "worker", "--fresh", "--burst", "--score", "1"], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert w.returncode == 0, w.stderr
+    assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "done"
+    ran = [f.read_text() for f in cwd.glob("ran-*")]
+    assert ran == [], ran

@@ -165,7 +165,11 @@ def probe_torch() -> Torch | None:
         return None
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _TORCH_CHILD], capture_output=True, text=True, timeout=TORCH_TIMEOUT, check=False
+            [sys.executable, "-P", "-c", _TORCH_CHILD],
+            capture_output=True,
+            text=True,
+            timeout=TORCH_TIMEOUT,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return Torch(error=f"importing torch took over {TORCH_TIMEOUT:.0f} s")

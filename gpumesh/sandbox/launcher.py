@@ -593,7 +593,10 @@ def _run_script(
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
             os._exit(70)
     sys.argv = [script]
-    sys.path[0] = os.path.dirname(script)
+    if getattr(sys.flags, "safe_path", False):  # started with -P (-m, the worker's own Python): no entry of a dir yet
+        sys.path.insert(0, os.path.dirname(script))
+    else:  # the launcher's private copy's directory
+        sys.path[0] = os.path.dirname(script)
     project = os.environ.get("GPUMESH_PROJECT_DIR")
     if project and project != sys.path[0]:  # a script in a folder of its project: the project's top comes first
         sys.path.insert(0, project)

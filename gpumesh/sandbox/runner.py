@@ -88,7 +88,7 @@ def _launcher(limits: Limits) -> list[str]:
     directory: the task's user owns it, and whatever sits there must not be what the worker runs."""
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
-        return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
+        return [python, "-u", "-P", "-m", "gpumesh.sandbox.launcher"]  # -P: not the cwd's modules
     # -s: the interpreter starts as root with HOME set to the task's directory; the user site-packages there
     # (a .pth file runs code) must not be read before the launcher drops root.
     return [python, "-u", *(["-s"] if limits.user else []), copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
