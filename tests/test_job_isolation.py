@@ -18,8 +18,10 @@ import os
 import platform
 import pwd
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -465,16 +467,25 @@ def test_doctor_says_whether_attempts_get_namespaces_of_their_own(env):
 @needs_landlock
 @needs_namespaces
 @pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox-user needs a root worker")
-def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(env, tmp_path: Path):
-    """Each attempt would fail to lay its overlay: the worker says so in one line and does not start."""
-    private = tmp_path / "root-only"
-    (private / "cache").mkdir(parents=True)
-    private.chmod(0o700)
-    p = gpumesh("worker", "--score", "1", "--burst", "--sandbox-user", "nobody", "--cache-path",
-                str(private / "cache"), env={**env, "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}, timeout=60)  # fmt: skip
-    assert p.returncode == 2, p.stderr
-    assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
-    assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [p.stderr.strip().splitlines()[-1]]
+@pytest.mark.parametrize("closed", ["parent", "cache"])
+def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(closed, env, tmp_path: Path):
+    """Each attempt would fail to lay its overlay, or lay one the task cannot read (the cache itself 0700 root's
+    was accepted): the worker says so in one line and does not start."""
+    reachable = Path(tempfile.mkdtemp(prefix="gpumesh-test-"))  # not under tmp_path, which nobody cannot enter
+    reachable.chmod(0o755)
+    private = reachable / "root-only"
+    try:
+        (private / "cache").mkdir(parents=True)
+        (private if closed == "parent" else private / "cache").chmod(0o700)
+        p = gpumesh("worker", "--score", "1", "--burst", "--sandbox-user", "nobody", "--cache-path",
+                    str(private / "cache"), env={**env, "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}, timeout=60)  # fmt: skip
+        assert p.returncode == 2, p.stderr
+        assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
+        assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [
+            p.stderr.strip().splitlines()[-1]
+        ]
+    finally:
+        shutil.rmtree(reachable)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="a filter for x86_64 and aarch64 only")

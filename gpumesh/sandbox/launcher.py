@@ -553,6 +553,9 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
     try:
         if uid >= 0 and uid != os.getuid():
             _become_user(str(uid), str(gid))
+        for path in caches:  # overlayfs lays a lower dir the user cannot read: the task would find it closed
+            if not os.access(path, os.R_OK | os.X_OK):
+                raise OSError(errno.EACCES, "no access", path)
         attempt = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX + "probe-") if caches else None
         enter_namespaces({"caches": list(caches)}, 1 << 20, attempt)
     except OSError as exc:
