@@ -491,3 +491,29 @@ def test_every_way_a_task_ends_for_good_marks_it_spent_and_retry_unmarks_it(brok
     end_all(tids)
     assert not r.exists(k.spent(unsigned))
     assert broker.retry(unsigned, cancelled=True)[0] == 3
+
+
+LINKS = """
+import json, os, sys
+p = json.load(sys.stdin)
+out = os.environ["GPUMESH_OUTPUT_DIR"]
+if p["real"]:
+    open(os.path.join(out, "real.txt"), "w").write("x")
+os.symlink("/etc/hostname", os.path.join(out, "link"))
+print(json.dumps(p))
+"""
+
+
+def test_an_honest_result_whose_output_dir_held_only_a_symlink_verifies(mesh: Mesh, workers):
+    """A task whose output dir held only a symlink (skipped, with a note): its honest result showed NOT VERIFIED and
+    `results --verify` exited 1, as if its files were lost, while with a real file beside it it verified. Both do."""
+    job = mesh.submit([{"real": False}, {"real": True}], LINKS, "links.py")
+    mesh.start_worker(workers)
+    wait_until(lambda: all(mesh.task(k.task_id(job, i)).get("status") == "done" for i in range(2)), timeout=60,
+               what="the job")  # fmt: skip
+    p = mesh.results(job, "--json", "--verify")
+    assert p.returncode == 0, p.stderr
+    assert [r["verified"] for r in json.loads(p.stdout)] == [True, True]
+    index = json.loads(mesh.task(k.task_id(job, 0))["artifacts"])
+    assert index["files"] == [] and [s["path"] for s in index["skipped"]] == ["link"], index
+    assert "NOT VERIFIED" not in mesh.results(job).stdout
