@@ -517,3 +517,20 @@ def test_an_honest_result_whose_output_dir_held_only_a_symlink_verifies(mesh: Me
     index = json.loads(mesh.task(k.task_id(job, 0))["artifacts"])
     assert index["files"] == [] and [s["path"] for s in index["skipped"]] == ["link"], index
     assert "NOT VERIFIED" not in mesh.results(job).stdout
+
+
+def test_serve_on_loopback_says_its_worker_line_is_for_this_machine(mesh: Mesh):
+    """serve listening on 127.0.0.1 headed its join line "Join a worker on another machine:", which cannot reach it."""
+    text = "\n".join(mesh.serve.lines)
+    assert "Join a worker on another machine" not in text, text
+    assert "Join a worker on this machine (the broker listens on 127.0.0.1 only" in text, text
+
+
+def test_a_worker_given_a_submitter_url_says_so_in_one_line(mesh: Mesh):
+    """`gpumesh worker` with the submit line's URL ended in a long pipeline HSET error: it now says in one line that
+    this credential is not a worker's and which line to use, exit 2."""
+    p = gpumesh("worker", mesh.submitter_url, "--score", "1", "--burst", env=mesh.env, timeout=60)
+    assert p.returncode == 2, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "(submitter) may not register a worker" in errors[0], p.stderr
+    assert "HSET" not in p.stderr and "Traceback" not in p.stderr and mesh.submitter_url not in p.stderr

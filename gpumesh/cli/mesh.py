@@ -393,7 +393,9 @@ def serve(
             )
         lines += [
             "",
-            "Join a worker on another machine:",
+            "Join a worker on another machine:"
+            if tunnel_url or not is_loopback(host)
+            else f"Join a worker on this machine (the broker listens on {host} only: serve --host 0.0.0.0 for others):",
             f"  gpumesh worker '{tunnel_url or join}'{trust}",
             "Submit a job:",
             f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json{sign_key} --url '{submit_url}' "

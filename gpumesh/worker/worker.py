@@ -664,7 +664,17 @@ class MeshWorker(LeanRQWorker):
         swept = sweep_dead_workers_dirs()
         if swept:
             log.info("removed %d task directories that workers which died on this machine left behind", swept)
-        self._register()
+        try:
+            self._register()
+        except redis.exceptions.NoPermissionError:
+            from gpumesh.errors import UsageError
+
+            user = self.connection.connection_pool.connection_kwargs.get("username") or "default"
+            raise UsageError(
+                f"the credential in this URL ({user}) may not register a worker: it is a submitter's or another "
+                "role's; a worker needs a worker credential: the `gpumesh worker 'redis://worker:…'` line serve "
+                "printed, or one of `gpumesh access add NAME`"
+            ) from None
         try:
             self._beat()
         except BAD_DATA as exc:  # something in Redis it cannot read: the heartbeat thread keeps trying
