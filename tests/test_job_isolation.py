@@ -563,3 +563,41 @@ def test_a_module_in_the_working_directory_runs_in_no_gpumesh_process(env, tmp_p
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "done"
     ran = [f.read_text() for f in cwd.glob("ran-*")]
     assert ran == [], ran
+
+
+SYSV_HOARD = """
+import ctypes, json, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size, made, refused = 50 << 20, 0, None
+for _ in range(6):  # 300 MB in SysV segments, each touched and detached: in no process's RSS
+    shmid = libc.shmget(0, ctypes.c_size_t(size), 0o1000 | 0o600)
+    if shmid < 0:
+        refused = os.strerror(ctypes.get_errno())
+        break
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(ctypes.c_void_p(addr))
+    made += 1
+limits = {n: int(open("/proc/sys/kernel/" + n).read()) for n in ("shmmax", "shmall")}
+print(json.dumps({"made": made, "refused": refused, "uid": os.getuid(), "limits": limits}))
+time.sleep(2)  # held while the worker measures
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@pytest.mark.parametrize("user", _user_params())
+def test_sysv_segments_a_task_detaches_stay_within_its_memory_cap(mode, user):
+    """Six 50 MB SysV segments, touched then detached, are in no process's RSS: under a 100 MiB cap a task held
+    300 MB and was not killed. The attempt's IPC namespace now caps SysV memory at its memory cap (shmmax, shmall,
+    written as root of a user namespace that owns it); the task still sees its own uid."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        out, seen = runner.run(SYSV_HOARD, {}, _limits(user, memory_bytes=100 << 20))
+        assert out.killed or (seen["made"] * 50 << 20) <= 100 << 20, (seen, out.describe_exit())
+        if not out.killed:
+            assert seen["refused"] == "No space left on device", seen  # shmget's ENOSPC past shmall
+            assert seen["uid"] == (pwd.getpwnam(user).pw_uid if user else os.getuid()), seen
+    finally:
+        runner.close()

@@ -482,6 +482,11 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
 # /dev/shm (POSIX shared memory), a session keyring of its own (and, in its user namespace, a user keyring of its
 # own), and each --cache-path as an overlay whose writes go to the attempt's directory. All of it goes when the
 # attempt's last process does. The capabilities the new user namespace gives are dropped before the task runs.
+# With a memory cap, the IPC namespace's SysV limits (kernel.shmmax, shmall) are the cap: a segment touched and
+# detached is in no process's RSS, which is what the worker counts. Linux lets only the root of the user namespace
+# that owns an IPC namespace write them, so the IPC namespace is made in a first user namespace where the task's
+# user is root (0 -> its uid), the limits written, and the mount namespace in a second one inside it that maps
+# the user back to itself (uid -> 0 -> uid): the task sees its own uid, as before.
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
@@ -504,11 +509,15 @@ def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str |
     dumpable = libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
-        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)")
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
+        if shm_bytes > 0:
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWIPC, f"0 {uid} 1", f"0 {gid} 1")
+            pages = max(1, shm_bytes // os.sysconf("SC_PAGE_SIZE"))
+            for name, value in (("shmmax", shm_bytes), ("shmall", pages)):
+                with open(f"/proc/sys/kernel/{name}", "w") as f:
+                    f.write(str(value))
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWNS, f"{uid} 0 1", f"{gid} 0 1")
+        else:
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC, f"{uid} {uid} 1", f"{gid} {gid} 1")
     finally:
         libc.prctl(PR_SET_DUMPABLE, max(dumpable, 0), 0, 0, 0)
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the host's namespace
@@ -533,6 +542,16 @@ def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str |
     if keyctl is not None and syscall(ctypes.c_long(keyctl), KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
         raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
     return own
+
+
+def _unshare_mapped(flags: int, uid_map: str, gid_map: str) -> None:
+    """unshare(``flags``, a new user namespace among them) and map this process's user and group in it."""
+    libc = _syscall()[1]
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), f"unshare({flags:#x})")
+    for name, text in (("setgroups", "deny"), ("uid_map", uid_map), ("gid_map", gid_map)):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
