@@ -601,3 +601,36 @@ def test_sysv_segments_a_task_detaches_stay_within_its_memory_cap(mode, user):
             assert seen["uid"] == (pwd.getpwnam(user).pw_uid if user else os.getuid()), seen
     finally:
         runner.close()
+
+
+MEMFD_HOARD = """
+import json, os, sys, time
+p = json.load(sys.stdin)
+fd = os.memfd_create("hoard")
+chunk = b"y" * (4 << 20)
+for _ in range(75):  # 300 MB written, never mapped: in no process's RSS
+    os.write(fd, chunk)
+if p["how"] == "mapped, closed, untouched":  # in RSS only as its pages are touched, which these never are
+    import mmap
+    held = mmap.mmap(fd, 300 << 20)
+    os.close(fd)
+print(json.dumps({"how": p["how"]}))
+time.sleep(5)  # held while the worker measures
+"""
+
+
+@needs_landlock
+@pytest.mark.parametrize("user", _user_params())
+@pytest.mark.parametrize("how", ["open", "mapped, closed, untouched"])
+def test_a_memfd_a_task_fills_without_mapping_it_counts_against_its_memory_cap(mode, user, how):
+    """A memfd filled with write() is RAM in no process's RSS: 300 MB under a 100 MiB cap, and the task was not
+    killed; nor when it mapped the memfd, closed it and never touched the pages. The worker now counts the memfds an
+    attempt's processes hold open or map: it is killed for memory."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        if how != "open" and os.geteuid() != 0:
+            pytest.skip("a mapping is looked up through /proc/PID/map_files, which only a root worker reads")
+        out, _ = runner.run(MEMFD_HOARD, {"how": how}, _limits(user, memory_bytes=100 << 20))
+        assert out.killed == "memory", out.describe_exit()
+    finally:
+        runner.close()
