@@ -311,7 +311,7 @@ def probe(
 
 def _run_child(args: list[str], timeout: float) -> tuple[Capability, list[float]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpumesh.capability", "--rates", *args],
+        [sys.executable, "-P", "-m", "gpumesh.capability", "--rates", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

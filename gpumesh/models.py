@@ -237,7 +237,7 @@ class JobOptions(Model):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("", max_length=200)
-    timeout: float = Field(3600.0, gt=0, description="wall-clock seconds per attempt")
+    timeout: float = Field(3600.0, description="wall-clock seconds per attempt, more than 0 and at most a year")
     max_attempts: int = Field(3, ge=1, le=100)
     speculate: bool = Field(True, description="let a much stronger worker run a backup copy of a straggler")
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="higher runs first")
@@ -273,8 +273,8 @@ class JobOptions(Model):
     @field_validator("timeout")
     @classmethod
     def _finite_timeout(cls, v: float) -> float:
-        if not math.isfinite(v) or v > 365 * 86400:
-            raise ValueError("must be a finite number of seconds, at most a year")
+        if not math.isfinite(v) or not 0 < v <= 365 * 86400:  # nan too, which is no "greater than 0"
+            raise ValueError("must be a finite number of seconds, more than 0 and at most a year")
         return v
 
     @field_validator("requires")

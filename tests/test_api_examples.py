@@ -65,3 +65,17 @@ def test_the_notebook_maps_functions_defined_in_cells(env, mesh_worker, tmp_path
     assert outputs(code["def parse(payload):"]).strip() == "1 ValueError invalid literal for int() with base 10: 'two'"
     magic = outputs(code["%%gpumesh sides"])  # the cell magic; math comes from another cell's import
     assert magic.strip().startswith("[9.12310562") and "15.4031242" in magic
+
+
+def test_the_first_example_of_the_python_how_to_runs_as_written(env, mesh_worker, tmp_path) -> None:
+    """docs/how-to/python.md opens with a program a reader copies into a file and runs: without its
+    `if __name__ == "__main__":` guard, each worker ran the driving code too and every task failed."""
+    text = (ROOT / "docs/how-to/python.md").read_text()
+    source = text.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "first.py").write_text(source)
+    mesh_worker.start()
+    ran = subprocess.run([sys.executable, str(tmp_path / "first.py")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0] == "[0, 1, 4, 9, 16]" and lines[1].startswith("0 done "), ran.stdout

@@ -4,8 +4,10 @@ its command line, which every process on the machine can read, a confined task i
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,3 +83,51 @@ def test_join_with_a_token_keeps_the_token_off_its_command_line(
     wait_until(lambda: r.zcard("gpumesh:workers") >= 1, timeout=20)
     line = _cmdline(joined.pid)
     assert password not in line and PLACEHOLDER in line, line
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def submitter(r: redis.Redis, redis_server: RedisServer) -> Iterator[tuple[str, str]]:
+    """A submitter credential as serve makes one."""
+    user, password = f"submitter-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    r.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *ROLES["submitter"])
+    prepare(r)
+    yield user, password
+    r.execute_command("ACL", "DELUSER", user)
+
+
+def test_a_dashboard_metrics_or_status_watch_keeps_the_submitter_s_password_off_its_command_line(
+    env: dict[str, str], submitter: tuple[str, str], redis_server: RedisServer, tmp_path: Path
+):
+    """`gpumesh dashboard --url redis://submitter:PASSWORD@…`, as its help shows, kept the password on its command
+    line, which any process on the machine reads (a task of a worker there): each long-running command that takes
+    a URL now re-executes itself with it in its environment, and still works."""
+    user, password = submitter
+    url = f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+    script = tmp_path / "noop.py"
+    script.write_text("print(1)\n")
+    job = gpumesh("submit", str(script), "--payloads", "-", env=env, input="[{}]").stdout.strip()  # no worker: waits
+    clean = {k: v for k, v in env.items() if k != "GPUMESH_URL"}
+    commands = {
+        "dashboard": ["dashboard", "--url", url, "--port", "0", "--read-only"],
+        "metrics": ["metrics", "--url", url, "--port", str(_free_port())],
+        "status --watch": ["status", job, "--watch", f"--url={url}"],
+    }
+    for name, args in commands.items():
+        proc = subprocess.Popen([sys.executable, "-m", "gpumesh", *args], env=clean, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        try:
+            wait_until(lambda proc=proc: proc.poll() is not None or PLACEHOLDER in _cmdline(proc.pid), timeout=20)
+            assert proc.poll() is None, (name, proc.stderr.read() if proc.stderr else "")
+            line = _cmdline(proc.pid)
+            assert password not in line and PLACEHOLDER in line, (name, line)
+            time.sleep(1)  # it runs on, connected with the password restored
+            assert proc.poll() is None, (name, proc.stderr.read() if proc.stderr else "")
+        finally:
+            proc.kill()
+            proc.communicate()

@@ -34,6 +34,8 @@ def nested(depth: int) -> str:
         (["--payloads", "-", "--expires", "1e9"], "[{}]", "from 1 to a year"),
         (["--payloads", "-", "--timeout", "inf"], "[{}]", "--timeout: must be a finite number of seconds"),
         (["--payloads", "-", "--timeout", "1e16"], "[{}]", "at most a year"),
+        (["--payloads", "-", "--timeout", "nan"], "[{}]", "--timeout: must be a finite number of seconds"),
+        (["--payloads", "-", "--timeout", "0"], "[{}]", "--timeout: must be a finite number of seconds, more than 0"),
         (["--payloads", "-", "--idempotency-key", "\udcff\udcfe"], "[{}]", "--idempotency-key must be text (UTF-8)"),
         (["--payloads", "-", "--idempotency-key", "k" * 201], "[{}]", "--idempotency-key must be 1 to 200"),
     ],

@@ -18,7 +18,10 @@ import os
 import platform
 import pwd
 import secrets
+import shutil
+import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,7 +227,8 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
     runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
     try:
         _, left = runner.run(LEAVE, payload, _limits(user))
-        assert left["shmid"] >= 0 and all(k >= 0 for k in left["keys"]), left  # it could make them: in its own
+        assert left["shmid"] >= 0, left  # it could make a segment: in its own IPC namespace
+        assert left["keys"] == [-1, -1], left  # and no key at all: add_key is refused by its seccomp filter
         _, seen = runner.run(FIND, payload, _limits(user))
         assert seen == {"shm": False, "sysv": False, "user_key": False, "session_key": False, "host_key": False}
         assert not Path("/dev/shm", name).exists()
@@ -234,6 +238,116 @@ def test_what_a_task_leaves_in_shm_ipc_and_keyrings_is_gone_for_the_next_job(mod
     finally:
         runner.close()
         _LIBC.syscall(250, 3, ctypes.c_long(mine))  # KEYCTL_REVOKE
+
+
+LINK_USER_KEYRING = """
+import ctypes, json, sys
+p = json.load(sys.stdin)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+keys = {l.split()[8].rstrip(":"): int(l.split()[0], 16) for l in open("/proc/keys")}
+rings = [v for k, v in keys.items() if k.startswith("_uid.") and not k.startswith("_uid_ses")]
+seen = {"rings": len(rings), "linked": [], "read": None}
+for ring in rings:  # KEYCTL_LINK the host's user keyring into the task's own session keyring
+    seen["linked"].append(libc.syscall(250, 8, ctypes.c_int(ring), ctypes.c_int(-3)))
+if p["name"] in keys:
+    buf = ctypes.create_string_buffer(64)
+    n = libc.syscall(250, 11, ctypes.c_long(keys[p["name"]]), buf, 64)  # KEYCTL_READ
+    seen["read"] = buf.raw[:n].decode() if n > 0 else -ctypes.get_errno()
+found = libc.syscall(250, 10, ctypes.c_int(-3), b"user", p["name"].encode(), 0)  # KEYCTL_SEARCH, after the link
+seen["searched"] = found if found < 0 else libc.syscall(250, 11, ctypes.c_long(found), None, 0)
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@needs_keyctl
+@pytest.mark.parametrize("user", _user_params())
+def test_a_task_cannot_link_its_user_s_keyring_and_read_its_keys(mode, user):
+    """/proc/keys names the host's ``_uid.N`` keyring of the task's user; a task linked it into its own session
+    keyring and read the user's keys from it (as --sandbox-user too). The attempt's seccomp filter refuses
+    keyctl: no link, no read, no search."""
+    name = f"gpumesh-host-{secrets.token_hex(4)}"
+    who = pwd.getpwnam(user).pw_uid if user else os.getuid()
+    # the key in the keyring of the user the task runs as (for nobody: made by a child that becomes nobody)
+    mine = -1
+    if user is None:
+        mine = _LIBC.syscall(248, b"user", name.encode(), b"hunter2", 7, ctypes.c_int(-4))
+        assert mine >= 0, os.strerror(ctypes.get_errno())
+    else:
+        import subprocess
+
+        made = subprocess.run(
+            [SYSTEM_PYTHON, "-c", textwrap.dedent(f"""
+                import ctypes, os
+                os.setgid({pwd.getpwnam(user).pw_gid}); os.setuid({who})
+                libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+                # 0x3f3f0000: the possessor and the user may view, read, write, search, link and set attributes
+                k = libc.syscall(248, b"user", b"{name}", b"hunter2", 7, ctypes.c_int(-4))
+                assert k >= 0, os.strerror(ctypes.get_errno())
+                assert libc.syscall(250, 5, ctypes.c_long(k), 0x3f3f0000) == 0  # KEYCTL_SETPERM
+                print(k)
+            """)], capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        mine = int(made.stdout)
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        _, seen = runner.run(LINK_USER_KEYRING, {"name": name}, _limits(user))
+        assert seen["rings"] >= 1, seen  # the attack is there to make: the user's keyring is listed
+        assert all(r < 0 for r in seen["linked"]) and seen["searched"] < 0, seen
+        assert seen["read"] != "hunter2", seen
+    finally:
+        runner.close()
+        _LIBC.syscall(250, 3, ctypes.c_long(mine))  # KEYCTL_REVOKE (root may revoke nobody's key too)
+
+
+NESTED = """
+import ctypes, json, multiprocessing, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+seen = {}
+seen["unshare"] = (libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())  # CLONE_NEWUSER|CLONE_NEWNS
+seen["setns"] = (libc.setns(os.open("/proc/self/ns/ipc", os.O_RDONLY), 0), ctypes.get_errno())
+# raw clone(CLONE_NEWUSER|SIGCHLD): the child, if it were made, exits at once
+pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)
+if pid == 0:
+    os._exit(0)
+seen["clone_newuser"] = (min(pid, 0), ctypes.get_errno())
+if pid > 0:
+    os.waitpid(pid, 0)
+box = []
+t = threading.Thread(target=box.append, args=(1,))
+t.start()
+t.join()
+seen["thread"] = box == [1]
+seen["subprocess"] = subprocess.run([sys.executable, "-c", "print(6*7)"], capture_output=True, text=True).stdout
+child = os.fork()
+if child == 0:
+    os._exit(7)
+seen["fork"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    seen["pool"] = pool.map(abs, [-1, -2, -3])
+print(json.dumps(seen))
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the task calls clone by its x86_64 number")
+@pytest.mark.parametrize("user", _user_params())
+def test_a_task_makes_no_namespace_of_its_own_yet_threads_and_processes_work(mode, user):
+    """A task made a user namespace of its own (unshare returned 0: every capability inside it), from which the
+    kernel's namespaced code is open to it. Now unshare, setns and clone with CLONE_NEWUSER are refused (EPERM),
+    and threads, subprocess, os.fork and a multiprocessing pool still work (glibc's clone3 falls back to clone)."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        _, seen = runner.run(NESTED, {}, _limits(user, memory_bytes=0))
+        assert seen["unshare"] == [-1, 1] and seen["setns"] == [-1, 1] and seen["clone_newuser"] == [-1, 1], seen
+        assert seen["thread"] and seen["subprocess"] == "42\n" and seen["fork"] == 7, seen
+        assert seen["pool"] == [1, 2, 3], seen
+    finally:
+        runner.close()
 
 
 FILL_SHM = """
@@ -353,13 +467,170 @@ def test_doctor_says_whether_attempts_get_namespaces_of_their_own(env):
 @needs_landlock
 @needs_namespaces
 @pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox-user needs a root worker")
-def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(env, tmp_path: Path):
-    """Each attempt would fail to lay its overlay: the worker says so in one line and does not start."""
-    private = tmp_path / "root-only"
-    (private / "cache").mkdir(parents=True)
-    private.chmod(0o700)
-    p = gpumesh("worker", "--score", "1", "--burst", "--sandbox-user", "nobody", "--cache-path",
-                str(private / "cache"), env={**env, "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}, timeout=60)  # fmt: skip
+@pytest.mark.parametrize("closed", ["parent", "cache"])
+def test_a_cache_the_sandbox_user_cannot_read_is_refused_at_start(closed, env, tmp_path: Path):
+    """Each attempt would fail to lay its overlay, or lay one the task cannot read (the cache itself 0700 root's
+    was accepted): the worker says so in one line and does not start."""
+    reachable = Path(tempfile.mkdtemp(prefix="gpumesh-test-"))  # not under tmp_path, which nobody cannot enter
+    reachable.chmod(0o755)
+    private = reachable / "root-only"
+    try:
+        (private / "cache").mkdir(parents=True)
+        (private if closed == "parent" else private / "cache").chmod(0o700)
+        p = gpumesh("worker", "--score", "1", "--burst", "--sandbox-user", "nobody", "--cache-path",
+                    str(private / "cache"), env={**env, "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}, timeout=60)  # fmt: skip
+        assert p.returncode == 2, p.stderr
+        assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
+        assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [
+            p.stderr.strip().splitlines()[-1]
+        ]
+    finally:
+        shutil.rmtree(reachable)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="a filter for x86_64 and aarch64 only")
+def test_doctor_says_what_the_seccomp_filter_refuses(env):
+    """`gpumesh doctor` names the calls a task's seccomp filter refuses."""
+    p = gpumesh("doctor", "--json", env=env, timeout=120)
+    (row,) = [row for row in json.loads(p.stdout) if row["check"] == "seccomp"]
+    assert row["status"] == "ok" and "keyctl" in row["detail"] and "unshare" in row["detail"], row
+
+
+READ_TOKEN = """
+import json, sys
+p = json.load(sys.stdin)
+try:
+    print(json.dumps({"token": open(p["token"]).read()}))
+except OSError as exc:
+    print(json.dumps({"token": type(exc).__name__}))
+"""
+
+
+@needs_landlock
+@pytest.mark.parametrize("flag", ["--cache-path", "--read-path"])
+def test_a_path_that_holds_a_credential_is_refused_at_start(flag, env, workers: Workers, tmp_path: Path):
+    """`huggingface-cli login` keeps its token in ~/.cache/huggingface/token: a worker given that folder gave every
+    task the owner's login. It now refuses it in one line (exit 2); given the hub folder, as the docs say, it
+    starts, and a task reads the model but not the token."""
+    hf = tmp_path / "huggingface"
+    (hf / "hub" / "models--bert").mkdir(parents=True)
+    (hf / "hub" / "models--bert" / "config.json").write_text("{}")
+    (hf / "token").write_text("hf_ownerssecret")
+    p = gpumesh("worker", "--score", "1", "--burst", flag, str(hf), env=env, timeout=60)
     assert p.returncode == 2, p.stderr
-    assert "--cache-path: an attempt could not lay its overlay" in p.stderr and "Traceback" not in p.stderr
-    assert [line for line in p.stderr.splitlines() if "error" in line.lower()] == [p.stderr.strip().splitlines()[-1]]
+    assert f"{flag} {hf}: holds token, which looks like a credential" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "huggingface/hub" in p.stderr.strip().splitlines()[-1]
+    workers.start(flag, str(hf / "hub"), GPUMESH_WRITE_PATHS="")  # not the test's directory, which holds hf
+    (tmp_path / "read.py").write_text(READ_TOKEN)
+    payload = json.dumps([{"token": str(hf / "token")}])
+    job = gpumesh("submit", str(tmp_path / "read.py"), "--payloads", "-", "--wait", env=env, input=payload)
+    (row,) = json.loads(gpumesh("results", job.stdout.split()[0], "--format", "json", env=env).stdout)
+    assert row["result"] == {"token": "PermissionError"}, (row, workers.log(0))
+
+
+PLANTED = """
+import importlib, os, sys
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ran-%d" % os.getpid()), "w") as f:
+    f.write(" ".join(sys.argv))
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)  # the real one, so that what imported it works on
+"""
+
+
+def test_a_module_in_the_working_directory_runs_in_no_gpumesh_process(env, tmp_path: Path):
+    """`gpumesh run --local` in a folder that holds a csv.py (a download, a clone) started its workers and their
+    launchers as `python -m …`, which puts the working directory first on sys.path: the planted module ran in
+    each of them, outside any sandbox. Every child gpumesh starts now runs with -P: `run --local` (warm workers)
+    and a `worker --fresh` started there run nothing of the folder."""
+    cwd = tmp_path / "downloads"
+    cwd.mkdir()
+    for name in ("csv", "json", "socket", "ctypes", "signal"):
+        (cwd / f"{name}.py").write_text(PLANTED)
+    (tmp_path / "task.py").write_text("import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n")
+    (tmp_path / "p.json").write_text('[{"a": 1}, {"a": 2}]')
+    console = str(Path(sys.executable).parent / "gpumesh")  # as a user runs it: the console script
+    task, payloads = str(tmp_path / "task.py"), str(tmp_path / "p.json")
+    p = subprocess.run([console, "run", task, "--payloads", payloads, "--local", "2", "--json"], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert [row["result"] for row in json.loads(p.stdout)] == [{"a": 1}, {"a": 2}]
+    job = gpumesh("submit", task, "--payloads", payloads, env=env).stdout.strip()
+    w = subprocess.run([console, "worker", "--fresh", "--burst", "--score", "1"], env=env, cwd=cwd,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert w.returncode == 0, w.stderr
+    assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "done"
+    ran = [f.read_text() for f in cwd.glob("ran-*")]
+    assert ran == [], ran
+
+
+SYSV_HOARD = """
+import ctypes, json, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size, made, refused = 50 << 20, 0, None
+for _ in range(6):  # 300 MB in SysV segments, each touched and detached: in no process's RSS
+    shmid = libc.shmget(0, ctypes.c_size_t(size), 0o1000 | 0o600)
+    if shmid < 0:
+        refused = os.strerror(ctypes.get_errno())
+        break
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(ctypes.c_void_p(addr))
+    made += 1
+limits = {n: int(open("/proc/sys/kernel/" + n).read()) for n in ("shmmax", "shmall")}
+print(json.dumps({"made": made, "refused": refused, "uid": os.getuid(), "limits": limits}))
+time.sleep(2)  # held while the worker measures
+"""
+
+
+@needs_landlock
+@needs_namespaces
+@pytest.mark.parametrize("user", _user_params())
+def test_sysv_segments_a_task_detaches_stay_within_its_memory_cap(mode, user):
+    """Six 50 MB SysV segments, touched then detached, are in no process's RSS: under a 100 MiB cap a task held
+    300 MB and was not killed. The attempt's IPC namespace now caps SysV memory at its memory cap (shmmax, shmall,
+    written as root of a user namespace that owns it); the task still sees its own uid."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        out, seen = runner.run(SYSV_HOARD, {}, _limits(user, memory_bytes=100 << 20))
+        assert out.killed or (seen["made"] * 50 << 20) <= 100 << 20, (seen, out.describe_exit())
+        if not out.killed:
+            assert seen["refused"] == "No space left on device", seen  # shmget's ENOSPC past shmall
+            assert seen["uid"] == (pwd.getpwnam(user).pw_uid if user else os.getuid()), seen
+    finally:
+        runner.close()
+
+
+MEMFD_HOARD = """
+import json, os, sys, time
+p = json.load(sys.stdin)
+fd = os.memfd_create("hoard")
+chunk = b"y" * (4 << 20)
+for _ in range(75):  # 300 MB written, never mapped: in no process's RSS
+    os.write(fd, chunk)
+if p["how"] == "mapped, closed, untouched":  # in RSS only as its pages are touched, which these never are
+    import mmap
+    held = mmap.mmap(fd, 300 << 20)
+    os.close(fd)
+print(json.dumps({"how": p["how"]}))
+time.sleep(5)  # held while the worker measures
+"""
+
+
+@needs_landlock
+@pytest.mark.parametrize("user", _user_params())
+@pytest.mark.parametrize("how", ["open", "mapped, closed, untouched"])
+def test_a_memfd_a_task_fills_without_mapping_it_counts_against_its_memory_cap(mode, user, how):
+    """A memfd filled with write() is RAM in no process's RSS: 300 MB under a 100 MiB cap, and the task was not
+    killed; nor when it mapped the memfd, closed it and never touched the pages. The worker now counts the memfds an
+    attempt's processes hold open or map: it is killed for memory."""
+    runner = Runner(mode, SYSTEM_PYTHON if user else sys.executable)
+    try:
+        if how != "open" and os.geteuid() != 0:
+            pytest.skip("a mapping is looked up through /proc/PID/map_files, which only a root worker reads")
+        out, _ = runner.run(MEMFD_HOARD, {"how": how}, _limits(user, memory_bytes=100 << 20))
+        assert out.killed == "memory", out.describe_exit()
+    finally:
+        runner.close()

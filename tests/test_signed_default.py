@@ -492,3 +492,46 @@ def test_every_way_a_task_ends_for_good_marks_it_spent_and_retry_unmarks_it(brok
     end_all(tids)
     assert not r.exists(k.spent(unsigned))
     assert broker.retry(unsigned, cancelled=True)[0] == 3
+
+
+LINKS = """
+import json, os, sys
+p = json.load(sys.stdin)
+out = os.environ["GPUMESH_OUTPUT_DIR"]
+if p["real"]:
+    open(os.path.join(out, "real.txt"), "w").write("x")
+os.symlink("/etc/hostname", os.path.join(out, "link"))
+print(json.dumps(p))
+"""
+
+
+def test_an_honest_result_whose_output_dir_held_only_a_symlink_verifies(mesh: Mesh, workers):
+    """A task whose output dir held only a symlink (skipped, with a note): its honest result showed NOT VERIFIED and
+    `results --verify` exited 1, as if its files were lost, while with a real file beside it it verified. Both do."""
+    job = mesh.submit([{"real": False}, {"real": True}], LINKS, "links.py")
+    mesh.start_worker(workers)
+    wait_until(lambda: all(mesh.task(k.task_id(job, i)).get("status") == "done" for i in range(2)), timeout=60,
+               what="the job")  # fmt: skip
+    p = mesh.results(job, "--json", "--verify")
+    assert p.returncode == 0, p.stderr
+    assert [r["verified"] for r in json.loads(p.stdout)] == [True, True]
+    index = json.loads(mesh.task(k.task_id(job, 0))["artifacts"])
+    assert index["files"] == [] and [s["path"] for s in index["skipped"]] == ["link"], index
+    assert "NOT VERIFIED" not in mesh.results(job).stdout
+
+
+def test_serve_on_loopback_says_its_worker_line_is_for_this_machine(mesh: Mesh):
+    """serve listening on 127.0.0.1 headed its join line "Join a worker on another machine:", which cannot reach it."""
+    text = "\n".join(mesh.serve.lines)
+    assert "Join a worker on another machine" not in text, text
+    assert "Join a worker on this machine (the broker listens on 127.0.0.1 only" in text, text
+
+
+def test_a_worker_given_a_submitter_url_says_so_in_one_line(mesh: Mesh):
+    """`gpumesh worker` with the submit line's URL ended in a long pipeline HSET error: it now says in one line that
+    this credential is not a worker's and which line to use, exit 2."""
+    p = gpumesh("worker", mesh.submitter_url, "--score", "1", "--burst", env=mesh.env, timeout=60)
+    assert p.returncode == 2, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "(submitter) may not register a worker" in errors[0], p.stderr
+    assert "HSET" not in p.stderr and "Traceback" not in p.stderr and mesh.submitter_url not in p.stderr

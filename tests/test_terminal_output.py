@@ -100,3 +100,35 @@ def test_no_control_sequence_or_markup_from_redis_reaches_the_terminal(
     assert {rows[1]["worker"], rows[1]["error"], rows[0]["worker"], rows[0]["error"]} == {
         "'=HYPERLINK(\"http://evil.example\",\"ok\")", "'@SUM(1+1)", "'+1+cmd|' /C calc'!A0", "'\t=1+1",
     }  # fmt: skip
+
+
+BIDI = "\u202e" + "txt.exe" + "\u202c" + "\u2066" + "\u200f" + "\u061c"
+BIDI_TASK = """
+import json, sys
+p = json.load(sys.stdin)
+print("log " + p["bidi"], file=sys.stderr)
+print(json.dumps("result " + p["bidi"]))
+"""
+
+
+def test_no_bidirectional_override_from_redis_reaches_the_terminal(
+    env: dict[str, str], workers: Workers, tmp_path: Path
+):
+    """A right-to-left override (U+202E) in a task's result, its log or a job's name reorders what a terminal shows
+    ("exe.txt" reads "txt.exe"): `results`, `logs`, `jobs` and `status` show it, and the other bidirectional
+    formatting characters, as \\u escapes."""
+    workers.start()
+    (tmp_path / "bidi.py").write_text(BIDI_TASK)
+    payload = json.dumps([{"bidi": BIDI}])
+    job = gpumesh("submit", str(tmp_path / "bidi.py"), "--payloads", "-", "--name", "job" + BIDI, "--wait",
+                  env=env, input=payload).stdout.split()[0]  # fmt: skip
+    shown = "".join(
+        p.stdout + p.stderr
+        for p in (
+            gpumesh("results", job, env=env), gpumesh("logs", job, env=env), gpumesh("jobs", env=env),
+            gpumesh("status", job, env=env),
+        )
+    )  # fmt: skip
+    for c in ("\u202e", "\u202c", "\u2066", "\u200f", "\u061c"):
+        assert c not in shown, f"{c!r} reached the terminal: {shown!r}"
+    assert "\\u202etxt.exe" in shown, shown

@@ -1,8 +1,10 @@
-"""Keep a worker's broker password off its command line.
+"""Keep a broker password off the command line of a command that runs for long.
 
 ``/proc/<pid>/cmdline`` is readable by every process on the machine, a task confined by Landlock
 included (only ``mem`` and ``environ`` need ptrace rights). serve's worker line and ``gpumesh join
---token`` put the password there, so a long-lived ``gpumesh worker`` started from them re-executes
+--token`` put the password there, as does ``--url redis://submitter:PASSWORD@…`` given to a dashboard,
+``metrics``, ``top``, ``status --watch``, ``submit --wait`` or ``logs --follow`` on a worker's machine. So a
+long-lived command started so (a worker for hours, a dashboard for days) re-executes
 itself at once, before it connects or runs anything, with the password replaced by a placeholder in its
 arguments and carried in its environment instead, which only the worker's own user (and, under
 Landlock, not even its tasks) can read. The task's environment is built from an allow-list and never
@@ -17,7 +19,8 @@ from urllib.parse import urlsplit
 
 PLACEHOLDER = "@gpumesh-password-from-environment@"
 ENV = "GPUMESH_ARGV_SECRET"
-_COMMANDS = ("worker", "join")  # the commands that run for hours next to tasks
+_COMMANDS = ("worker", "join", "dashboard", "metrics", "top")  # the commands that run for hours next to tasks
+_WHILE = {"status": ("--watch",), "submit": ("--wait",), "logs": ("--follow", "-f")}  # and these, following a job
 
 
 def _command(args: list[str]) -> str | None:
@@ -63,12 +66,14 @@ def restore() -> None:
 
 
 def hide_password() -> None:
-    """Re-execute a ``worker`` or ``join`` whose arguments hold a broker password without it (see the module)."""
+    """Re-execute a long-running command whose arguments hold a broker password without it (see the module)."""
     if ENV in os.environ:
         restore()
         return
     args = sys.argv[1:]
-    if _command(args) not in _COMMANDS or os.name != "posix":
+    command = _command(args)
+    following = any(a in _WHILE.get(command or "", ()) for a in args)
+    if (command not in _COMMANDS and not following) or os.name != "posix":
         return
     secret = _secret(args)
     if not secret or PLACEHOLDER in secret:

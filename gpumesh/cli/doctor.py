@@ -165,7 +165,11 @@ def probe_torch() -> Torch | None:
         return None
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _TORCH_CHILD], capture_output=True, text=True, timeout=TORCH_TIMEOUT, check=False
+            [sys.executable, "-P", "-c", _TORCH_CHILD],
+            capture_output=True,
+            text=True,
+            timeout=TORCH_TIMEOUT,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return Torch(error=f"importing torch took over {TORCH_TIMEOUT:.0f} s")
@@ -387,6 +391,20 @@ def namespaces_line() -> Line:
     return warn("namespaces", f"{mine}: tasks share /dev/shm, SysV IPC and the user keyring", NAMESPACES_FIX)
 
 
+def seccomp_line() -> Line:
+    """What the seccomp filter every confined task runs under refuses, or why there is none here."""
+    from gpumesh.sandbox.launcher import ARCHES, seccomp_described
+
+    machine = os.uname().machine
+    if sys.platform.startswith("linux") and machine in ARCHES:
+        return ok("seccomp", f"tasks run under a seccomp filter that refuses {seccomp_described()}")
+    return warn(
+        "seccomp",
+        f"no seccomp filter for {machine}: tasks may call keyctl and make namespaces of their own",
+        "Run workers on Linux x86_64 or aarch64.",
+    )
+
+
 def own_cgroup(version: str, proc_cgroup: str) -> Path | None:
     """This process's own cgroup directory: the v2 one, or v1's memory controller's."""
     for row in proc_cgroup.splitlines():
@@ -450,6 +468,7 @@ def machine_lines(settings: Settings) -> list[Line]:
         ("cache", lambda: cache_line(settings.cache_dir)),
         ("landlock", landlock_line),
         ("namespaces", namespaces_line),
+        ("seccomp", seccomp_line),
         ("cgroup", cgroup_line),
         ("lend idle", lambda: lend_idle_line(settings.idle_probe)),
     ]

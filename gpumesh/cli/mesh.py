@@ -105,7 +105,8 @@ def worker_options(f: Any) -> Any:
                 "cache_path",
                 multiple=True,
                 metavar="PATH",
-                help="Under isolation, a cache tasks read (a Hugging Face or torch hub cache you fill yourself): "
+                help="Under isolation, a cache tasks read (a Hugging Face or torch hub cache you fill yourself, its own "
+                "folder: ~/.cache/huggingface/hub, never a folder that holds a login token, which is refused): "
                 "each attempt sees it through an overlay of its own, whose writes go when the attempt ends, so no "
                 "job leaves code there for another (repeatable; also GPUMESH_CACHE_PATHS).",
             ),
@@ -453,7 +454,9 @@ def serve(
             )
         lines += [
             "",
-            "Join a worker on another machine:",
+            "Join a worker on another machine:"
+            if tunnel_url or not is_loopback(host)
+            else f"Join a worker on this machine (the broker listens on {host} only: serve --host 0.0.0.0 for others):",
             f"  gpumesh worker '{tunnel_url or join}'{trust}",
             "Submit a job:",
             f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json{sign_key} --url '{submit_url}' "

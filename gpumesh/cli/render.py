@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 # Every C0 control but tab and newline, DEL, and every C1 control (U+0080-U+009F: 0x9B is a CSI of its own on some
 # terminals), shown as the escape Python would write: a string a task, worker or submitter stored never moves the
 # cursor, clears the screen, recolours what follows, sets a window title, writes the clipboard (OSC 52) or makes a
-# link (OSC 8) in the terminal of the person who reads it.
+# link (OSC 8) in the terminal of the person who reads it. And the bidirectional formatting characters (U+061C,
+# U+200E-U+200F, U+202A-U+202E, U+2066-U+2069), shown as \u escapes: a right-to-left override makes "txt.exe" of
+# "exe.txt" and reorders a line so that what it shows is not what it holds.
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F, *range(0x80, 0xA0)]}
+_CONTROLS.update({c: f"\\u{c:04x}" for c in [0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]})
 
 
 def plain(text: object) -> str:

@@ -47,7 +47,7 @@ def launcher_command(python: str) -> list[str]:
     starts (so a killed worker leaves none behind). If the command never runs, pass it to
     :func:`forget_launcher_command`."""
     if python == sys.executable:
-        return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
+        return [python, "-u", "-P", "-m", "gpumesh.sandbox.launcher"]  # -P: not the cwd's modules
     return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
 
 

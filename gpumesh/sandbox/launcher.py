@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # no stubs: the C functions that signal wraps
 import ctypes
+import errno
 import os
 import resource
 import signal
+import struct
 import sys
 
 # Names the annotations need, for the type checker only: at run time this module imports socket and json
@@ -305,6 +307,119 @@ def restrict_to(ruleset: int, drop: bool = False) -> None:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
 
 
+# -- seccomp: the system calls a task never needs -------------------------------------------------------
+# A seccomp filter for the task's process: the few system calls a task never needs and an attacker uses.
+#
+# Installed last, after the attempt's namespaces and Landlock (gpumesh.sandbox.launcher), in the process that becomes
+# the task; everything the task starts inherits it. It refuses:
+#
+# - ``keyctl``, ``add_key``, ``request_key`` (EPERM): /proc/keys names the keyrings of the task's user, and linking
+#   one into its own session keyring (KEYCTL_LINK) read the user's keys even from a namespace of its own;
+# - ``unshare``, ``setns`` and ``clone`` with a CLONE_NEW* flag (EPERM): a task makes no namespace (a user namespace
+#   of its own gives back every capability inside it);
+# - ``clone3`` (ENOSYS): its flags are behind a pointer a filter cannot read; glibc then falls back to ``clone``
+#   for threads and subprocesses, as under Docker's default profile, which refuses the same calls.
+#
+# A classic BPF program assembled here (no libseccomp): it checks the architecture the call was made for (x86_64 or
+# aarch64; a 32-bit or x32 call on x86_64 kills the process, since its numbers differ) and the call's number.
+
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_ERRNO = 0x00050000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+X32_SYSCALL_BIT = 0x40000000
+# every CLONE_NEW* flag clone() takes (CLONE_NEWTIME shares its bit with clone's exit signal: unshare only)
+CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+
+# machine -> (AUDIT_ARCH_*, {name: number})
+ARCHES: dict[str, tuple[int, dict[str, int]]] = {
+    "x86_64": (0xC000003E, {"keyctl": 250, "add_key": 248, "request_key": 249, "unshare": 272, "setns": 308,
+                            "clone": 56, "clone3": 435}),
+    "aarch64": (0xC00000B7, {"keyctl": 219, "add_key": 217, "request_key": 218, "unshare": 97, "setns": 268,
+                             "clone": 220, "clone3": 435}),
+}  # fmt: skip
+REFUSED = ("keyctl", "add_key", "request_key", "unshare", "setns")  # EPERM; clone3 ENOSYS; clone by its flags
+
+# classic BPF opcodes
+_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
+_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+_JSET_K = 0x45  # BPF_JMP | BPF_JSET | BPF_K
+_RET_K = 0x06  # BPF_RET | BPF_K
+# offsets in struct seccomp_data: nr (u32), arch (u32), instruction_pointer (u64), args[6] (u64 each)
+_NR, _ARCH, _ARG0_LOW = 0, 4, 16  # args[0]'s low word on a little-endian machine (both above are)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def seccomp_described() -> str:
+    """What the filter refuses, in a line (for doctor and the docs)."""
+    return (
+        "keyctl, add_key, request_key, unshare, setns and clone with CLONE_NEW* flags (EPERM); "
+        "clone3 (ENOSYS: threads and subprocesses use clone)"
+    )
+
+
+def seccomp_program(machine: str) -> bytes:
+    """The filter for ``machine`` (os.uname().machine), as the kernel reads it: 8-byte sock_filter rows."""
+    arch, nr = ARCHES[machine]
+    # (code, jump-if-true label, jump-if-false label, k); a label is a row's name, None: the next row
+    rows: list[tuple[str | None, int, str | None, str | None, int]] = [
+        (None, _LD_W_ABS, None, None, _ARCH),
+        (None, _JEQ_K, None, "kill", arch),
+        (None, _LD_W_ABS, None, None, _NR),
+    ]
+    if machine == "x86_64":
+        rows.append((None, _JGE_K, "kill", None, X32_SYSCALL_BIT))
+    rows += [(None, _JEQ_K, "eperm", None, nr[name]) for name in REFUSED]
+    rows += [
+        (None, _JEQ_K, "enosys", None, nr["clone3"]),
+        (None, _JEQ_K, None, "allow", nr["clone"]),
+        (None, _LD_W_ABS, None, None, _ARG0_LOW),
+        (None, _JSET_K, "eperm", "allow", CLONE_NEW_FLAGS),
+        ("allow", _RET_K, None, None, SECCOMP_RET_ALLOW),
+        ("eperm", _RET_K, None, None, SECCOMP_RET_ERRNO | errno.EPERM),
+        ("enosys", _RET_K, None, None, SECCOMP_RET_ERRNO | errno.ENOSYS),
+        ("kill", _RET_K, None, None, SECCOMP_RET_KILL_PROCESS),
+    ]
+    at = {label: i for i, (label, *_rest) in enumerate(rows) if label}
+    out = []
+    for i, (_label, code, jt, jf, k) in enumerate(rows):
+        t = at[jt] - i - 1 if jt else 0
+        f = at[jf] - i - 1 if jf else 0
+        out.append(struct.pack("=HBBI", code, t, f, k))
+    return b"".join(out)
+
+
+_PROGRAM: dict[str, ctypes.Array[ctypes.c_char]] = {}  # built once per process (a warm zygote's forks inherit it)
+
+
+def prepare_seccomp() -> bool:
+    """Build this machine's filter ahead (a warm zygote does, so its attempts do not); False where there is none."""
+    machine = os.uname().machine
+    if machine not in ARCHES:
+        return False
+    if machine not in _PROGRAM:
+        code = seccomp_program(machine)
+        _PROGRAM[machine] = ctypes.create_string_buffer(code, len(code))
+    return True
+
+
+def install_seccomp(libc: ctypes.CDLL) -> None:
+    """Filter this process and all it starts. Needs no_new_privs set already (Landlock's restrict sets it).
+    Raises OSError where the kernel refuses, or where this machine's architecture has no filter here."""
+    machine = os.uname().machine
+    if not prepare_seccomp():
+        raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
+    buf = _PROGRAM[machine]
+    prog = _SockFprog(len(buf.raw) // 8, ctypes.addressof(buf))
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
 ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm", "project")  # what of the rules is each attempt's own
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
@@ -367,6 +482,11 @@ def take_prepared(rules: dict[str, Any] | None, script_dir: str) -> int | None:
 # /dev/shm (POSIX shared memory), a session keyring of its own (and, in its user namespace, a user keyring of its
 # own), and each --cache-path as an overlay whose writes go to the attempt's directory. All of it goes when the
 # attempt's last process does. The capabilities the new user namespace gives are dropped before the task runs.
+# With a memory cap, the IPC namespace's SysV limits (kernel.shmmax, shmall) are the cap: a segment touched and
+# detached is in no process's RSS, which is what the worker counts. Linux lets only the root of the user namespace
+# that owns an IPC namespace write them, so the IPC namespace is made in a first user namespace where the task's
+# user is root (0 -> its uid), the limits written, and the mount namespace in a second one inside it that maps
+# the user back to itself (uid -> 0 -> uid): the task sees its own uid, as before.
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
@@ -389,11 +509,15 @@ def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str |
     dumpable = libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
-        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)")
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
+        if shm_bytes > 0:
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWIPC, f"0 {uid} 1", f"0 {gid} 1")
+            pages = max(1, shm_bytes // os.sysconf("SC_PAGE_SIZE"))
+            for name, value in (("shmmax", shm_bytes), ("shmall", pages)):
+                with open(f"/proc/sys/kernel/{name}", "w") as f:
+                    f.write(str(value))
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWNS, f"{uid} 0 1", f"{gid} 0 1")
+        else:
+            _unshare_mapped(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC, f"{uid} {uid} 1", f"{gid} {gid} 1")
     finally:
         libc.prctl(PR_SET_DUMPABLE, max(dumpable, 0), 0, 0, 0)
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here reaches the host's namespace
@@ -420,6 +544,16 @@ def enter_namespaces(private: dict[str, Any], shm_bytes: int, attempt_dir: str |
     return own
 
 
+def _unshare_mapped(flags: int, uid_map: str, gid_map: str) -> None:
+    """unshare(``flags``, a new user namespace among them) and map this process's user and group in it."""
+    libc = _syscall()[1]
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), f"unshare({flags:#x})")
+    for name, text in (("setgroups", "deny"), ("uid_map", uid_map), ("gid_map", gid_map)):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
     libc = _syscall()[1]
     args = [None if v is None else os.fsencode(v) for v in (source, target, fstype)]
@@ -438,6 +572,9 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
     try:
         if uid >= 0 and uid != os.getuid():
             _become_user(str(uid), str(gid))
+        for path in caches:  # overlayfs lays a lower dir the user cannot read: the task would find it closed
+            if not os.access(path, os.R_OK | os.X_OK):
+                raise OSError(errno.EACCES, "no access", path)
         attempt = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX + "probe-") if caches else None
         enter_namespaces({"caches": list(caches)}, 1 << 20, attempt)
     except OSError as exc:
@@ -472,11 +609,16 @@ def _run_script(
             _grant(ruleset, handled, ((own, handled),))
             restrict_to(ruleset, drop=rules.get("private") is not None)
             os.close(ruleset)  # the task holds nothing of its confinement
+            if prepare_seccomp():  # last: the namespaces above needed unshare and keyctl
+                install_seccomp(_syscall()[1])
         except OSError as exc:  # never run a task less isolated than the worker said it would be
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
             os._exit(70)
     sys.argv = [script]
-    sys.path[0] = os.path.dirname(script)
+    if getattr(sys.flags, "safe_path", False):  # started with -P (-m, the worker's own Python): no entry of a dir yet
+        sys.path.insert(0, os.path.dirname(script))
+    else:  # the launcher's private copy's directory
+        sys.path[0] = os.path.dirname(script)
     project = os.environ.get("GPUMESH_PROJECT_DIR")
     if project and project != sys.path[0]:  # a script in a folder of its project: the project's top comes first
         sys.path.insert(0, project)
@@ -1034,6 +1176,7 @@ def _preload(ctrl: socket.socket, preload: list[str]) -> None:
     # The first compile() in a process pays a one-time set-up (~3.5 ms here); pay it once, not per task.
     compile(_WARM_UP, "<warm-up>", "exec")
     _syscall()  # libc through ctypes, for each attempt's Landlock and capabilities: loaded once, inherited
+    prepare_seccomp()  # the filter each attempt installs, assembled once
     _interpreter_paths()  # resolved once, inherited by every spare that builds an attempt's rules
     # traceback: a task's error path needs it; loaded here, it works even for a --sandbox-user who
     # cannot read the standard library the zygote was started from.

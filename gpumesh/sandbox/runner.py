@@ -89,7 +89,7 @@ def _launcher(limits: Limits) -> list[str]:
     directory: the task's user owns it, and whatever sits there must not be what the worker runs."""
     python = limits.python or sys.executable
     if python == sys.executable and limits.user is None:
-        return [python, "-u", "-m", "gpumesh.sandbox.launcher"]
+        return [python, "-u", "-P", "-m", "gpumesh.sandbox.launcher"]  # -P: not the cwd's modules
     # -s: the interpreter starts as root with HOME set to the task's directory; the user site-packages there
     # (a .pth file runs code) must not be read before the launcher drops root.
     return [python, "-u", *(["-s"] if limits.user else []), copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
@@ -197,7 +197,8 @@ def tree_memory(pid: int, cap: int) -> int:
     (a script's DataLoader workers; what a warm zygote imported, shared by every attempt it forks) count
     once, not once per process. PSS (smaps_rollup) walks a process's page tables, so it is read only when
     RSS alone says the cap may be passed; where it is refused (another user's process), RSS counts. Both with
-    what the attempt keeps in a /dev/shm of its own (:func:`private_shm_bytes`): RAM that no process's RSS shows."""
+    what the attempt keeps in a /dev/shm of its own (:func:`private_shm_bytes`) and in memfds it holds open but
+    maps nowhere (:func:`memfd_bytes`): RAM that no process's RSS shows."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -209,7 +210,7 @@ def tree_memory(pid: int, cap: int) -> int:
             rss[p] = p.memory_info().rss
         except psutil.Error:
             pass
-    shm = private_shm_bytes([p.pid for p in procs[1:]])
+    shm = private_shm_bytes([p.pid for p in procs[1:]]) + memfd_bytes([p.pid for p in procs[1:]])
     total = sum(rss.values()) + shm
     if total <= cap:
         return total
@@ -240,6 +241,33 @@ def private_shm_bytes(pids: list[int]) -> int:
             continue
         return (st.f_blocks - st.f_bfree) * st.f_frsize
     return 0
+
+
+def memfd_bytes(pids: list[int]) -> int:
+    """The bytes of the memfds (memfd_create) that the processes ``pids`` hold open or map: a memfd filled with
+    write() is RAM in no process's RSS. Each file once, by its inode, however many descriptors or mappings name it;
+    one both mapped and touched counts in RSS too (as a mapped file of /dev/shm does). A mapping is looked up
+    through /proc/PID/map_files, which only a root worker may read: a non-root worker counts the open ones."""
+    held: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        paths: list[str] = []
+        try:
+            fds = f"/proc/{pid}/fd"
+            paths += [f"{fds}/{n}" for n in os.listdir(fds) if os.readlink(f"{fds}/{n}").startswith("/memfd:")]
+        except OSError:  # gone, or not ours to look into
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths += [f"/proc/{pid}/map_files/{row.split()[0]}" for row in f if "/memfd:" in row]
+        except (OSError, IndexError):
+            pass
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(held.values())
 
 
 def _kill_hard(proc: AttemptProcess) -> None:

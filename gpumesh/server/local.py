@@ -59,6 +59,7 @@ class LocalMesh:
                     subprocess.Popen(
                         [
                             sys.executable,
+                            "-P",  # the working directory's modules (a csv.py) are not gpumesh's
                             "-m",
                             "gpumesh",
                             "worker",

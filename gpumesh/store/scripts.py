@@ -459,7 +459,8 @@ def complete(
     if staged is not None:
         from gpumesh.store import artifacts
 
-        staging, final = staged.store.promote(staged.index)
+        if staged.index["files"]:  # no file, only notes of skipped ones (a symlink): nothing staged to promote,
+            staging, final = staged.store.promote(staged.index)  # which complete would take for a lost staging
         index, total = artifacts.dumps(staged.index), staged.total
         store = "" if staged.index["store"] == "broker" else staged.index["store"]
     call_keys = _task_keys(lease.task_id, keys.worker(worker_id), keys.STATS, keys.STATS_DURATION) + [

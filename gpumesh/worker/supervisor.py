@@ -88,7 +88,7 @@ class Supervisor:
         self.stopping = 0
 
     def _spawn(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "gpumesh", "worker", *child.args, "--exit-with-parent", str(os.getpid())]
+        cmd = [sys.executable, "-P", "-m", "gpumesh", "worker", *child.args, "--exit-with-parent", str(os.getpid())]
         child.proc = subprocess.Popen(cmd, env=child.env)
         child.started = time.monotonic()
         log.info("worker for %s started (pid %d)", _label(child), child.proc.pid)

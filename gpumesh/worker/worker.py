@@ -85,6 +85,17 @@ def isolation_of(settings: Any, user: tuple[int, int] | None = None) -> tuple[la
         return None, f"tasks are NOT isolated from this machine's files: {why}; see `gpumesh doctor`"
     read, write = landlock.split_paths(settings.read_paths), landlock.split_paths(settings.write_paths)
     cache = landlock.split_paths(settings.cache_paths)
+    for flag, paths in (("--read-path", read), ("--write-path", write), ("--cache-path", cache)):
+        for path in paths:
+            found = credential_files(path)
+            if found:
+                from gpumesh.errors import UsageError
+
+                raise UsageError(
+                    f"{flag} {path}: holds {found[0]}, which looks like a credential that every task would read; "
+                    "give the cache's own folder instead (for Hugging Face ~/.cache/huggingface/hub, HF_HUB_CACHE), "
+                    "or move the credential out"
+                )
     no_namespaces = namespaces.unavailable(*(user or (-1, -1)))
     said = f"tasks isolated with Landlock (ABI {landlock.abi()}): they read only the system and Python"
     said += "".join(f", {p}" for p in read) + ", and write only their own directory" + "".join(f", {p}" for p in write)
@@ -103,6 +114,22 @@ def isolation_of(settings: Any, user: tuple[int, int] | None = None) -> tuple[la
     else:
         said += "".join(f"; they read the cache {p} and write none of it" for p in cache)
     return landlock.Isolation(read, write, cache, private=no_namespaces is None), said
+
+
+# Names of what a tool keeps its login in (huggingface-cli's token and stored_tokens, netrc, cloud CLIs'
+# credentials, keys): a path given to tasks that holds one at its top gives every submitter's task the owner's login.
+CREDENTIAL_NAMES = ("token", "stored_tokens", ".netrc", "credentials*", "*.pem", "*.key", "id_rsa*")
+
+
+def credential_files(path: str) -> list[str]:
+    """The files at the top of ``path`` (or ``path`` itself) whose names look like a credential's."""
+    import fnmatch
+
+    try:
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
+    except OSError:
+        return []
+    return [n for n in names if any(fnmatch.fnmatchcase(n.lower(), pattern) for pattern in CREDENTIAL_NAMES)]
 
 
 def isolation_warnings(settings: Any, isolation: landlock.Isolation | None, user: tuple[int, int] | None) -> list[str]:
@@ -644,7 +671,17 @@ class MeshWorker(LeanRQWorker):
                      f"; at most {self.max_vram_gb:g} GB of GPU memory per task" if self.max_vram_gb else "")  # fmt: skip
             self._lend_check(announce=False)  # before the first dispatch: a worker started paused takes nothing
             lend_thread = threading.Thread(target=self._lend_loop, name="gpumesh-lend", daemon=True)
-        self._register()
+        try:
+            self._register()
+        except redis.exceptions.NoPermissionError:
+            from gpumesh.errors import UsageError
+
+            user = self.connection.connection_pool.connection_kwargs.get("username") or "default"
+            raise UsageError(
+                f"the credential in this URL ({user}) may not register a worker: it is a submitter's or another "
+                "role's; a worker needs a worker credential: the `gpumesh worker 'redis://worker:…'` line serve "
+                "printed, or one of `gpumesh access add NAME`"
+            ) from None
         try:
             self._beat()
         except BAD_DATA as exc:  # something in Redis it cannot read: the heartbeat thread keeps trying
