@@ -16,7 +16,7 @@ pytestmark = pytest.mark.core
 
 DISTRIBUTION = "gpumesh-pool"
 # Third-party distributions an install line may name (the dashboard image's own, what the fixes name).
-OTHERS = {"rq-dashboard", "rq", "six", "numpy", "torch"}
+OTHERS = {"rq-dashboard", "rq", "six", "numpy", "torch", "nvidia-ml-py"}
 PLACES = ["README.md", "SECURITY.md", "docs", "workers", "docker-compose.yml", "gpumesh", "examples", ".ci"]
 
 

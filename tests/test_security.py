@@ -319,7 +319,9 @@ def _make_tls(tmp: Path) -> tuple[Path, Path, Path]:
 def test_rediss_end_to_end_with_a_ca_made_at_test_time(env, tmp_path: Path):
     from gpumesh.server.broker_server import find_binary
 
-    ca, cert, key = _make_tls(tmp_path)
+    tls = tmp_path / "tls"  # not at the top of the tasks' write path (a key there: the worker refuses it)
+    tls.mkdir()
+    ca, cert, key = _make_tls(tls)
     port = free_port()
     server = subprocess.Popen(
         [find_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

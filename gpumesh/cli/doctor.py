@@ -393,14 +393,14 @@ def namespaces_line() -> Line:
 
 def seccomp_line() -> Line:
     """What the seccomp filter every confined task runs under refuses, or why there is none here."""
-    from gpumesh.sandbox.launcher import ARCHES, seccomp_described
+    from gpumesh.worker.build import seccomp_refuses
 
-    machine = os.uname().machine
-    if sys.platform.startswith("linux") and machine in ARCHES:
-        return ok("seccomp", f"tasks run under a seccomp filter that refuses {seccomp_described()}")
+    refused = seccomp_refuses()
+    if refused is not None:
+        return ok("seccomp", f"tasks run under a seccomp filter that refuses {refused}")
     return warn(
         "seccomp",
-        f"no seccomp filter for {machine}: tasks may call keyctl and make namespaces of their own",
+        f"no seccomp filter for {os.uname().machine}: tasks may call keyctl and make namespaces of their own",
         "Run workers on Linux x86_64 or aarch64.",
     )
 

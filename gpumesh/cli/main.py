@@ -115,6 +115,7 @@ EXAMPLES = {
     "run": ["gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2",
             "gpumesh run train.py --project . --payloads payloads.json --local 2"],
     "init": ["gpumesh init && gpumesh submit"],
+    "lent": ["gpumesh lent --since 24h", "gpumesh lent --json"],
     "access": ["gpumesh access add alice"],
     "access add": ["gpumesh access add alice"],
     "access revoke": ["gpumesh access revoke alice"],

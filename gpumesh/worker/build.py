@@ -152,6 +152,16 @@ def namespaces_unavailable(uid: int = -1, gid: int = -1) -> str | None:
     return namespaces.unavailable(uid, gid)
 
 
+def seccomp_refuses() -> str | None:
+    """What the seccomp filter every confined task runs under refuses, or None where this machine's architecture
+    has none (for `gpumesh doctor`)."""
+    from gpumesh.sandbox.launcher import ARCHES, seccomp_described
+
+    if sys.platform.startswith("linux") and os.uname().machine in ARCHES:
+        return seccomp_described()
+    return None
+
+
 def check_sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:
     """(uid, gid) of the user tasks run as, once checked that it can run ``python``; None without one."""
     if not name:

@@ -231,7 +231,7 @@ def gpu_processes(timeout: float, device: str | None = None, fixture: str = "") 
         except Exception as exc:  # noqa: BLE001 - NVML's errors are its own; nvidia-smi may still answer
             log.debug("NVML: %s", exc)
     if not shutil.which("nvidia-smi"):
-        raise ProbeError("neither NVML (pip install nvidia-ml-py) nor nvidia-smi is here to say who uses the GPU")
+        raise ProbeError("nothing here says who uses the GPU: no nvidia-smi, nor NVML (pip install nvidia-ml-py)")
     cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
     out = _run([*cmd, *(["-i", device] if device is not None else [])], timeout)
     if out.returncode != 0:
