@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from pydantic import ValidationError
@@ -37,6 +37,7 @@ from gpumesh.models import (
     Attempt,
     JobOptions,
     JobStatus,
+    ProjectSent,
     SubmitResult,
     TaskResult,
     WorkerInfo,
@@ -47,6 +48,9 @@ from gpumesh.models import (
 from gpumesh.settings import Settings
 from gpumesh.store import keys
 from gpumesh.store.broker import Broker
+
+if TYPE_CHECKING:
+    from gpumesh.project import Packed
 
 T = TypeVar("T")
 Script = str | Path | Callable[..., Any]
@@ -86,6 +90,7 @@ def job_options(
     requires: Iterable[str] = (),
     speculate: bool | None = None,
     retry_on: str | Iterable[str] | None = None,
+    outputs: Iterable[str] = (),
     flag: Callable[[str], str] = lambda field: field,
 ) -> JobOptions:
     """Checked :class:`JobOptions`; a UsageError names the bad option as ``flag(field)`` says (the CLI
@@ -101,10 +106,59 @@ def job_options(
             requires=tuple(requires),
             speculate=True if speculate is None else speculate,
             retry_on=DEFAULT_RETRY_ON if retry_on is None else _kinds(retry_on),
+            outputs=(outputs,) if isinstance(outputs, str) else tuple(outputs),
         )
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UsageError(f"{flag(str(first['loc'][0]))}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def pack_project(
+    script: Script, script_name: str, project: str | Path, include: Iterable[str], settings: Settings
+) -> tuple[Packed, str]:
+    """(the packed folder, the script's name as the worker runs it): a script file's path inside the folder;
+    a function's entry script keeps its own name, and the function's module file must lie in the folder.
+    UsageError for a script (or function) outside the folder."""
+    from gpumesh.project import check_inside, pack
+
+    include = [include] if isinstance(include, str) else list(include)
+    if callable(script) and not isinstance(script, (str, Path)):
+        module_file = getattr(getattr(script, "__code__", None), "co_filename", "")
+        if not module_file or not Path(module_file).is_file():
+            raise UsageError(
+                f"project={project}: function {getattr(script, '__name__', script)}() is not defined in a file of the "
+                "folder (a notebook cell's function ships alone: leave project out)"
+            )
+        check_inside(Path(project).expanduser().resolve(), module_file)
+        return pack(project, None, include, settings.project_max_mb, settings.project_max_files), script_name
+    if isinstance(script, str) and "\n" in script:
+        raise UsageError(f"project={project}: give the script as a path inside the folder, not as source text")
+    packed = pack(project, script, include, settings.project_max_mb, settings.project_max_files)
+    return packed, packed.script
+
+
+MAX_SIBLINGS = 200
+
+
+def siblings_of(script: Script) -> tuple[str, ...]:
+    """The modules and packages beside a script file (or a function's module file), which a lone script
+    cannot import on a worker: the worker names them when a task fails for want of one."""
+    if callable(script) and not isinstance(script, (str, Path)):
+        script = getattr(getattr(script, "__code__", None), "co_filename", "") or ""
+    if not isinstance(script, Path) and (not isinstance(script, str) or "\n" in script or not script):
+        return ()
+    path = Path(script)
+    try:
+        entries = list(path.resolve().parent.iterdir())[:2000]
+    except OSError:
+        return ()
+    names = set()
+    for entry in entries:
+        if entry.suffix == ".py" and entry.name != path.name and entry.stem.isidentifier():
+            names.add(entry.stem)
+        elif entry.is_dir() and entry.name.isidentifier() and any(entry.glob("*.py")):
+            names.add(entry.name)
+    return tuple(sorted(names)[:MAX_SIBLINGS])
 
 
 def _kinds(retry_on: str | Iterable[str]) -> tuple[str, ...]:
@@ -208,6 +262,9 @@ class Mesh:
         idempotency_key: str | None = None,
         sign_key: str | Path | None = None,
         expires: float = SIGNED_FOR,
+        project: str | Path | None = None,
+        include: Iterable[str] = (),
+        outputs: Iterable[str] = (),
     ) -> Job:
         """Submit a job with one task per payload (a JSON object); returns at once with its :class:`Job`.
 
@@ -220,17 +277,29 @@ class Mesh:
         ``"all"`` or ``"none"`` too); ``idempotency_key`` makes a retried submit return the first one's job. ``sign_key`` (default:
         the ``GPUMESH_SIGNING_KEY`` setting) signs every task, valid for ``expires`` seconds.
 
+        ``project`` ships a folder with the job (the script, or the function's module file, lies inside it):
+        each task runs in a working directory where the folder's files sit at their paths, the folder first
+        on ``sys.path`` (docs/projects.md). ``include`` sends secret-looking files its globs name;
+        ``outputs`` globs bring back files the task writes in its working directory, as artifacts.
+
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
         >>> job.id                                                                            # doctest: +SKIP
         'j8f3c2a1b9d0'
+        >>> job = mesh.submit("train.py", [{"lr": 0.1}], project=".", outputs=["outputs/*.json"])  # doctest: +SKIP
         """
         source, script_name = script_source(script)
         checked = check_payloads(payloads if isinstance(payloads, list) else list(payloads))
         options = job_options(
             name=name, timeout=timeout, max_attempts=max_attempts, priority=priority, requires=requires,
-            speculate=speculate, retry_on=retry_on,
+            speculate=speculate, retry_on=retry_on, outputs=outputs,
         )  # fmt: skip
-        return self.submit_checked(source, script_name, checked, options, idempotency_key, sign_key, expires)
+        packed = None
+        if project is not None:
+            packed, script_name = pack_project(script, script_name, project, include, self.broker.settings)
+        return self.submit_checked(
+            source, script_name, checked, options, idempotency_key, sign_key, expires, project=packed,
+            siblings=siblings_of(script) if packed is None else (),
+        )  # fmt: skip
 
     def submit_checked(
         self,
@@ -241,9 +310,12 @@ class Mesh:
         idempotency_key: str | None = None,
         sign_key: str | Path | None = None,
         expires: float = SIGNED_FOR,
+        project: Packed | None = None,
+        siblings: tuple[str, ...] = (),
     ) -> Job:
         """:meth:`submit` for a caller that read the script and built the :class:`JobOptions` itself (the
-        CLI does, to name its flags in errors). The store checks the source and payloads again.
+        CLI does, to name its flags in errors). The store checks the source and payloads again. ``project``:
+        the folder as :func:`pack_project` packed it.
 
         >>> job = mesh.submit_checked(source, "train.py", payloads, gpumesh.JobOptions(timeout=60))  # doctest: +SKIP
         """
@@ -255,9 +327,29 @@ class Mesh:
 
             signer = Signer(Path(key))
         res = self.broker.submit(
-            source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires
-        )
+            source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires,
+            project=project, siblings=siblings,
+        )  # fmt: skip
+        if project is not None:
+            res.project = ProjectSent(
+                digest=project.digest, files=len(project.files), bytes=project.total_bytes,
+                sent_files=project.sent_files, sent_bytes=project.sent_bytes, summary=project.summary(),
+            )  # fmt: skip
         return Job(self, res.job_id, res)
+
+    def submit_file(self, path: str | Path = "gpumesh.toml", **overrides: Any) -> Job:
+        """Submit the job a job file describes (``gpumesh.toml``, docs/projects.md); ``overrides`` are
+        :meth:`submit`'s keywords and win over the file's.
+
+        >>> job = mesh.submit_file("gpumesh.toml", priority=5)                # doctest: +SKIP
+        """
+        from gpumesh.jobfile import load
+
+        spec = load(Path(path))
+        kwargs = {**spec.submit_kwargs(), **overrides}
+        script = kwargs.pop("script")
+        payloads = kwargs.pop("payloads")
+        return self.submit(script, payloads, **kwargs)
 
     def map(
         self,

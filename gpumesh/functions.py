@@ -18,8 +18,8 @@ reading ``sys.argv``, say), the message names the module-level line that failed 
 belongs. Arguments and results are JSON, so nothing that comes back can run code on the submitter.
 
 What the function imports must be installed on the workers (pin a worker that has a package with
-``requires=["KEY=VALUE"]`` and ``gpumesh worker --resource KEY=VALUE``); modules next to its file are
-not shipped.
+``requires=["KEY=VALUE"]`` and ``gpumesh worker --resource KEY=VALUE``); modules next to its file travel
+only with ``project=`` (the folder its module file lies in, docs/projects.md).
 """
 
 from __future__ import annotations

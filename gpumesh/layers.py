@@ -27,7 +27,7 @@ NAMES = (
     "task_memory_mb", "job_retention", "sandbox_python", "isolation", "read_paths", "write_paths", "cache_paths",
     "signing_key",
     "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
-    "trusted_keys",
+    "trusted_keys", "project_max_mb", "project_max_files", "project_cache", "project_cache_mb",
 )  # fmt: skip
 
 

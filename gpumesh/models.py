@@ -223,6 +223,19 @@ class JobOptions(Model):
     priority: int = Field(0, ge=-1_000_000, le=1_000_000, description="higher runs first")
     requires: tuple[str, ...] = Field((), description="requirements every task of the job has (EXPR)")
     retry_on: tuple[str, ...] = Field(DEFAULT_RETRY_ON, description="failure kinds retried while attempts remain")
+    outputs: tuple[str, ...] = Field(
+        (), description="globs (gitignore syntax) of files the task writes in its working directory to bring back"
+    )
+
+    @field_validator("outputs")
+    @classmethod
+    def _valid_outputs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for glob in v:
+            if not glob.strip() or glob.startswith("!") or "\0" in glob or len(glob) > 300:
+                raise ValueError(f"{glob!r} is not a usable glob (such as outputs/*.json or *.pt)")
+        if len(v) > 50:
+            raise ValueError("at most 50 globs")
+        return v
 
     @field_validator("retry_on", mode="before")
     @classmethod
@@ -293,6 +306,17 @@ class JobStatus(Model):
         return self.status in TERMINAL
 
 
+class ProjectSent(Model):
+    """What a submit packed of its project folder and had to send (the rest the mesh held already)."""
+
+    digest: str
+    files: int
+    bytes: int
+    sent_files: int
+    sent_bytes: int
+    summary: str
+
+
 class SubmitResult(Model):
     """What a submit answered: the job id, its task count and how many tasks each tier is forecast to take
     (``Job.submitted``, ``gpumesh submit --json``).
@@ -307,6 +331,7 @@ class SubmitResult(Model):
     priority: int = 0
     waiting_for: list[Waiting] = Field(default_factory=list)
     existing: bool = False  # the idempotency key named a job submitted before: nothing new was written
+    project: ProjectSent | None = None
 
 
 class Artifact(Model):

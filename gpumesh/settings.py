@@ -74,6 +74,16 @@ class Settings(BaseModel):
     artifact_task_mb: float = Field(64, ge=0, description="output files kept per task, MiB; 0 = no cap")
     artifact_job_mb: float = Field(1024, ge=0, description="output files kept per job, MiB; 0 = no cap")
     artifact_files: int = Field(1000, ge=0, description="output files kept per task; 0 = no cap")
+    project_max_mb: float = Field(100, ge=0, description="submit: largest project folder sent, MiB; 0 = no cap")
+    project_max_files: int = Field(10_000, ge=0, description="submit: most files a project folder sends; 0 = no cap")
+    project_cache: str = Field(
+        "", description="worker: where this machine's workers keep projects (default: a folder in the temp dir)"
+    )
+    project_cache_mb: float = Field(
+        10_240,
+        ge=0,
+        description="worker: projects kept on this machine, MiB (least recently used go first); 0 = no cap",
+    )
     trusted_keys: str = Field(
         "",
         description="worker: run only tasks signed by these public keys, files or inline ed25519:BASE64 "

@@ -2,7 +2,8 @@
 
 **Tasks.** Submitters sign every task; workers that trust keys (``--trust``) verify before running.
 A task's signature covers its job id and index, the script's SHA-256, the SHA-256 of its payload
-JSON, its limits (timeout, attempts) and an expiry. The worker takes the job id and the index from
+JSON, its limits (timeout, attempts), an expiry and, for a job that ships a project or brings back
+files by glob, the project's tree digest and the globs. The worker takes the job id and the index from
 the task it actually leased (its key), never from fields stored next to it, and checks the job's
 *spent set* (``gpumesh:spent:<job>``, made at submit with a placeholder member): a task whose index
 is in it has ended for good (completed, failed for good or was cancelled: the transition functions add
@@ -159,14 +160,19 @@ class Verifier:
 
 
 def message(
-    job_id: str, index: int, script_sha: str, payload: str, timeout: float, max_attempts: int, expires: float
-) -> bytes:
-    """The canonical bytes a task's signature covers (``payload``: the stored payload JSON, hashed here)."""
+    job_id: str, index: int, script_sha: str, payload: str, timeout: float, max_attempts: int, expires: float,
+    project: str = "", outputs: str = "",
+) -> bytes:  # fmt: skip
+    """The canonical bytes a task's signature covers (``payload``: the stored payload JSON, hashed here).
+    A job with a project or output globs adds the project's tree digest and the globs (their JSON): a
+    worker credential cannot point a job at another tree, nor make it bring back other files."""
     payload_sha = hashlib.sha256(payload.encode()).hexdigest()
-    return json.dumps(
-        [CONTEXT, job_id, index, script_sha, payload_sha, float(timeout), int(max_attempts), float(expires)],
-        separators=(",", ":"),
-    ).encode()
+    signed: list[object] = [
+        CONTEXT, job_id, index, script_sha, payload_sha, float(timeout), int(max_attempts), float(expires)
+    ]  # fmt: skip
+    if project or outputs:
+        signed += [project, outputs]
+    return json.dumps(signed, separators=(",", ":")).encode()
 
 
 def leased_identity(task_id: str) -> tuple[str, int] | None:

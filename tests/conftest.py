@@ -356,12 +356,13 @@ def both_modes(request: pytest.FixtureRequest, workers: Workers) -> str:
 
 
 def gpumesh(
-    *args: str, env: dict[str, str], input: str | None = None, timeout: float = 60
+    *args: str, env: dict[str, str], input: str | None = None, timeout: float = 60, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the CLI as a user would, in a subprocess (exit codes are the contract)."""
+    """Run the CLI as a user would, in a subprocess (exit codes are the contract); ``cwd``: where it runs."""
     return subprocess.run(
-        [sys.executable, "-m", "gpumesh", *args], env=env, input=input, capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, "-m", "gpumesh", *args], env=env, input=input, capture_output=True, text=True,
+        timeout=timeout, cwd=cwd,
+    )  # fmt: skip
 
 
 # A task that prints, as JSON, every descriptor it holds (number: what it points at).

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -21,6 +22,9 @@ from gpumesh.errors import UsageError
 from gpumesh.models import DEFAULT_RETRY_ON, JobOptions, JobStatus, error_summary, parse_payloads
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
+
+if TYPE_CHECKING:
+    from gpumesh.project import Packed
 
 
 class _Stderr:
@@ -90,19 +94,107 @@ def _flag(field: str) -> str:
     return "--" + {"requires": "require"}.get(field, field).replace("_", "-")
 
 
-def job_input(
-    script: str, payloads_spec: str, opts: dict[str, Any]
-) -> tuple[str, str, list[dict[str, Any]], JobOptions]:
-    """(source, script name, payloads, options): everything validated, with the errors naming the
-    command's flags, before anything is written anywhere."""
-    source, name = api.script_source(Path(script))
-    payloads = _read_payloads(payloads_spec)
+@dataclass
+class JobInput:
+    """Everything a command that starts a job read and checked before writing anything."""
+
+    source: str
+    name: str
+    payloads: list[dict[str, Any]]
+    options: JobOptions
+    project: Packed | None = None
+    siblings: tuple[str, ...] = ()
+
+
+def resolve_job(
+    ctx: click.Context, script: str | None, payloads_spec: str | None, job_file: Path | None, opts: dict[str, Any],
+    settings: Settings,
+) -> JobInput:  # fmt: skip
+    """A job from flags, or from a job file (``job_file``, or ./gpumesh.toml when no SCRIPT is given) with the
+    flags given on the command line overriding it. Nothing is written here."""
+    from gpumesh.jobfile import NAME, Spec, load
+
+    spec: Spec | None = None
+    if script is None or job_file is not None:
+        spec = load(job_file or Path(NAME))
+
+    def given(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    if spec is not None:
+        j = spec.job
+        file_values = {"name": j.name, "timeout": float(j.timeout), "max_attempts": j.max_attempts,
+                       "priority": j.priority, "require": tuple(j.requires), "output": tuple(j.outputs),
+                       "include": tuple(j.include)}  # fmt: skip
+        if j.retry_on is not None:
+            file_values["retry_on"] = ",".join(j.retry_on)
+        for key, value in file_values.items():
+            if not given(key):
+                opts[key] = value
+        if not given("project") and spec.project is not None:
+            opts["project"] = str(spec.project)
+    script_path = Path(script) if script is not None else spec.script if spec is not None else None
+    if script_path is None:
+        raise UsageError("give a SCRIPT, or a job file (gpumesh.toml, -f FILE)")
+    if payloads_spec is not None:
+        payloads = _read_payloads(payloads_spec)
+    elif spec is not None:
+        payloads = spec.payloads()
+    else:
+        raise UsageError("--payloads FILE is required (or a job file's job.payloads)")
+    source, name = api.script_source(script_path)
     options = api.job_options(
         name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"],
         speculate=opts.get("speculate", True), priority=opts.get("priority", 0), requires=opts.get("require", ()),
-        retry_on=opts.get("retry_on"), flag=_flag,
+        retry_on=opts.get("retry_on"), outputs=opts.get("output", ()), flag=_flag,
     )  # fmt: skip
-    return source, name, payloads, options
+    project = opts.get("project")
+    if project is None:
+        if opts.get("include"):
+            raise UsageError("--include names files of a project: give --project DIR too")
+        return JobInput(source, name, payloads, options, None, api.siblings_of(script_path))
+    packed, name = api.pack_project(script_path, name, project, opts.get("include", ()), settings)
+    return JobInput(source, name, payloads, options, packed)
+
+
+def project_options(f: Any) -> Any:
+    """--project, --include and --output (submit, run)."""
+    for option in reversed(
+        [
+            click.option(
+                "--project",
+                type=click.Path(file_okay=False, path_type=str),
+                metavar="DIR",
+                help="Ship the folder DIR with the job (SCRIPT lies inside it): each task runs in a working "
+                "directory holding its files, DIR first on sys.path. .git, virtualenvs, __pycache__, what "
+                ".gitignore/.gpumeshignore exclude and secret-looking files stay behind.",
+            ),  # fmt: skip
+            click.option(
+                "--include",
+                multiple=True,
+                metavar="GLOB",
+                help="Send the project's files GLOB names though they look like secrets or are ignored (repeatable).",
+            ),  # fmt: skip
+            click.option(
+                "--output",
+                multiple=True,
+                metavar="GLOB",
+                help="Bring back files the task writes in its working directory that GLOB matches, e.g. "
+                "'outputs/*.json' (repeatable; gitignore syntax): artifacts, as GPUMESH_OUTPUT_DIR's files are.",
+            ),  # fmt: skip
+            click.option(
+                "-f",
+                "--file",
+                "job_file",
+                type=click.Path(dir_okay=False, path_type=Path),
+                metavar="FILE",
+                help="Read the job from FILE (default ./gpumesh.toml when no SCRIPT is given); flags override it.",
+            ),  # fmt: skip
+        ]
+    ):
+        f = option(f)
+    return f
 
 
 def job_options(f: Any) -> Any:

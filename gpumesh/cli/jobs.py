@@ -17,25 +17,28 @@ from gpumesh.cli.helpers import (
     err,
     exit_for,
     explain_failures,
-    job_input,
     job_options,
     json_option,
     open_mesh,
     patient,
+    project_options,
+    resolve_job,
     stopped_waiting,
     url_option,
     wait_for,
 )  # fmt: skip
 from gpumesh.errors import UsageError
+from gpumesh.settings import Settings
 
 if TYPE_CHECKING:
     from rich.console import Group
 
 
 @click.command()
-@click.argument("script")
-@click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
+@click.argument("script", required=False)
+@click.option("--payloads", "payloads_spec", metavar="FILE|-", help="JSON list of payload objects.")
 @job_options
+@project_options
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
 @click.option(
     "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
@@ -55,8 +58,8 @@ if TYPE_CHECKING:
 @json_option
 @click.pass_context
 def submit(
-    ctx: click.Context, /, script: str, payloads_spec: str, wait: bool, idempotency_key: str | None,
-    sign_key: Path | None, expires: float, url: str | None, as_json: bool, **opts: Any,
+    ctx: click.Context, /, script: str | None, payloads_spec: str | None, wait: bool, idempotency_key: str | None,
+    sign_key: Path | None, expires: float, url: str | None, as_json: bool, job_file: Path | None, **opts: Any,
 ) -> None:  # fmt: skip
     """Submit SCRIPT with one task per payload; print the job id.
 
@@ -65,15 +68,22 @@ def submit(
     workers get the heaviest tasks. Everything is checked before anything is written; the job
     appears whole or not at all. If no live worker meets some tasks' requirements, submit warns and
     the tasks wait until one joins.
+
+    With --project DIR the folder travels with the job (only the files the mesh does not hold yet
+    are sent) and submit prints one line: files and bytes sent, and what the rules left out. With
+    no SCRIPT, the job is read from ./gpumesh.toml (or -f FILE); flags override it.
     """
-    source, name, payloads, options = job_input(script, payloads_spec, opts)  # errors name the flags
+    got = resolve_job(ctx, script, payloads_spec, job_file, opts, Settings.load(url=url))  # errors name the flags
     expires = check_expires(expires, "--expires")
     mesh = open_mesh(ctx, url)
     job = mesh.submit_checked(
-        source, name, payloads, options, idempotency_key=idempotency_key, sign_key=sign_key, expires=expires
-    )
+        got.source, got.name, got.payloads, got.options, idempotency_key=idempotency_key, sign_key=sign_key,
+        expires=expires, project=got.project, siblings=got.siblings,
+    )  # fmt: skip
     res, broker = job.submitted, mesh.broker
     assert res is not None
+    if res.project is not None:
+        err.print(res.project.summary, markup=False, highlight=False)
     try:  # the job is written: from here Ctrl-C stops this command, never the job
         res.waiting_for = job.status().waiting_for
         for w in res.waiting_for:
@@ -83,7 +93,7 @@ def submit(
                       "nothing new was submitted")  # fmt: skip
         if not wait:
             if as_json:
-                emit_json(res.model_dump())
+                emit_json(res.model_dump(exclude={"project"} if res.project is None else None))
             else:
                 if not res.existing:  # no tier forecast here: placement is decided when a worker asks
                     at = f" at priority {res.priority}" if res.priority else ""
@@ -343,3 +353,28 @@ def pull(
         )
     if got.not_done:
         ctx.exit(1)
+
+
+@click.command()
+@click.option("--force", is_flag=True, help="Overwrite an existing gpumesh.toml.")
+@click.option(
+    "--dir", "folder", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+    help="The folder to look in and write to.",
+)  # fmt: skip
+def init(force: bool, folder: Path) -> None:
+    """Write a commented gpumesh.toml (a job file) from what this folder holds.
+
+    It names the script (the one with an if __name__ == "__main__" guard, or the only .py at the top),
+    a payloads*.json file, and mentions a requirements file. Then `gpumesh submit` with no arguments
+    submits it (flags override its values)."""
+    from gpumesh import jobfile
+
+    target = folder / jobfile.NAME
+    if target.exists() and not force:
+        raise UsageError(f"{target} exists already; edit it, or pass --force to write a new one")
+    found = jobfile.guess(folder)
+    target.write_text(jobfile.template(found))
+    err.print(f"wrote {target}", markup=False)
+    for what in ("script", "payloads"):
+        if not found[what]:
+            err.print(f"  no {what} found: fill in job.{what} before `gpumesh submit`", markup=False)

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("gpumesh.cli.admin", "Write or show the config file that every command reads (mode 0600)."),
     "dashboard": ("gpumesh.cli.dashboard", "Serve a web dashboard of the mesh: workers, jobs, tasks, failures, a timeline of attempts, live logs. Cancel and retry only with a credential that may write. Runs until Ctrl-C."),
     "doctor": ("gpumesh.cli.doctor", "Check this machine and the broker, and say how to fix what is wrong."),
+    "init": ("gpumesh.cli.jobs", "Write a commented gpumesh.toml (a job file) from what this folder holds."),
 }  # fmt: skip
 
 
@@ -93,7 +94,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 # One or two lines of each command's --help: what a newcomer types first.
 EXAMPLES = {
     "submit": ["gpumesh submit train.py --payloads sweep.json --wait",
-               "gpumesh submit train.py --payloads - --require vram_gb>=40 --priority 5 < sweep.json"],
+               "gpumesh submit train.py --payloads - --require vram_gb>=40 --priority 5 < sweep.json",
+               "gpumesh submit train.py --project . --payloads sweep.json --output 'outputs/*.json'",
+               "gpumesh submit                  (reads ./gpumesh.toml; gpumesh init writes one)"],
     "status": ["gpumesh status 8f3c2a1b9d0e --watch"],
     "jobs": ["gpumesh jobs --limit 10 --json"],
     "results": ["gpumesh results 8f3c2a1b9d0e --format csv -o results.csv"],
@@ -107,7 +110,9 @@ EXAMPLES = {
                "gpumesh worker --score 10 --resource has_torch=yes"],
     "join": ["gpumesh join 10.0.0.5:6390 --token PASSWORD --trust ed25519:KEY   # serve's worker password and key"],
     "serve": ["gpumesh serve --host 0.0.0.0"],
-    "run": ["gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2"],
+    "run": ["gpumesh run examples/grid_search.py --payloads examples/payloads.json --local 2",
+            "gpumesh run train.py --project . --payloads payloads.json --local 2"],
+    "init": ["gpumesh init && gpumesh submit"],
     "access": ["gpumesh access add alice"],
     "access add": ["gpumesh access add alice"],
     "access revoke": ["gpumesh access revoke alice"],

@@ -14,7 +14,16 @@ from urllib.parse import quote, urlsplit
 import click
 
 from gpumesh.cli import render
-from gpumesh.cli.helpers import connect, err, exit_for, job_input, job_options, json_option, url_option
+from gpumesh.cli.helpers import (
+    connect,
+    err,
+    exit_for,
+    job_options,
+    json_option,
+    project_options,
+    resolve_job,
+    url_option,
+)
 from gpumesh.errors import UsageError
 from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
@@ -433,12 +442,13 @@ def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str
 
 
 @click.command()
-@click.argument("script")
-@click.option("--payloads", "payloads_spec", required=True, metavar="FILE|-", help="JSON list of payload objects.")
+@click.argument("script", required=False)
+@click.option("--payloads", "payloads_spec", metavar="FILE|-", help="JSON list of payload objects.")
 @click.option(
     "--local", "workers", default=2, show_default=True, type=click.IntRange(1, 64), help="Local workers to start."
 )
 @job_options
+@project_options
 @click.option(
     "--format",
     "fmt",
@@ -450,8 +460,9 @@ def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str
 @json_option
 @click.pass_context
 def run(
-    ctx: click.Context, /, script: str, payloads_spec: str, workers: int, fmt: str, as_json: bool, **opts: Any
-) -> None:
+    ctx: click.Context, /, script: str | None, payloads_spec: str | None, workers: int, fmt: str, as_json: bool,
+    job_file: Path | None, **opts: Any,
+) -> None:  # fmt: skip
     """Run SCRIPT on a private local mesh: a broker and N workers on this machine, one command.
 
     Prints the results and exits with the job's code (0 done, 1 failed or cancelled). Everything it
@@ -459,13 +470,15 @@ def run(
     """
     from gpumesh.server.local import LocalMesh
 
-    source, name, payloads, options = job_input(script, payloads_spec, opts)
+    got = resolve_job(ctx, script, payloads_spec, job_file, opts, Settings.load())
     fmt = "json" if as_json else fmt
     with LocalMesh(workers, Settings.load()) as mesh:
         broker = mesh.broker
         assert broker is not None
         err.print(f"local mesh: private broker and {workers} worker(s) up")
-        res = broker.submit(source, name, payloads, options)
+        res = broker.submit(got.source, got.name, got.payloads, got.options, project=got.project, siblings=got.siblings)
+        if got.project is not None:
+            err.print(got.project.summary(), markup=False, highlight=False)
         try:
             st = render.follow(lambda: broker.job_status(res.job_id), quiet=as_json)
         except KeyboardInterrupt:

@@ -102,6 +102,24 @@ def safe_filename(path: str) -> str:
     return name[:120]
 
 
+def project_facts(fields: list[str | None]) -> dict[str, Any]:
+    """What the job page shows of a job's project (its files, their bytes, its tree digest) and output globs."""
+    digest, files, nbytes, outputs = fields
+    out: dict[str, Any] = {"project": None, "outputs": ""}
+    if digest:
+        size = int(nbytes or 0)
+        shown = (
+            f"{size} B" if size < 10_240 else f"{size / 1024:.1f} KiB" if size < 10 << 20 else f"{size / 2**20:.1f} MiB"
+        )
+        out["project"] = {"digest": digest, "short": digest[:12], "files": int(files or 0), "bytes": shown}
+    if outputs:
+        try:
+            out["outputs"] = ", ".join(str(g) for g in json.loads(outputs))
+        except (ValueError, TypeError):
+            out["outputs"] = outputs
+    return out
+
+
 def _age(now_s: float, when: datetime | None) -> float | None:
     return None if when is None else now_s - when.timestamp()
 
@@ -192,7 +210,7 @@ class View:
             "job": self._job_row(st, now) | {
                 "retry_on": ", ".join(st.retry_on) or "none", "failed_by_kind": st.failed_by_kind,
                 "finished": ago(_age(now, st.finished_at)) if st.finished_at else "",
-            },
+            } | project_facts(broker.r.hmget(keys.job(job_id), "project", "project_files", "project_bytes", "outputs")),
             "tasks": tasks, "shown": len(tasks), "total": total,
             "failures": [(r.index, r.task_id, error_line(r.status, r.error, r.error_kind)) for r in failures],
             "failed_n": failed_n,

@@ -257,8 +257,9 @@ def add_attempt_rules(ruleset: int, rules: dict[str, Any]) -> None:
     Called as the task's user: a path here is never resolved with more privilege than the task has."""
     handled = fs_rights(int(rules["abi"]))
     attempt = [rules["attempt"]] if rules.get("attempt") else []
+    project = [rules["project"]] if rules.get("project") else []  # its project's tree: read only
     _grant(ruleset, handled, ((rules.get("owner_read", ()), FS_READ), (rules.get("owner_write", ()), handled),
-                              (attempt, handled)))  # fmt: skip
+                              (attempt, handled), (project, FS_READ)))  # fmt: skip
 
 
 def _grant(ruleset: int, handled: int, lists: Any) -> None:
@@ -302,7 +303,7 @@ def restrict_to(ruleset: int, drop: bool = False) -> None:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
 
 
-ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm")  # what of the rules is each attempt's own
+ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm", "project")  # what of the rules is each attempt's own
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
@@ -469,6 +470,9 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
             os._exit(70)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
+    project = os.environ.get("GPUMESH_PROJECT_DIR")
+    if project and project != sys.path[0]:  # a script in a folder of its project: the project's top comes first
+        sys.path.insert(0, project)
     main = type(sys)("__main__")
     main.__file__ = script
     sys.modules["__main__"] = main

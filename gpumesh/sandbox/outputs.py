@@ -86,3 +86,39 @@ def _open(path: str, name: str, dirfd: int) -> Found | Skipped:
         os.close(fd)
         return Skipped(path, why)
     return Found(path, st.st_size, fd)
+
+
+def walk_with_globs(
+    output_dir: str, dir_fd: int, globs: tuple[str, ...], leave_out: frozenset[str] = frozenset()
+) -> Iterator[Found | Skipped]:
+    """:func:`walk` of the output dir, then the files of the attempt's directory (``dir_fd``) that the job's
+    output ``globs`` match (gitignore syntax, relative to the directory), read as safely. Not matched: the
+    output dir itself, the names of ``leave_out`` (the script) and links (a project's files are links into
+    its tree: never outputs). A path met twice is kept once (the output dir's copy)."""
+    seen: set[str] = set()
+    for entry in walk(output_dir, dir_fd=dir_fd):
+        seen.add(entry.path)
+        yield entry
+    if not globs:
+        return
+    import pathspec
+
+    spec = pathspec.GitIgnoreSpec.from_lines(list(globs))
+    top = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=dir_fd)
+    try:
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            rel = "" if dirpath == "." else dirpath.removeprefix("./") + "/"
+            if not rel:
+                dirnames[:] = [d for d in dirnames if d != output_dir]
+            dirnames.sort()
+            for name in sorted(filenames):
+                path = rel + name
+                if path in leave_out or not spec.match_file(path) or _is_link(name, dirfd):
+                    continue
+                if path in seen:
+                    yield Skipped(path, "the output dir holds a file of the same path, which is kept")
+                    continue
+                seen.add(path)
+                yield _open(path, name, dirfd)
+    finally:
+        os.close(top)

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import psutil
 
-from gpumesh.sandbox import landlock, outputs, taskdir, tree
+from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command
 from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
@@ -107,30 +107,71 @@ class Meanwhile:
 
     def __init__(self, also: Callable[[], None] | None = None) -> None:
         self._dirs: list[tuple[str, str | None, str, int]] = []
+        # ended attempts' directories that showed a project (its view and script): reset for a later attempt
+        # of the same view instead of removed (projectview.reset), when one comes
+        self._reusable: list[tuple[str, str | None, str, int, tuple[projectview.View, str]]] = []
         self._also = also
         self._ready: tuple[str, int] | None = None  # the next attempt's directory and its descriptor, made ahead
+        # the project view the directory made ahead shows already (its links made off the attempt's path), and
+        # the script's path it left for the runner to write; None: it holds only its output dir
+        self._ready_view: tuple[projectview.View, str] | None = None
 
-    def remove(self, workdir: str, script: str | None, output_dir: str, dir_fd: int) -> None:
-        """Remove ``workdir`` at the next ``run``; ``dir_fd`` is this object's to close."""
-        self._dirs.append((workdir, script, output_dir, dir_fd))
+    def remove(
+        self, workdir: str, script: str | None, output_dir: str, dir_fd: int,
+        shown: tuple[projectview.View, str] | None = None,
+    ) -> None:  # fmt: skip
+        """Remove ``workdir`` at the next ``run``; ``dir_fd`` is this object's to close. ``shown``: the project
+        view (and script) it shows, with nothing to expand: it may be reset for a later attempt instead."""
+        if shown is not None and not shown[0].expand:
+            self._reusable.append((workdir, script, output_dir, dir_fd, shown))
+        else:
+            self._dirs.append((workdir, script, output_dir, dir_fd))
 
     def take_dir(self) -> tuple[str, int] | None:
         """The directory made ahead for the next attempt (as taskdir.make_open), now the caller's; None: none, or
         one that is not as it was made (then it goes: the caller makes another)."""
+        got = self.take_dir_for(None, "")
+        return got[:2] if got is not None else None
+
+    def take_dir_for(self, view: projectview.View | None, script: str) -> tuple[str, int, bool] | None:
+        """:meth:`take_dir` for an attempt that shows ``view`` (its script at ``script``): with whether the
+        directory shows it already (made ahead for the same view and script, and still exactly as made)."""
         ready, self._ready = self._ready, None
-        if ready is not None and not taskdir.untouched(*ready):
+        shown, self._ready_view = self._ready_view, None
+        if ready is None:
+            return None
+        links = projectview.links(*shown) if shown is not None else None
+        if not taskdir.untouched(*ready, links=links):
             self._drop(*ready)
             return None
-        return ready
+        if shown is not None and shown != (view, script):  # another project's: not for this attempt
+            self._drop(*ready)
+            return None
+        return (*ready, shown is not None)
+
+    def _reuse(self, view: projectview.View, script: str) -> bool:
+        """Make an ended attempt's directory that showed ``view`` the next attempt's, reset; whether one was."""
+        for i, (workdir, _script, _out, fd, shown) in enumerate(self._reusable):
+            if shown == (view, script) and projectview.reset(workdir, fd, projectview.links(view, script), script):
+                del self._reusable[i]
+                self._ready, self._ready_view = (workdir, fd), shown
+                return True
+        return False
 
     def _drop(self, workdir: str, fd: int) -> None:
         """Remove a directory made ahead that no attempt will run in, with the others (it holds no script)."""
         self.remove(workdir, None, os.path.join(workdir, taskdir.OUTPUT), fd)
 
-    def run(self, ahead: bool = False) -> None:
+    def run(self, ahead: bool = False, view: projectview.View | None = None, view_script: str = "") -> None:
+        """``ahead``: make the next attempt's directory (showing ``view``, the project of the attempt that runs
+        now, when its links alone make it: the next attempt is most often of the same job)."""
         if not ahead and self._ready is not None:  # nothing to run: no directory waits in /tmp for it
             ready, self._ready = self._ready, None
+            self._ready_view = None
             self._drop(*ready)
+        reused = self._reuse(view, view_script) if ahead and self._ready is None and view is not None else False
+        self._dirs += [entry[:4] for entry in self._reusable]  # one is kept at most: the rest go
+        self._reusable.clear()
         while self._dirs:
             workdir, script, output_dir, dir_fd = self._dirs.pop()
             try:
@@ -139,11 +180,14 @@ class Meanwhile:
                 os.close(dir_fd)
         if self._also is not None:
             self._also()
-        if ahead and self._ready is None:
+        if ahead and self._ready is None and not reused:
             try:
                 self._ready = taskdir.make_open()
+                if view is not None and not view.expand:
+                    projectview.populate(view, self._ready[1], view_script, None)
+                    self._ready_view = (view, view_script)
             except OSError:
-                pass  # the next attempt makes its own, and says what fails
+                pass  # the next attempt makes its own (or shows its project itself), and says what fails
 
 
 def tree_memory(pid: int, cap: int) -> int:
@@ -270,10 +314,16 @@ def start(
     spares: Spares | None = None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
     meanwhile: Meanwhile | None = None,
+    project: projectview.View | None = None,
+    output_globs: tuple[str, ...] = (),
 ) -> Started:
     """Hand the attempt over to what runs it and return at once (see :class:`Started`): nothing of it is left
-    behind when this raises."""
-    steps = _steps(source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile)
+    behind when this raises. ``project``: the attempt's directory shows that tree's files (projectview), and
+    ``script_name`` is the script's path in it; ``output_globs``: files of the directory ``collect`` gets too."""
+    steps = _steps(
+        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile, project,
+        output_globs,
+    )  # fmt: skip
     next(steps)  # to the hand-over; an error before it has cleaned up already
     return Started(steps)
 
@@ -290,14 +340,21 @@ def _steps(
     spares: Spares | None,
     collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
     meanwhile: Meanwhile | None,
+    project: projectview.View | None = None,
+    output_globs: tuple[str, ...] = (),
 ) -> Generator[None, None, Attempt]:
     """:func:`run`, in two steps: up to the hand-over (a ``yield``), then the rest."""
     out = Attempt()
     tree.become_subreaper()  # what outlives its supervisor comes back to us, to be killed with its attempt
     # Its descriptor held from before the task may touch the directory: the output files are read through it.
-    workdir, workdir_fd = (meanwhile.take_dir() if meanwhile is not None else None) or taskdir.make_open()
+    script_rel = script_name if project is not None else os.path.basename(script_name) or "task.py"
+    # A directory made ahead may show the project already (made by the worker for the same view and script).
+    made = meanwhile.take_dir_for(project, script_rel) if meanwhile is not None and limits.user is None else None
+    if made is None and meanwhile is not None and limits.user is not None:
+        made = (*got, False) if (got := meanwhile.take_dir()) is not None else None
+    workdir, workdir_fd, shown = made or (*taskdir.make_open(), False)
     started = time.monotonic()
-    script = os.path.join(workdir, os.path.basename(script_name) or "task.py")
+    script = os.path.join(workdir, script_rel)
     output_dir = os.path.join(workdir, taskdir.OUTPUT)
     proc: AttemptProcess | None = None
     since = None
@@ -305,13 +362,18 @@ def _steps(
     handing: list[bool] = []  # set once the attempt is handed to the zygote, a spare or a new launcher
     swept = False  # what escaped the attempt was killed already
     try:
-        full_env = _prepare(source, workdir_fd, script, output_dir, env, limits)
+        full_env = _prepare(
+            source, workdir_fd, script, output_dir, env, limits, None if shown else project, script_rel, project
+        )
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
         owner = zygote if zygote is not None else spares if limits.user is None else None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source)
+            proc = _start(
+                payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source,
+                project.tree if project is not None else "",
+            )  # fmt: skip
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         try:
@@ -324,7 +386,10 @@ def _steps(
         if meanwhile is not None:
             # Off the path between the last attempt and this one. The next attempt's directory too, unless this
             # attempt could write into it: neither confined to its own directory nor another user.
-            meanwhile.run(ahead=_confined(limits) or limits.user is not None)
+            meanwhile.run(
+                ahead=_confined(limits) or limits.user is not None,
+                view=project if limits.user is None else None, view_script=script_rel,
+            )  # fmt: skip
         _watch(proc, out, limits, on_line, should_stop, started)
         # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
@@ -339,7 +404,9 @@ def _steps(
         swept = True
         out.duration = time.monotonic() - started
         if collect is not None and out.returncode == 0 and not out.killed:
-            out.collected = collect(outputs.walk(os.path.basename(output_dir), dir_fd=workdir_fd))
+            out.collected = collect(
+                outputs.walk_with_globs(os.path.basename(output_dir), workdir_fd, output_globs, frozenset({script_rel}))
+            )
     finally:
         if ahead is not None and cgroup is not None and owner is not None and not handing:
             tree.attempt_not_started(owner, cgroup, ahead)  # its spare waits in it still: keep it for the next
@@ -355,7 +422,8 @@ def _steps(
         # Left for later only when it ended as it should and the next attempt cannot read it (Landlock gives each
         # its own directory alone): an unconfined task could read the last one's output files meanwhile.
         if meanwhile is not None and swept and _confined(limits):
-            meanwhile.remove(workdir, script, output_dir, workdir_fd)
+            reusable = (project, script_rel) if project is not None and limits.user is None else None
+            meanwhile.remove(workdir, script, output_dir, workdir_fd, reusable)
         else:
             try:
                 taskdir.remove(workdir, script, output_dir, dir_fd=workdir_fd)
@@ -371,22 +439,29 @@ def _confined(limits: Limits) -> bool:
 
 
 def _prepare(
-    source: str, workdir_fd: int, script: str, output_dir: str, env: Mapping[str, str], limits: Limits
-) -> dict[str, str]:
+    source: str, workdir_fd: int, script: str, output_dir: str, env: Mapping[str, str], limits: Limits,
+    project: projectview.View | None = None, script_rel: str = "", shows: projectview.View | None = None,
+) -> dict[str, str]:  # fmt: skip
     """Write the script into the attempt's directory, and return the attempt's environment. With ``limits.user``
-    the task's user owns its directory and output dir, and nothing of the worker's.
+    the task's user owns its directory and output dir, and nothing of the worker's. With ``project`` the
+    directory shows the project's files first (projectview), and GPUMESH_PROJECT_DIR names it; ``shows``: the
+    project the directory shows, made ahead already or here.
 
     Everything through the directory's descriptor, and the directory itself handed over last: until then it
     is the worker's (0700), so no process of the task's user can swap a name in it for a symlink that a
     chown as root would follow."""
-    workdir = os.path.dirname(script)
-    name, out_name = os.path.basename(script), os.path.basename(output_dir)
+    name, out_name = script_rel or os.path.basename(script), os.path.basename(output_dir)
+    workdir = script.removesuffix("/" + name)
+    if project is not None:
+        projectview.populate(project, workdir_fd, name, limits.user)
+    # The script's folder inside the directory was made just now (projectview), by the worker: nothing to follow.
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=workdir_fd)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(source)
         if limits.user is not None:
             os.fchown(f.fileno(), *limits.user)
-    full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir})
+    extra = {"GPUMESH_PROJECT_DIR": workdir} if shows is not None else {}
+    full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir, **extra})
     if limits.user is not None:
         os.chown(out_name, *limits.user, dir_fd=workdir_fd, follow_symlinks=False)
         os.fchown(workdir_fd, *limits.user)
@@ -408,6 +483,7 @@ def _start(
     ahead: str | None = None,
     handing: list[bool] | None = None,
     source: str | None = None,
+    project_tree: str = "",
 ) -> AttemptProcess:
     """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
     ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
@@ -417,7 +493,7 @@ def _start(
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
             *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes)
+            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree)
             if limits.isolation is not None else "-",
             cgroup or "-",
         ]  # fmt: skip

@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Mapping
 
 from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, TASK_DIR_PREFIX
 
@@ -53,15 +54,20 @@ def _owner() -> str:
     return f"{_pid_namespace()}.{os.getpid()}"
 
 
-def untouched(workdir: str, fd: int) -> bool:
+def untouched(workdir: str, fd: int, links: Mapping[str, str] | None = None) -> bool:
     """Whether a directory made by :func:`make_open` is still as it was made: the same directory at its path (not
-    renamed nor replaced), this process's alone (0700), holding only its empty output directory."""
+    renamed nor replaced), this process's alone (0700), holding only its empty output directory (and ``links``,
+    name -> target, each a symbolic link leading there: a project shown ahead, gpumesh.sandbox.projectview)."""
     try:
         st = os.fstat(fd)
         if not os.path.samestat(os.stat(workdir, follow_symlinks=False), st):
             return False
-        if stat.S_IMODE(st.st_mode) != 0o700 or st.st_uid != os.geteuid() or os.listdir(fd) != [OUTPUT]:
+        expected = sorted([OUTPUT, *(links or {})])
+        if stat.S_IMODE(st.st_mode) != 0o700 or st.st_uid != os.geteuid() or sorted(os.listdir(fd)) != expected:
             return False
+        for name, target in (links or {}).items():
+            if os.readlink(name, dir_fd=fd) != target:
+                return False
         out = os.open(OUTPUT, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
         try:
             mode = os.fstat(out)

@@ -54,11 +54,12 @@ _DELETERS = ["del", "unlink", "getdel", "expire", "pexpire", "expireat", "pexpir
 # and break every function that reads them.
 _WORKER_SETS = ["gpumesh:lease:*", "gpumesh:reaper", "rq:*"]
 
-# Submitters write everything of gpumesh's but the epoch and the result-signing keys.
+# Submitters write everything of gpumesh's but the epoch and the result-signing keys (project files too:
+# workers only read them).
 _SUBMITTER_WRITES = [
     "gpumesh:job:*", "gpumesh:jobs", "gpumesh:staging", "gpumesh:task:*", "gpumesh:script:*", "gpumesh:ready",
     "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events", "gpumesh:spent:*", "gpumesh:lease:*", "gpumesh:leases",
-    "gpumesh:stats", "gpumesh:stats:*",
+    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:project:*",
 ]  # fmt: skip
 
 # FCALL asks for read and write access to every key it names, but does nothing with them itself: each

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from rq import Queue
     from rq.job import Job
 
+    from gpumesh.project import Packed
     from gpumesh.signing import Signer
-    from gpumesh.store import artifacts
+    from gpumesh.store import artifacts, projects
     from gpumesh.store.submit import Submitter
 
 log = logging.getLogger("gpumesh")
@@ -73,16 +74,28 @@ class Broker:
         idempotency_key: str | None = None,
         signer: Signer | None = None,
         expires_in: float = 7 * 86400,
+        project: Packed | None = None,
+        siblings: tuple[str, ...] = (),
     ) -> SubmitResult:
         """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
 
         With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
-        returns the job the first one created instead of a second job."""
+        returns the job the first one created instead of a second job. With ``project`` (gpumesh.project.pack)
+        the files the mesh lacks are sent first (gpumesh.store.projects)."""
         if self._submitter is None:
             from gpumesh.store.submit import Submitter
 
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
-        return self._submitter.submit(source, script_name, payloads, options, idempotency_key, signer, expires_in)
+        files = self.project_files() if project is not None else None
+        return self._submitter.submit(
+            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings
+        )
+
+    def project_files(self) -> projects.Files:
+        """Where this mesh keeps project files (the broker, or GPUMESH_ARTIFACTS's object store)."""
+        from gpumesh.store import projects
+
+        return projects.Files(self.rq, self.settings.artifacts)
 
     def queue(self, worker_id: str, job_class: type[Job] | None = None) -> Queue:
         """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
@@ -483,9 +496,11 @@ class Broker:
         """Delete the output files a job's tasks stored, from the broker or its object store; how many
         tasks had some."""
         ids = self.task_ids(job_id)
-        store = self.r.hget(keys.job(job_id), "artifact_store")
-        from gpumesh.store import artifacts
+        store, project = self.r.hmget(keys.job(job_id), "artifact_store", "project")
+        from gpumesh.store import artifacts, projects
 
+        if project:  # the project's files go with the job's files, if no other job refers to them
+            projects.detach(self.project_files(), self.scripts, self.r, job_id, project, self.settings.artifacts)
         return artifacts.drop(self.r, job_id, ids, store, self.settings.artifacts)
 
     def retry(self, job_id: str, cancelled: bool = False) -> tuple[int, JobStatus]:

@@ -121,3 +121,24 @@ def job_of_task(task_id: str) -> str:
 def rq_job_id(task_id: str, attempt: int, backup: bool = False) -> str:
     """The RQ job that carries one dispatched attempt (or backup copy) to the worker that holds its lease."""
     return f"{task_id}_{'b' if backup else ''}{attempt}"
+
+
+# -- projects (store/projects.py): files stored once by content, trees by digest, each kept while a job refers to it
+PROJECT_REFS = PREFIX + "project:refs"  # hash: file sha256 -> how many stored trees hold it
+PROJECT_TREES = PREFIX + "project:trees"  # zset: tree digest -> when a job last attached to it (ms)
+PROJECT_BLOB_PREFIX = PREFIX + "project:blob:"  # what project_blob names: the Lua scripts add a sha256 to it
+
+
+def project_tree(digest: str) -> str:
+    """string: a tree's manifest (canonical JSON; the digest is its SHA-256), while a job refers to it."""
+    return f"{PREFIX}project:tree:{digest}"
+
+
+def project_jobs(digest: str) -> str:
+    """zset: the jobs that refer to a tree -> when each attached (ms); the tree goes with the last."""
+    return f"{PREFIX}project:jobs:{digest}"
+
+
+def project_blob(sha256: str) -> str:
+    """hash: one file's bytes as chunks (fields "0", "1", ... and "size"); a TTL until a tree holds it."""
+    return f"{PROJECT_BLOB_PREFIX}{sha256}"

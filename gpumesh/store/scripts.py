@@ -58,6 +58,8 @@ NAMES = (
     "speculate",
     "wake",
     "stage",
+    "project_attach",
+    "project_detach",
 )
 
 
@@ -382,6 +384,30 @@ def stage(
 def wake(s: Scripts, client: Any) -> Any:
     """Wake every idle worker: new work is takeable (submit, retry). The raw reply: [1, 'woken', 'workers', n]."""
     return s["wake"](keys=[keys.IDLE], args=[], client=client)
+
+
+def _project_keys(digest: str) -> list[str]:
+    return [keys.project_tree(digest), keys.project_jobs(digest), keys.PROJECT_REFS, keys.PROJECT_TREES]
+
+
+def project_attach(
+    s: Scripts, client: Any, job_id: str, digest: str, manifest: str, blob_prefix: str, files: list[str]
+) -> list[str]:
+    """Make ``job_id`` refer to the tree ``digest`` (project_attach.lua); the files the mesh lacks for it
+    (then nothing changed). ``files``: each file's digest, with '+' before one this caller just wrote to an
+    object store."""
+    r = s["project_attach"](
+        keys=_project_keys(digest), args=[job_id, digest, manifest, blob_prefix, *files], client=client
+    )
+    if int(r[0]) == 1:
+        return []
+    return [x for x in str(_fields(r).get("files", "")).split(",") if x]
+
+
+def project_detach(s: Scripts, client: Any, job_id: str, digest: str, blob_prefix: str) -> list[str]:
+    """``job_id`` no longer refers to the tree ``digest`` (project_detach.lua): the files no tree holds now."""
+    r = s["project_detach"](keys=_project_keys(digest), args=[job_id, digest, blob_prefix], client=client)
+    return [x for x in str(_fields(r).get("files", "")).split(",") if x]
 
 
 def _outcome(r: list[Any]) -> Outcome:

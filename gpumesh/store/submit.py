@@ -14,6 +14,7 @@ import bisect
 import hashlib
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -25,9 +26,12 @@ import redis
 from gpumesh import requirements, scheduling
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.models import JobOptions, SubmitResult, check_payloads, check_script, payload_cost, payload_requires
+from gpumesh.project import Packed
 from gpumesh.settings import Settings
-from gpumesh.store import artifacts, keys, scripts
+from gpumesh.store import artifacts, keys, projects, scripts
 from gpumesh.store.connection import TextClient, translate
+
+log = logging.getLogger("gpumesh")
 
 
 def _c_payload_json() -> Callable[[Any], str]:
@@ -82,6 +86,18 @@ class _Job:
     options: JobOptions
     created: float
     per_tier: dict[str, int]
+    project: Packed | None = None
+    siblings: tuple[str, ...] = ()  # modules beside a lone script where it was submitted (the worker's hint)
+
+    @property
+    def signed_project(self) -> tuple[str, str]:
+        """(tree digest, output globs as JSON) as the signature covers them; ('', '') for neither."""
+        return self.project.digest if self.project else "", outputs_json(self.options.outputs)
+
+
+def outputs_json(globs: tuple[str, ...]) -> str:
+    """A job's output globs as stored in its hash and signed ('' for none)."""
+    return json.dumps(list(globs), separators=(",", ":")) if globs else ""
 
 
 def requirement_classes(
@@ -117,12 +133,14 @@ def _check_idempotency_key(key: str) -> None:
         raise UsageError(f"--idempotency-key must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {len(key)}")
 
 
-def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> None:
+def delete_job(
+    r: TextClient, job_id: str, index: str, own_store: str = "", files: projects.Files | None = None
+) -> None:
     """Delete a job with its tasks, logs, output files and pending sets, and drop it from ``index`` (the
     jobs index, or the staging claims for a job that never became visible). Files in an object store
     are deleted only from ``own_store`` (this machine's GPUMESH_ARTIFACTS), in the background."""
     tids = r.lrange(keys.job_tasks(job_id), 0, -1)
-    classes, store = r.hmget(keys.job(job_id), "classes", "artifact_store")
+    classes, store, project = r.hmget(keys.job(job_id), "classes", "artifact_store", "project")
     if classes is not None:
         pending = [keys.pending(job_id, k) for k in range(len(json.loads(classes)))]
     else:  # staged, never made visible: its classes were not recorded
@@ -141,6 +159,8 @@ def delete_job(r: TextClient, job_id: str, index: str, own_store: str = "") -> N
         p.delete(keys.spent(job_id))
         p.zrem(index, job_id)
         p.execute()
+    if project and files is not None:  # the job's project goes with it, if no other job refers to it
+        projects.detach(files, scripts.Scripts(cast(redis.Redis, r)), r, job_id, project, own_store)
 
 
 class Submitter:
@@ -181,8 +201,14 @@ class Submitter:
         idempotency_key: str | None = None,
         signer: Any = None,
         expires_in: float = 7 * 86400,
+        project: Packed | None = None,
+        files: projects.Files | None = None,
+        siblings: tuple[str, ...] = (),
     ) -> SubmitResult:
         """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all.
+
+        With ``project`` its files the mesh lacks are sent to ``files`` first, and the job attached to its tree
+        (a job that then fails to be written is detached again).
 
         With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
         returns the job the first one created instead of a second job (WATCH makes the race safe)."""
@@ -197,7 +223,10 @@ class Submitter:
         if idempotency_key:
             job_id = hashlib.sha256(f"gpumesh-idempotency:{idempotency_key}".encode()).hexdigest()[:12]
             request = hashlib.sha256(
-                json.dumps([sha, script_name, payloads, options.model_dump()], sort_keys=True).encode()
+                json.dumps(
+                    [sha, script_name, payloads, options.model_dump(), project.digest if project else ""],
+                    sort_keys=True,
+                ).encode()
             ).hexdigest()
         else:
             job_id = uuid.uuid4().hex[:12]
@@ -213,13 +242,25 @@ class Submitter:
             for t in sorted(tiers):
                 per_tier[str(t)] = per_tier.get(str(t), 0) + 1
             job = _Job(
-                job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier
-            )
-            if len(payloads) > STAGE_ABOVE:
-                staged = self._submit_staged(job, request, idempotency_key, signer, created + expires_in)
-                self._make_epoch()
-                return staged
-            existing: list[Any]
+                job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier,
+                project, siblings if project is None else (),
+            )  # fmt: skip
+            if project is not None:
+                assert files is not None
+                return self._with_project(job, files, request, idempotency_key, signer, created + expires_in)
+            return self._write(job, request, idempotency_key, signer, created + expires_in)
+        except redis.RedisError as exc:
+            raise translate(exc, self.url) from None
+
+    def _write(self, job: _Job, request: str, idempotency_key: str | None, signer: Any, expires: float) -> SubmitResult:
+        """The job, written in one MULTI/EXEC or (a large one) in stages."""
+        job_id = job.id
+        if len(job.payloads) > STAGE_ABOVE:
+            staged = self._submit_staged(job, request, idempotency_key, signer, expires)
+            self._make_epoch()
+            return staged
+        existing: list[Any]
+        try:
             with self.r.pipeline(transaction=True) as p:
                 if idempotency_key:
                     cast(Any, p).watch(keys.job(job_id))  # redis-py leaves Pipeline.watch untyped
@@ -229,7 +270,7 @@ class Submitter:
                     p.multi()
                 self._write_job(p, job)
                 if signer is not None:
-                    self._sign(p, signer, job_id, sha, payloads, options, created + expires_in)
+                    self._sign(p, signer, job, expires)
                 if idempotency_key:
                     p.hset(keys.job(job_id), "request", request)
                 p.execute()
@@ -237,16 +278,34 @@ class Submitter:
         except redis.WatchError:  # the same key won a concurrent race: that job is ours
             existing = self.r.hmget(keys.job(job_id), "request", "total", "tiers")
             return self._same_request(job_id, existing, request, idempotency_key or "")
-        except redis.RedisError as exc:
-            raise translate(exc, self.url) from None
-        return SubmitResult(job_id=job_id, tasks=len(payloads), tiers=per_tier, priority=options.priority)
+        return SubmitResult(job_id=job_id, tasks=len(job.payloads), tiers=job.per_tier, priority=job.options.priority)
+
+    def _with_project(
+        self, job: _Job, files: projects.Files, request: str, idempotency_key: str | None, signer: Any, expires: float
+    ) -> SubmitResult:
+        """Send the project's missing files and attach the job to its tree, then write the job; a job not
+        written (an error, Ctrl-C) is detached again. An idempotent retry of a job that exists is attached
+        already (attaching is idempotent) and keeps its tree."""
+        assert job.project is not None
+        projects.store(files, self.scripts, self.r, job.project, job.id)
+        written = False
+        try:
+            res = self._write(job, request, idempotency_key, signer, expires)
+            written = True
+            return res
+        finally:
+            if not written and not self.r.exists(keys.job(job.id)):
+                try:
+                    projects.detach(files, self.scripts, self.r, job.id, job.project.digest, self.settings.artifacts)
+                except redis.RedisError as exc:  # the reaper detaches it (detach_dangling)
+                    log.warning("could not detach job %s from its project (%s); the reaper will", job.id, exc)
 
     @staticmethod
-    def _sign(
-        p: Any, signer: Any, job_id: str, sha: str, payloads: list[dict[str, Any]], options: JobOptions, expires: float,
-        start: int = 0, stop: int | None = None,
-    ) -> None:  # fmt: skip
+    def _sign(p: Any, signer: Any, job: _Job, expires: float, start: int = 0, stop: int | None = None) -> None:
         from gpumesh.signing import SPENT_MARGIN, SPENT_PLACEHOLDER, message
+
+        job_id, sha, payloads, options = job.id, job.sha, job.payloads, job.options
+        tree, outputs = job.signed_project
 
         if start == 0 and stop is None:
             p.hset(keys.job(job_id), mapping={"key_id": signer.key_id, "expires_at": f"{expires:.3f}"})
@@ -256,8 +315,9 @@ class Submitter:
         for i in range(start, len(payloads) if stop is None else stop):
             payload = payloads[i]
             msg = message(
-                job_id, i, sha, json.dumps(payload), options.timeout, options.max_attempts, float(f"{expires:.3f}")
-            )
+                job_id, i, sha, json.dumps(payload), options.timeout, options.max_attempts, float(f"{expires:.3f}"),
+                tree, outputs,
+            )  # fmt: skip
             p.hset(keys.task(keys.task_id(job_id, i)), "sig", signer.sign(msg))
 
     @staticmethod
@@ -319,12 +379,27 @@ class Submitter:
                 "created_at": f"{job.created:.3f}",
                 "tiers": json.dumps(job.per_tier),
                 "speculate": int(options.speculate),
+                **self._project_fields(job),
             },
         )
         p.zadd(keys.JOBS, {job.id: job.created})
         p.zadd(keys.READY, {keys.ready_member(job.id, k): options.priority for k in sorted(set(job.classes))})
         scripts.wake(self.scripts, p)
         p.xadd(keys.EVENTS, {"kind": "job", "id": job.id, "status": "queued"}, maxlen=10000, approximate=True)
+
+    @staticmethod
+    def _project_fields(job: _Job) -> dict[str, str | int]:
+        """What the job hash holds of its project and output globs (nothing for a job without them: a job
+        costs the broker what it did)."""
+        out: dict[str, str | int] = {}
+        if job.project is not None:
+            out.update(project=job.project.digest, project_files=len(job.project.files),
+                       project_bytes=job.project.total_bytes)  # fmt: skip
+        if job.options.outputs:
+            out["outputs"] = outputs_json(job.options.outputs)
+        if job.siblings:
+            out["siblings"] = ",".join(job.siblings)
+        return out
 
     def _submit_staged(
         self, job: _Job, request: str, idempotency_key: str | None, signer: Any, expires: float
@@ -355,7 +430,7 @@ class Submitter:
                 progress_ms = int(job.created * 1000 + (time.monotonic() - t0) * 1000)  # server time, from submit
                 p.zadd(keys.STAGING, {job.id: progress_ms}, xx=True)
                 if signer is not None:
-                    self._sign(p, signer, job.id, job.sha, job.payloads, job.options, expires, start, stop)
+                    self._sign(p, signer, job, expires, start, stop)
                 p.execute()
         with r.pipeline(transaction=True) as p:
             self._make_visible(p, job)

@@ -11,24 +11,28 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from gpumesh.models import EXCEPTION_MARKER, Capability, loads_strict
+from gpumesh.project import safe_rel
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
+from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker.logship import LogShipper
+from gpumesh.worker.projects import Held, ProjectCache, ProjectError
 
 log = logging.getLogger("gpumesh.worker")
 
@@ -66,6 +70,26 @@ class Begun:
     limits: sandbox.Limits
     oom_kills: int
     started: sandbox.Started
+
+
+@dataclass(frozen=True)
+class JobExtras:
+    """What a job's hash says of its project and outputs (fixed at submit: read once per job per worker)."""
+
+    project: str = ""  # tree digest
+    outputs: str = ""  # output globs, JSON (as signed)
+    siblings: frozenset[str] = frozenset()  # modules beside a lone script where it was submitted
+
+    @property
+    def globs(self) -> tuple[str, ...]:
+        try:
+            value = json.loads(self.outputs) if self.outputs else []
+        except ValueError:
+            return ()
+        return tuple(g for g in value if isinstance(g, str)) if isinstance(value, list) else ()
+
+
+NO_EXTRAS = JobExtras()
 
 
 @dataclass
@@ -130,18 +154,63 @@ class Executor:
         self.artifact_caps = artifacts.Caps.of(self.settings)
         # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
+        self._extras: dict[str, JobExtras] = {}
+        self._projects: ProjectCache | None = None
+        self._held: Held | None = None  # the project tree the last attempt ran in, held until another is needed
+
+    @property
+    def projects(self) -> ProjectCache:
+        if self._projects is None:
+            s = self.settings
+            self._projects = ProjectCache(
+                s.project_cache, s.project_cache_mb, self.broker.project_files(), self.broker.r
+            )
+        return self._projects
+
+    def extras(self, job_id: str) -> JobExtras:
+        got = self._extras.get(job_id)
+        if got is None:
+            project, outputs, siblings = self.broker.r.hmget(keys.job(job_id), "project", "outputs", "siblings")
+            got = NO_EXTRAS
+            if project or outputs or siblings:
+                got = JobExtras(project or "", outputs or "", frozenset((siblings or "").split(",")) - {""})
+            if len(self._extras) > 256:
+                self._extras.clear()
+            self._extras[job_id] = got
+        return got
+
+    def _tree(self, digest: str, make: bool = True) -> Held | None:
+        """The project tree ``digest`` on this machine, held for this worker's attempts; made here unless
+        ``make`` is false (then None where it is not held already)."""
+        held = self._held
+        if held is not None and held.digest == digest:
+            return held
+        if not make:
+            return None
+        self._release_tree()
+        self._held = self.projects.acquire(digest)
+        return self._held
+
+    def _release_tree(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self.projects.release(held)
 
     def close(self) -> None:
         begun = self.begun
         if begun is not None:  # the worker stops without running it (a revoked one cannot hand it back)
             self._abandon(begun, "the worker is stopping")
         self.tidy()
+        self._release_tree()
         if self.spares is not None:
             self.spares.close()
 
     def tidy(self) -> None:
-        """Do at once what waits for the next attempt to run (sandbox.Meanwhile): the worker has no task now."""
+        """Do at once what waits for the next attempt to run (sandbox.Meanwhile): the worker has no task now.
+        Its project tree is let go (the machine's cache may remove it once no attempt uses it)."""
         self.meanwhile.run()
+        if self.current is None and self.begun is None:
+            self._release_tree()
 
     def _script(self, sha: str) -> str:
         src = self._scripts_cache.get(sha)
@@ -194,6 +263,9 @@ class Executor:
         source = self._scripts_cache.get(lease.script_sha)
         if source is None or self._refusal(lease, source):
             return
+        extras = self.extras(lease.job_id)  # read once per job (the refusal's check read it already)
+        if extras.project and self._tree(extras.project, make=False) is None:
+            return  # its tree is not held here yet: run() makes it, and says what fails
         running = Running(lease, last_renewal=leased_at)
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
@@ -266,6 +338,15 @@ class Executor:
         if refusal:
             log.error("%s refused: %s", lease.task_id, refusal)
             return self._fail(running, refusal, 0.0, reject=True, kind="refused")
+        project = self.extras(lease.job_id).project
+        if project:
+            try:
+                self._tree(project)
+            except (ProjectError, OSError, redis.RedisError) as exc:
+                why = f"project: {exc}"
+                log.error("%s refused: %s", lease.task_id, why)
+                self.w.logs.put(lease.task_id, "gpumesh", why)
+                return self._fail(running, why, 0.0, reject=True, kind="refused")
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
         out = self._finish_in_sandbox(self._start_in_sandbox(running, source, limits))
@@ -292,10 +373,16 @@ class Executor:
                 return "lease lost: no heartbeat reached the broker within the lease TTL"
             return None
 
+        extras = self.extras(lease.job_id)
+        view = None
+        if extras.project:
+            held = self._tree(extras.project, make=False)
+            assert held is not None  # made before the attempt started (_attempt), or begin would not start it
+            view = View(held.path, folders_to_expand(lease.script_name, extras.globs))
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
             zygote=self.w.zygote, spares=self.spares, collect=lambda entries: self._stage(lease, entries),
-            meanwhile=self.meanwhile,
+            meanwhile=self.meanwhile, project=view, output_globs=extras.globs,
         )  # fmt: skip
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
@@ -376,7 +463,9 @@ class Executor:
         if out.returncode != 0 or out.killed:
             tail = "\n".join(out.stderr_tail)[-ERROR_TAIL_CHARS:]
             kind, need, said = failure_of(out, self.w.resources)
-            return self._fail(running, said + (f"\n{tail}" if tail else ""), out.duration, kind=kind, need=need)
+            hint = module_hint(out.stderr_tail, self.extras(lease.job_id).siblings, lease.script_name)
+            error = said + (f"\n{tail}" if tail else "") + (f"\n{hint}" if hint else "")
+            return self._fail(running, error, out.duration, kind=kind, need=need)
         if why:
             return self._fail(running, why, out.duration)
         assert isinstance(out.collected, artifacts.StageFailed)  # the worker's storage failed, not the script
@@ -425,6 +514,12 @@ class Executor:
         copy."""
         if hashlib.sha256(source.encode()).hexdigest() != lease.script_sha:
             return "the script in the broker does not match its hash (tampered)"
+        extras = self.extras(lease.job_id)
+        if extras.project:
+            try:
+                safe_rel(lease.script_name)
+            except ValueError as exc:
+                return f"the script's path in its project cannot be used: {exc}"
         verifier = self.w.verifier
         if verifier is None:
             return None
@@ -435,8 +530,9 @@ class Executor:
             return "signature: does not match the task (its job id or index is not its own: copied from another job)"
         job_id, index = identity
         msg = message(
-            job_id, index, lease.script_sha, lease.payload, lease.timeout, lease.max_attempts, lease.expires_at
-        )
+            job_id, index, lease.script_sha, lease.payload, lease.timeout, lease.max_attempts, lease.expires_at,
+            extras.project, extras.outputs,
+        )  # fmt: skip
         why = verifier.verify(lease.key_id, lease.signature, msg)
         if why is None and lease.server_ms / 1000 > lease.expires_at:
             why = "signature: the job expired before it ran (a replay, or it waited too long)"
@@ -551,6 +647,27 @@ def failure_of(out: sandbox.Attempt, resources: dict[str, Any]) -> tuple[str, tu
     if out.returncode == -9 and out.kernel_oom:
         return "memory", ram, said + " (the kernel's out-of-memory killer ran during the attempt)"
     return "script", None, said
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def module_hint(stderr_tail: Iterable[str], siblings: frozenset[str], script: str) -> str:
+    """For a lone script that died of a ModuleNotFoundError naming a module that lay beside it where it was
+    submitted: the line that says to ship the folder (its last line, which status and results show)."""
+    if not siblings:
+        return ""
+    for line in reversed(list(stderr_tail)):
+        found = _NO_MODULE.search(line)
+        if found:
+            name = found.group(1)
+            if name.split(".")[0] in siblings:
+                return (
+                    f"ModuleNotFoundError: No module named '{name}': it is beside {script} where the job was "
+                    "submitted, but only the script was sent; submit with --project DIR to ship the folder"
+                )
+            return ""
+    return ""
 
 
 def _exception_line(line: str) -> str:

@@ -20,7 +20,7 @@ from rq.worker import Worker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from gpumesh.models import TERMINAL
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, projects, scripts
 from gpumesh.store.broker import FAILURE_TTL, Broker
 from gpumesh.store.connection import translate
 from gpumesh.store.submit import STAGING_STALE_MS, delete_job
@@ -82,6 +82,9 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
         report["workers_dropped"] = len(dead)
     try:
         report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
+        report["projects_detached"] = projects.detach_dangling(
+            b.project_files(), b.scripts, b.r, now, b.settings.artifacts
+        )
     except (redis.exceptions.NoPermissionError, redis.exceptions.ExecAbortError) as exc:
         if isinstance(exc, redis.exceptions.ExecAbortError) and "NOPERM" not in str(exc):
             raise
@@ -124,7 +127,7 @@ def _prune(b: Broker, now_ms: int, batch: int = 50) -> int:
         status, finished = b.r.hmget(keys.job(job_id), "status", "finished_at")
         if status is not None and (status not in TERMINAL or not finished or float(finished) > cutoff):
             continue  # still open, or finished within the retention
-        delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts)
+        delete_job(b.r, job_id, keys.JOBS, b.settings.artifacts, b.project_files())
         pruned += 1
     return pruned
 
@@ -134,7 +137,7 @@ def _prune_abandoned_staging(b: Broker, now_ms: int, batch: int = 50) -> int:
     pruned = 0
     for job_id in b.r.zrangebyscore(keys.STAGING, "-inf", now_ms - ABANDONED_STAGING_MS, start=0, num=batch):
         if not b.r.exists(keys.job(job_id)):
-            delete_job(b.r, job_id, keys.STAGING)
+            delete_job(b.r, job_id, keys.STAGING, b.settings.artifacts, b.project_files())
             pruned += 1
         else:
             b.r.zrem(keys.STAGING, job_id)
