@@ -19,7 +19,8 @@ RETRY_KINDS = {
     "lost": "its worker or lease was lost, or its output files could not be stored (a lapsed lease does not "
     "spend an attempt, up to 3 times)",
 }
-RECORDED_KINDS = (*RETRY_KINDS, "refused")
+# 'environment': the job's environment could not be built on the worker's machine (gpumesh.envs).
+RECORDED_KINDS = (*RETRY_KINDS, "refused", "environment")
 COUNTS = ("total", "queued", "running", "done", "failed", "cancelled")  # the job's task counters
 
 
@@ -52,7 +53,7 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
         "finished_at": ts(h.get("finished_at")),
         "waiting_for": [],
         "failed_by_kind": {k: n for k, n in by_kind.items() if n > 0},
-        "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
+        "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RETRY_KINDS],
     }
 
 

@@ -332,6 +332,7 @@ class SubmitResult(Model):
     waiting_for: list[Waiting] = Field(default_factory=list)
     existing: bool = False  # the idempotency key named a job submitted before: nothing new was written
     project: ProjectSent | None = None
+    env: str | None = None  # the digest of the job's environment lock (gpumesh.envs), when it has one
 
 
 class Artifact(Model):
@@ -486,6 +487,7 @@ FAILURE_KINDS = {
     "bad_result": "the script ended cleanly but its last stdout line is not a usable JSON result",
     "lost": "its worker stopped heartbeating or stopped during the attempt",
     "refused": "the worker refused to run it (signature, tampered script)",
+    "environment": "the job's environment could not be built on the worker's machine (the builder's message)",
     "cancelled": "the job was cancelled",
 }
 
@@ -498,7 +500,7 @@ def failure_kind(status: str, error: str | None, recorded: str | None = None) ->
     first = text.partition("\n")[0]
     if status == "cancelled":
         return "cancelled"
-    if recorded in ("timeout", "memory", "lost", "refused"):
+    if recorded in ("timeout", "memory", "lost", "refused", "environment"):
         return recorded
     if "\n" + EXCEPTION_MARKER in text:
         return "exception"

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("gpumesh.cli.admin", "Write or show the config file that every command reads (mode 0600)."),
     "dashboard": ("gpumesh.cli.dashboard", "Serve a web dashboard of the mesh: workers, jobs, tasks, failures, a timeline of attempts, live logs. Cancel and retry only with a credential that may write. Runs until Ctrl-C."),
     "doctor": ("gpumesh.cli.doctor", "Check this machine and the broker, and say how to fix what is wrong."),
+    "envs": ("gpumesh.cli.envs", "Show the environments this machine's workers built, and prune them."),
     "init": ("gpumesh.cli.jobs", "Write a commented gpumesh.toml (a job file) from what this folder holds."),
 }  # fmt: skip
 

@@ -131,6 +131,27 @@ def worker_options(f: Any) -> Any:
                 "gpu or cpu, vram_gb, vram_free_gb, cpu_cores, ram_gb, task_memory_gb) and overriding it, e.g. "
                 "--resource vram_gb=80 --resource dataset=imagenet. Names are case-sensitive.",
             ),
+            click.option(
+                "--no-envs",
+                "no_envs",
+                is_flag=True,
+                help="Run only jobs without an environment, in this worker's own Python: never build one "
+                "(also GPUMESH_ENVS=false).",
+            ),
+            click.option(
+                "--env-cache",
+                "env_cache",
+                metavar="DIR",
+                help="Where this machine's workers build and share environments (also GPUMESH_ENV_CACHE; its "
+                "size: GPUMESH_ENV_CACHE_MB). See `gpumesh envs`.",
+            ),
+            click.option(
+                "--allow-builds",
+                "allow_builds",
+                is_flag=True,
+                help="Let an environment run packages' build code (sdists) on this machine, for jobs submitted "
+                "with --allow-builds; by default only wheels whose hashes match the lock install.",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -185,6 +206,12 @@ def _isolation_flags(opts: dict[str, Any]) -> None:
             raise UsageError(f"--cache-path {path}: a cache's path may not hold ',', ':' or '\\'; link it elsewhere")
     if opts["no_isolation"]:
         os.environ["GPUMESH_ISOLATION"] = "false"
+    if opts.get("no_envs"):
+        os.environ["GPUMESH_ENVS"] = "false"
+    if opts.get("allow_builds"):
+        os.environ["GPUMESH_ALLOW_BUILDS"] = "true"
+    if opts.get("env_cache"):
+        os.environ["GPUMESH_ENV_CACHE"] = os.path.abspath(opts["env_cache"])
     for flag, var in (
         ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
     ):  # fmt: skip

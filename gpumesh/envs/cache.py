@@ -30,6 +30,11 @@ READY = ".gpumesh-env.json"  # written last: a folder without it is not an env
 BUILDS = "builds.jsonl"  # one line per build (uv venv + uv pip install), kept for `gpumesh envs` and doctor
 
 
+def default_root() -> Path:
+    """The machine's env cache when no --env-cache is given: one per user, in the temp dir."""
+    return Path(tempfile.gettempdir()) / f"gpumesh-envs-{os.geteuid()}"
+
+
 class EnvError(Exception):
     """A build that failed here, with the builder's message."""
 
@@ -49,7 +54,7 @@ def _site_of(path: Path) -> str:
 
 def _read_only(root: Path) -> None:
     """Nobody writes an env once built: its files 0444 (0555 when executable), its folders 0555."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
@@ -138,7 +143,7 @@ class EnvCache:
         lockfile = self.root / f".{digest[:32]}.txt"
         lockfile.write_text(text)
         try:
-            python = requires_python or sys.executable
+            python = sys.executable  # the worker advertises its minor version: a job's requires-python chose it
             steps = [
                 [uv, "venv", "--quiet", "--relocatable", "--no-python-downloads", "--python", python, str(tmp / "v")],
                 [uv, "pip", "install", "--quiet", "--require-hashes", "--no-deps", "--link-mode", "copy",
@@ -171,7 +176,9 @@ class EnvCache:
         return env_
 
     def _record(self, digest: str, seconds: float, ok: bool) -> None:
-        line = json.dumps({"digest": digest, "seconds": round(seconds, 3), "ok": ok, "at": time.time(), "pid": os.getpid()})
+        line = json.dumps(
+            {"digest": digest, "seconds": round(seconds, 3), "ok": ok, "at": time.time(), "pid": os.getpid()}
+        )
         with open(self.root / BUILDS, "a") as f:
             f.write(line + "\n")
 

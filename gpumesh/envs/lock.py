@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-
 import re
 import subprocess
 import tempfile
@@ -133,8 +132,19 @@ def check_lock(text: str) -> str | None:
     return None
 
 
+def env_requirements(env: Lock) -> list[str]:
+    """What a job with ``env`` requires of a worker: that it builds envs, and a Python the lock allows."""
+    out = ["envs=yes"]
+    version = python_version(env.requires_python)
+    if version and ">=" in env.requires_python:
+        out.append(f"python>={version}")
+    elif version:
+        out.append(f"python={version}")
+    return out
+
+
 def env_label(digest: str) -> str:
     return digest[:12]
 
 
-__all__ = ["Lock", "check_lock", "digest_of", "lock", "python_version", "uv_binary"]
+__all__ = ["Lock", "check_lock", "digest_of", "env_requirements", "lock", "python_version", "uv_binary"]

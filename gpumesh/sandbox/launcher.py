@@ -258,8 +258,9 @@ def add_attempt_rules(ruleset: int, rules: dict[str, Any]) -> None:
     handled = fs_rights(int(rules["abi"]))
     attempt = [rules["attempt"]] if rules.get("attempt") else []
     project = [rules["project"]] if rules.get("project") else []  # its project's tree: read only
+    env = [rules["env"]] if rules.get("env") else []  # its environment (gpumesh.envs): read only, never written
     _grant(ruleset, handled, ((rules.get("owner_read", ()), FS_READ), (rules.get("owner_write", ()), handled),
-                              (attempt, handled), (project, FS_READ)))  # fmt: skip
+                              (attempt, handled), (project, FS_READ), (env, FS_READ)))  # fmt: skip
 
 
 def _grant(ruleset: int, handled: int, lists: Any) -> None:
@@ -303,7 +304,14 @@ def restrict_to(ruleset: int, drop: bool = False) -> None:
         raise OSError(ctypes.get_errno(), "landlock_restrict_self")
 
 
-ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm", "project")  # what of the rules is each attempt's own
+ATTEMPTS_OWN = (
+    "attempt",
+    "owner_read",
+    "owner_write",
+    "shm",
+    "project",
+    "env",
+)  # what of the rules is each attempt's own
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
@@ -468,6 +476,11 @@ def _run_script(script: str, rules: dict[str, Any] | None, ruleset: int | None =
         except OSError as exc:  # never run a task less isolated than the worker said it would be
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
             os._exit(70)
+    env_site = os.environ.get("GPUMESH_ENV_SITE")
+    if env_site:  # an environment's packages, their .pth files run here: confined, as the task is (gpumesh.envs)
+        import site
+
+        site.addsitedir(env_site)
     sys.argv = [script]
     sys.path[0] = os.path.dirname(script)
     project = os.environ.get("GPUMESH_PROJECT_DIR")

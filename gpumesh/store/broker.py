@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from rq import Queue
     from rq.job import Job
 
+    from gpumesh.envs.lock import Lock
     from gpumesh.project import Packed
     from gpumesh.signing import Signer
     from gpumesh.store import artifacts, projects
@@ -76,6 +77,7 @@ class Broker:
         expires_in: float = 7 * 86400,
         project: Packed | None = None,
         siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
     ) -> SubmitResult:
         """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
 
@@ -88,7 +90,7 @@ class Broker:
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
         files = self.project_files() if project is not None else None
         return self._submitter.submit(
-            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings
+            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings, env
         )
 
     def project_files(self) -> projects.Files:

@@ -197,7 +197,11 @@ class MeshWorker(LeanRQWorker):
         # declared ones override the probe; task_memory_gb (the RSS cap of a task) tells a task that ran out
         # of memory which workers have more
         task_memory_gb = round((self.settings.task_memory_mb << 20 or self._default_task_memory) / 2**30, 2)
-        self.resources = {**capability.resources(), "task_memory_gb": task_memory_gb, **(resources or {})}
+        # envs: whether it builds jobs' environments (worker --no-envs); python: the minor version its envs run
+        envs = {"envs": "yes" if self.settings.envs else "no", "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+        self.resources = {
+            **capability.resources(), "task_memory_gb": task_memory_gb, **envs, **(resources or {})
+        }  # fmt: skip
         self.logs = LogShipper(broker.redis)
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
