@@ -105,7 +105,8 @@ class EnvCache:
     @contextlib.contextmanager
     def _locked(self, digest: str) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
-        fd = os.open(self.root / f"{digest[:32]}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # The build's lock, apart from the in-use lock (.lock) that holders keep shared for as long as they run.
+        fd = os.open(self.root / f"{digest[:32]}.build", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # another worker of this machine builds it: wait for its end
             yield

@@ -770,6 +770,8 @@ def _resource(resources: dict[str, Any], key: str) -> tuple[str, float] | None:
 def next_step(res: scripts.Outcome, kind: str, need: tuple[str, float] | None) -> str:
     """What happens to a task after a failed attempt, when it is not the plain "queued again": a line
     for its log (empty for a plain retry)."""
+    if res.status == "failed" and kind == "environment":
+        return "not retried: this machine cannot build the job's environment (the message above is the builder's)"
     if res.status == "failed" and res.not_retried:
         return (
             f"not retried: the job does not retry {kind} failures (submit --retry-on {kind} would); attempts were left"
