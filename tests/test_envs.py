@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from gpumesh.sandbox import landlock
 from gpumesh.store import keys
 
 from . import mapped
-from .conftest import Workers, wait_until
+from .conftest import Workers
 from .conftest import gpumesh as run_cli
 
 
