@@ -28,6 +28,7 @@ NAMES = (
     "signing_key",
     "outage_patience", "artifacts", "artifact_file_mb", "artifact_task_mb", "artifact_job_mb", "artifact_files",
     "trusted_keys", "project_max_mb", "project_max_files", "project_cache", "project_cache_mb",
+    "envs", "env_cache", "env_cache_mb", "allow_builds",
 )  # fmt: skip
 
 
