@@ -43,7 +43,7 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
     """JobStatus's fields from the job's hash (``waiting_for`` empty: :func:`waiting_for` reads it)."""
     by_kind = {k: count(h.get("failed:" + k)) for k in RECORDED_KINDS}
     on = h.get("retry_on")
-    return {
+    out = {
         "job_id": job_id,
         "name": h.get("name", ""),
         "status": h["status"],
@@ -55,6 +55,9 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
         "failed_by_kind": {k: n for k, n in by_kind.items() if n > 0},
         "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RETRY_KINDS],
     }
+    if h.get("env"):  # the digest of its environment's lock (gpumesh.envs): only a job with one has the key
+        out["env"] = h["env"]
+    return out
 
 
 def to_json(st: dict[str, Any]) -> dict[str, Any]:

@@ -15,9 +15,11 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_serializer,
 )
 
 from gpumesh import jobstate
@@ -296,6 +298,15 @@ class JobStatus(Model):
     # Failed tasks by the kind their last attempt recorded (RECORDED_KINDS), and what the job retries.
     failed_by_kind: dict[str, int] = Field(default_factory=dict)
     retry_on: list[str] = Field(default_factory=list)
+    env: str | None = None  # the digest of the job's environment lock (gpumesh.envs), when it has one
+
+    @model_serializer(mode="wrap")
+    def _without_absent_env(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A job without an environment dumps as it always has: no ``env`` key."""
+        out: dict[str, Any] = handler(self)
+        if out.get("env") is None:
+            out.pop("env", None)
+        return out
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:

@@ -106,6 +106,8 @@ def test_pep723_script_runs_in_its_env(
     assert len(sub["env"]) == 64
     results = finished(sub["job_id"], workers)
     assert [r["value"] for r in results] == [43, 44]
+    shown = run_cli("status", sub["job_id"], "--json", env=env)
+    assert json.loads(shown.stdout)["env"] == sub["env"]
     assert all(str(tmp_path / "envs") in r["exe"] for r in results)
     assert len(builds(tmp_path)) == 1
 
