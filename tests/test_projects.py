@@ -381,13 +381,18 @@ def test_the_signature_covers_the_tree(penv, r, workers, proj, tmp_path):
 @pytest.mark.processes
 def test_concurrent_workers_of_a_machine_make_one_copy(penv, r, workers, proj, tmp_path, cache):
     mesh = gpumesh.connect()
-    job = mesh.submit(proj / "train.py", [{"lr": i / 10} for i in range(6)], project=proj)
-    for _ in range(3):
-        workers.start(wait=False)
+    (proj / "slow.py").write_text("import json, time, helper\ntime.sleep(1)\nprint(json.dumps({'k': helper.K}))\n")
+    workers.start("--gpus", "0,1", wait=False)  # a supervisor's two children (as on a two-GPU machine)...
+    workers.start(wait=False)  # ...and a worker of its own
+    wait_until(lambda: r.zcard(keys.WORKERS) == 3, timeout=60, what="three workers")
+    job = mesh.submit(proj / "slow.py", [{} for _ in range(6)], project=proj)  # all three need the tree at once
     st = job.wait(timeout=90)
-    assert st.status == "done", [workers.log(i) for i in range(3)]
-    made = sum(workers.log(i).count("ready in") for i in range(3))
+    assert st.status == "done", [workers.log(i) for i in range(2)]
+    assert len({row.worker for row in job.results()}) == 3, "every worker ran some of it"
+    made = sum(workers.log(i).count("ready in") for i in range(2))
     assert made == 1, "one worker made the tree; the others waited for it"
+    said = [(t, line) for t, stream, line in job.logs() if stream == "gpumesh" and "fetched and checked" in line]
+    assert len(said) == 1 and "files" in said[0][1], said  # the task it was made for says so in its log
     assert len(trees(cache)) == 1
     tree = cache / trees(cache)[0]
     assert (tree / "helper.py").stat().st_mode & 0o777 == 0o444
@@ -614,3 +619,27 @@ def test_a_reused_attempt_directory_is_reset_to_the_project_alone(proj, tmp_path
     finally:
         taskdir.remove(workdir, None, os.path.join(workdir, "output"), dir_fd=fd)
         os.close(fd)
+
+
+@pytest.mark.processes
+def test_in_an_object_store_a_killed_submit_s_files_are_swept_by_the_reaper(env, r, proj, tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    monkeypatch.setenv("GPUMESH_ARTIFACTS", f"file://{store}")
+    admin = Broker(Settings.load())
+    files = admin.project_files()
+    packed = pack(proj, proj / "train.py")
+    for sha, path in packed.local.items():  # what a submit killed before it attached them wrote
+        files.write(sha, path)
+    kept = gpumesh.connect().submit(proj / "train.py", [{"lr": 1}], project=proj)  # a job that holds them now
+    (proj / "helper.py").write_text("K = 11\n")
+    orphan = pack(proj, proj / "train.py").local[hashlib.sha256(b"K = 11\n").hexdigest()]
+    files.write(hashlib.sha256(b"K = 11\n").hexdigest(), orphan)
+    old = time.time() - projects.UNATTACHED_TTL_S - 60
+    for f in (store / projects.OBJECT_DIR).iterdir():
+        os.utime(f, (old, old))
+    projects._last_sweep.clear()
+    assert reap_once(admin)["project_files_swept"] == 1
+    left = {f.name for f in (store / projects.OBJECT_DIR).iterdir()}
+    assert left == {f.sha256 for f in packed.files}, "the files a job holds stay; the one nobody attached went"
+    assert kept.status().status == "queued"
+    admin.close()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,52 @@ def detach_dangling(files: Files, s: scripts.Scripts, client: Any, now_ms: int, 
                 detach(files, s, client, job_id, digest, own)
                 n += 1
     return n
+
+
+SWEEP_EVERY_S = 600.0  # how often a reaper lists an object store's project files for ones nobody attached
+_last_sweep: dict[str, float] = {}
+
+
+def sweep_unattached(files: Files, client: Any, own: str = "", now: float | None = None) -> int:
+    """In an object store (this machine's own), delete the project files no tree holds that were written more
+    than UNATTACHED_TTL_S ago: what a submit killed before it attached them left (in the broker such files
+    expire by themselves). At most every SWEEP_EVERY_S per store: a listing is not free. How many went."""
+    obj = files._object
+    if obj is None or files.url != own.rstrip("/"):
+        return 0
+    now = time.time() if now is None else now
+    if now - _last_sweep.get(files.url, 0.0) < SWEEP_EVERY_S:
+        return 0
+    _last_sweep[files.url] = now
+    folder = f"{obj.root.rstrip('/')}/{OBJECT_DIR}"
+    try:
+        entries = obj.fs.ls(folder, detail=True) if obj.fs.exists(folder) else []
+    except Exception as exc:  # noqa: BLE001 - an object store's own errors: try again at the next sweep
+        log.warning("could not list project files in %s: %s", files.url, exc)
+        return 0
+    old = {}
+    for entry in entries:
+        sha = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        written = _written_at(entry)
+        if len(sha) == 64 and written is not None and now - written > UNATTACHED_TTL_S:
+            old[sha] = written
+    if not old:
+        return 0
+    shas = sorted(old)
+    held = files.held(client, shas)
+    gone = [sha for sha in shas if sha not in held]
+    files.forget(gone, own)
+    return len(gone)
+
+
+def _written_at(entry: dict[str, Any]) -> float | None:
+    """When an object store says a file was written (local: mtime; S3: LastModified), in epoch seconds."""
+    value = entry.get("mtime", entry.get("LastModified", entry.get("created")))
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return None
 
 
 def tree_manifest(client: Any, digest: str) -> str | None:

@@ -406,7 +406,12 @@ class Executor:
         project = self.extras(lease.job_id).project
         if project:
             try:
-                self._tree(project)
+                held = self._tree(project)
+                if held is not None and held.made:  # said once, by the worker that made it for this machine
+                    self.w.logs.put(
+                        lease.task_id, "gpumesh", f"project {project[:12]} fetched and checked: {held.made}"
+                    )
+                    held.made = ""
             except (ProjectError, OSError, redis.RedisError) as exc:
                 why = f"project: {exc}"
                 log.error("%s refused: %s", lease.task_id, why)

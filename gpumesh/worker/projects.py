@@ -48,6 +48,7 @@ class Held:
     digest: str
     path: str
     fd: int
+    made: str = ""  # what making it here took, when this call made it ("2000 files, 52428800 bytes, in 1.20 s")
 
 
 def default_root() -> Path:
@@ -87,19 +88,22 @@ class ProjectCache:
         lock = os.open(self.root / f"{digest}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             tree = self.root / digest
+            made = ""
             fcntl.flock(lock, fcntl.LOCK_SH)
             if not tree.is_dir():
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the first to get here makes it; the others wait here
                 if not tree.is_dir():
-                    size = self._materialise(digest, tree)
+                    started = time.monotonic()
+                    files, size = self._materialise(digest, tree)
                     (self.root / f"{digest}.bytes").write_text(str(size))
+                    made = f"{files} files, {size} bytes, in {time.monotonic() - started:.2f} s"
                 fcntl.flock(lock, fcntl.LOCK_SH)
                 self._evict(keep=digest)
             self._touch(digest, lock)
         except BaseException:
             os.close(lock)
             raise
-        return Held(digest, str(tree), lock)
+        return Held(digest, str(tree), lock, made)
 
     def release(self, held: Held) -> None:
         os.close(held.fd)  # and its lock with it
@@ -110,7 +114,7 @@ class ProjectCache:
             os.utime(fd)
             self._touched[digest] = now
 
-    def _materialise(self, digest: str, tree: Path) -> int:
+    def _materialise(self, digest: str, tree: Path) -> tuple[int, int]:
         manifest = projects.tree_manifest(self.client, digest)
         if manifest is None:
             raise ProjectError(f"project {digest[:12]} is not in the broker (its job was cancelled or deleted?)")
@@ -138,7 +142,7 @@ class ProjectCache:
             _remove(work)
             raise
         log.info("project %s: %d files, %d bytes, ready in %s", digest[:12], len(doc["files"]), size, tree)
-        return size
+        return len(doc["files"]), size
 
     def _write_files(self, doc: dict[str, Any], work: Path) -> int:
         entries = doc["files"]
@@ -207,15 +211,6 @@ class ProjectCache:
             return False
         finally:
             os.close(fd)
-
-    def listing(self) -> list[dict[str, Any]]:
-        """The trees this machine holds: digest, bytes, last used."""
-        out = []
-        for entry in sorted(os.scandir(self.root), key=lambda e: e.name) if self.root.is_dir() else []:
-            if entry.name.endswith(".bytes"):
-                digest = entry.name.removesuffix(".bytes")
-                out.append({"digest": digest, "bytes": int(Path(entry.path).read_text() or 0)})
-        return out
 
 
 def _read_only(top: Path) -> None:

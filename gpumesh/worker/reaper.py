@@ -82,9 +82,9 @@ def reap_once(b: Broker, audit_grace_ms: int | None = None, batch: int = 500) ->
         report["workers_dropped"] = len(dead)
     try:
         report["jobs_pruned"] = _prune(b, now) + _prune_abandoned_staging(b, now)
-        report["projects_detached"] = projects.detach_dangling(
-            b.project_files(), b.scripts, b.r, now, b.settings.artifacts
-        )
+        files = b.project_files()
+        report["projects_detached"] = projects.detach_dangling(files, b.scripts, b.r, now, b.settings.artifacts)
+        report["project_files_swept"] = projects.sweep_unattached(files, b.r, b.settings.artifacts)
     except (redis.exceptions.NoPermissionError, redis.exceptions.ExecAbortError) as exc:
         if isinstance(exc, redis.exceptions.ExecAbortError) and "NOPERM" not in str(exc):
             raise
