@@ -8,8 +8,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import zipfile
@@ -25,6 +28,7 @@ from gpumesh.store import keys
 from . import mapped
 from .conftest import Workers
 from .conftest import gpumesh as run_cli
+from .test_projects import SYSTEM_PYTHON, can_sandbox_user
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
@@ -86,8 +90,9 @@ def finished(job_id: str, workers: Workers, timeout: float = 120) -> list[object
         return [r.result for r in res]
 
 
-def builds(tmp_path: Path) -> list[dict[str, object]]:
-    path = tmp_path / "envs" / "builds.jsonl"
+def builds(cache: Path) -> list[dict[str, object]]:
+    """The builds (uv venv + uv pip install) the machine's env cache ``cache`` records."""
+    path = cache / "builds.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -109,7 +114,7 @@ def test_pep723_script_runs_in_its_env(
     shown = run_cli("status", sub["job_id"], "--json", env=env)
     assert json.loads(shown.stdout)["env"] == sub["env"]
     assert all(str(tmp_path / "envs") in r["exe"] for r in results)
-    assert len(builds(tmp_path)) == 1
+    assert len(builds(tmp_path / "envs")) == 1
 
 
 def _evil_wheel(links: Path, marker: Path) -> None:
@@ -142,17 +147,30 @@ print(json.dumps(out))
 
 @pytest.mark.security
 @pytest.mark.skipif(landlock.abi() < 1, reason="this kernel has no Landlock")
+@pytest.mark.parametrize("user", [None, "nobody"])
 def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
-    both_modes: str, index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+    both_modes: str, index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, user: str | None
 ) -> None:
     """A wheel's .pth file runs nowhere unconfined (build, launcher, zygote): its write outside the task's reach
-    never lands, fresh or warm. A task that writes into its env's site-packages is refused, and the next task
-    (of another job too) sees the original files."""
+    never lands, fresh or warm, with and without a sandbox user. A task that writes into its env's site-packages
+    is refused, and the next task (of another job too) sees the original files."""
+    extra: list[str] = []
+    if user:
+        if not can_sandbox_user:
+            pytest.skip("--sandbox-user needs a root worker on Linux and a Python the task user can read")
+        if both_modes == "warm":
+            pytest.skip("a --sandbox-user's attempts start cold: the fresh run covers it")
+        extra = ["--sandbox-user", user]
+        # The env cache where the task's user can reach it (the test's own folder is 0700), and made on a Python
+        # that user can read.
+        cache = Path(tempfile.mkdtemp(prefix="gpumesh-test-envs-"))
+        os.chmod(cache, 0o755)
+        workers.env = {**workers.env, "GPUMESH_ENV_CACHE": str(cache), "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}
     marker = tmp_path.parent / f"pth-ran-{uuid.uuid4().hex}"
     _evil_wheel(index, marker)
     script = tmp_path / "meddle.py"
     script.write_text(MEDDLE)
-    workers.start()
+    workers.start(*extra)
     try:
         for _ in range(2):  # the second job finds the env built, and (warm) its zygote started
             ran = run_cli("submit", str(script), "--payloads", "-", "--json", env=env, input='[{"i": 0}, {"i": 1}]')
@@ -162,9 +180,14 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
                 assert r["value"] == 7
                 assert {r[k] for k in ("change", "create", "remove", "rename")} <= {"PermissionError", "OSError"}, r
         assert not marker.exists(), "a .pth file of the env ran outside the sandbox"
-        assert len(builds(tmp_path)) == 1
+        assert len(builds(Path(workers.env["GPUMESH_ENV_CACHE"]))) == 1
     finally:
         marker.unlink(missing_ok=True)
+        if user:
+            workers.stop_all()
+            for dirpath, _dirs, _files in os.walk(cache):
+                os.chmod(dirpath, 0o755)
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 PLAIN = """\
@@ -197,7 +220,7 @@ def test_declared_every_way(index: Path, workers: Workers, env: dict[str, str], 
     assert [finished(i, workers) for i in ids] == [[43], [43], [45]]
     with gpumesh.connect() as mesh:
         assert mesh.map(mapped.add_tiny, [{"x": 1}, {"x": 2}], dependencies=["gmtiny"]) == [43, 44]
-    assert len(builds(tmp_path)) == 1  # the same lock every time: built once
+    assert len(builds(tmp_path / "envs")) == 1  # the same lock every time: built once
 
 
 @pytest.mark.core
@@ -235,7 +258,7 @@ def test_one_build_per_machine_and_every_worker_runs(
         assert ran.returncode == 0, ran.stderr
         job = json.loads(ran.stdout)["job_id"]
         assert finished(job, workers) == [42 + i for i in range(16)]
-    assert [b["ok"] for b in builds(tmp_path)] == [True]
+    assert [b["ok"] for b in builds(tmp_path / "envs")] == [True]
     ran_on = {r.hget(keys.task(keys.task_id(job, i)), "worker") for i in range(16)}
     assert len(ran_on) >= 3, ran_on
 
@@ -263,7 +286,7 @@ def test_failed_build_is_an_environment_failure(
     assert st.failed_by_kind == {"environment": 2}
     assert all(r.error and r.error.startswith("environment:") and "gmtiny" in r.error for r in res), res
     assert "preparing env" in workers.log(0)
-    assert [b["ok"] for b in builds(tmp_path)] == [False]  # the second task did not build again
+    assert [b["ok"] for b in builds(tmp_path / "envs")] == [False]  # the second task did not build again
     shown = run_cli("envs", "--json", env=env)
     assert [e["state"] for e in json.loads(shown.stdout)["envs"]] == ["failed"]
     pruned = run_cli("envs", "--prune", "--json", env=env)

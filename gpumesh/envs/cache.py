@@ -81,8 +81,9 @@ def size_of(path: Path) -> int:
 class EnvCache:
     """The machine's environments under ``root`` (``--env-cache``), at most ``max_mb`` of them kept."""
 
-    def __init__(self, root: str | Path, max_mb: int = 20_000, allow_builds: bool = False) -> None:
+    def __init__(self, root: str | Path, max_mb: int = 20_000, allow_builds: bool = False, python: str = "") -> None:
         self.root = Path(root).expanduser()
+        self.python = python or sys.executable  # what envs are made on: the tasks' interpreter (a sandbox user's)
         self.max_mb = max_mb
         self.allow_builds = allow_builds
         self._held: dict[str, int] = {}  # digest -> fd holding its shared lock (this worker uses it)
@@ -144,7 +145,7 @@ class EnvCache:
         lockfile = self.root / f".{digest[:32]}.txt"
         lockfile.write_text(text)
         try:
-            python = sys.executable  # the worker advertises its minor version: a job's requires-python chose it
+            python = self.python  # the worker advertises its minor version: a job's requires-python chose it
             steps = [
                 [uv, "venv", "--quiet", "--relocatable", "--no-python-downloads", "--python", python, str(tmp / "v")],
                 [uv, "pip", "install", "--quiet", "--require-hashes", "--no-deps", "--link-mode", "copy",

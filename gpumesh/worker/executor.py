@@ -179,7 +179,7 @@ class Executor:
         """This machine's environments (gpumesh.envs), shared by its workers."""
         if self._envs is None:
             s = self.settings
-            self._envs = EnvCache(s.env_cache or default_root(), s.env_cache_mb, s.allow_builds)
+            self._envs = EnvCache(s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python)
         return self._envs
 
     def _env(self, lease: scripts.Lease) -> Env | None:

@@ -26,6 +26,7 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -125,6 +126,20 @@ def isolation_warnings(settings: Any, isolation: landlock.Isolation | None, user
     return said
 
 
+def _python_minor(python: str) -> str:
+    """The minor version (``3.12``) of the tasks' interpreter: the worker's own, or ``python``."""
+    if not python or python == sys.executable:
+        return f"{sys.version_info[0]}.{sys.version_info[1]}"
+    try:
+        out = subprocess.run(
+            [python, "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
 def _refuse_writable_interpreter(python: str, uid: int, gid: int) -> None:
     from gpumesh.errors import UsageError
     from gpumesh.sandbox.launch import writable_by
@@ -198,7 +213,7 @@ class MeshWorker(LeanRQWorker):
         # of memory which workers have more
         task_memory_gb = round((self.settings.task_memory_mb << 20 or self._default_task_memory) / 2**30, 2)
         # envs: whether it builds jobs' environments (worker --no-envs); python: the minor version its envs run
-        envs = {"envs": "yes" if self.settings.envs else "no", "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+        envs = {"envs": "yes" if self.settings.envs else "no", "python": _python_minor(self.settings.sandbox_python)}
         self.resources = {
             **capability.resources(), "task_memory_gb": task_memory_gb, **envs, **(resources or {})
         }  # fmt: skip
