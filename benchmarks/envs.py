@@ -32,8 +32,9 @@ from gpumesh.envs import declare, lock, uv_binary
 NOOP = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"
 
 
-def uv_alone(text: str, where: Path) -> float:
-    """``uv venv`` + ``uv pip install`` of the lock, as the worker runs them; seconds."""
+def uv_alone(text: str, where: Path, imports: str = "") -> tuple[float, float]:
+    """``uv venv`` + ``uv pip install`` of the lock, as the worker runs them, then (``imports``) that script run
+    once in it: (seconds to install, seconds to run)."""
     uv = uv_binary()
     req = where.with_suffix(".txt")
     req.write_text(text)
@@ -43,7 +44,14 @@ def uv_alone(text: str, where: Path) -> float:
     subprocess.run([uv, "pip", "install", "--quiet", "--require-hashes", "--no-deps", "--link-mode", "copy",
                     "--only-binary", ":all:", "--python", str(where / "bin" / "python"), "-r", str(req)],
                    check=True)  # fmt: skip
-    return time.perf_counter() - t0
+    built = time.perf_counter() - t0
+    if not imports:
+        return built, 0.0
+    t1 = time.perf_counter()
+    subprocess.run(
+        [str(where / "bin" / "python"), "-c", imports], input="{}", text=True, capture_output=True, check=True
+    )
+    return built, time.perf_counter() - t1
 
 
 def first_result(mesh: gpumesh.Mesh, source: str, env: object) -> float:
@@ -84,9 +92,11 @@ def main() -> None:
         lock_s = time.perf_counter() - t0
         uv_alone(env.text, tmp / "warm-uv-cache")  # fills uv's download cache: both sides install from it
         mesh = gpumesh.connect()
-        alone, ours = [], []
+        alone, alone_run, ours = [], [], []
         for i in range(args.rounds):
-            alone.append(uv_alone(env.text, tmp / f"alone-{i}"))
+            built, ran = uv_alone(env.text, tmp / f"alone-{i}", imports)
+            alone.append(built)
+            alone_run.append(built + ran)
             cache = tmp / f"envs-{i}"
             procs.append(start_worker(server.url, 10, "--fresh", env={"GPUMESH_ENV_CACHE": str(cache)}))
             while not mesh.workers():
@@ -122,10 +132,17 @@ def main() -> None:
                 ["cold", "seconds (median)", "rounds"],
                 [
                     ["`uv venv` + `uv pip install` of the lock alone", f"{med(alone):.2f}", rounds(alone)],
+                    [
+                        "the same, then the task's script run once in it (its imports)",
+                        f"{med(alone_run):.2f}",
+                        rounds(alone_run),
+                    ],
                     ["gpumesh: submit to first result on a fresh worker", f"{med(ours):.2f}", rounds(ours)],
                 ],
             ),
-            f"First result / uv alone: **{cold:.2f}×** (the worker's build, then one fresh task importing {names}).",
+            f"First result / uv alone: **{cold:.2f}×**; / uv alone and the script run once: "
+            f"**{med(ours) / med(alone_run):.2f}×**. The first result is the worker's build, then one fresh task "
+            f"that imports {names}: the import is most of what uv alone does not do.",
             f"Warm, one worker, {args.tasks} no-op tasks a job, {args.rounds} rounds alternating:",
             table(
                 ["job", "ms per task (median)", "rounds"],
@@ -141,7 +158,17 @@ def main() -> None:
     )
     command = f"python benchmarks/envs.py --packages {args.packages} --rounds {args.rounds} --tasks {args.tasks}"
     publish("envs", "Environments: cold build and warm tasks against uv alone", body, command)
-    json.dump({"alone": alone, "ours": ours, "plain_ms": plain, "inside_ms": inside, "lock_s": lock_s}, sys.stderr)
+    json.dump(
+        {
+            "alone": alone,
+            "alone_run": alone_run,
+            "ours": ours,
+            "plain_ms": plain,
+            "inside_ms": inside,
+            "lock_s": lock_s,
+        },
+        sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -843,6 +843,9 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     # What a task leaves behind when it kills its supervisor comes to the zygote, which kills it (_Forks.reap).
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctrl = socket.socket(fileno=ctrl_fd)
+    if sys.flags.no_site:  # an environment's zygote: site's module only (with -S importing it adds no path and
+        import site  # noqa: F401  # runs no .pth); each attempt then adds its env's packages once confined
+
     _preload(ctrl, preload)
     forks = _Forks(ctrl)
     ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
