@@ -330,3 +330,23 @@ def test_envs_lists_and_prunes_what_no_worker_holds(
     proc.terminate()
     proc.wait(timeout=30)
     assert json.loads(run_cli("envs", "--prune", "--json", env=env).stdout)["envs"] == []
+
+
+@pytest.mark.processes
+def test_requires_python_is_a_requirement(index: Path, workers: Workers, env: dict[str, str], tmp_path: Path) -> None:
+    """A job's requires-python places it: '>=3.9' runs on this worker (3.9 < 3.11 as versions, not as decimals);
+    one no live worker's Python meets waits, and submit and status say which requirement."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    workers.start()
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", "--python", ">=3.9",
+                  env=env, input='[{"x": 1}]')  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert finished(json.loads(ran.stdout)["job_id"], workers) == [43]
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", "--python", ">=3.99",
+                  env=env, input='[{"x": 1}]')  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    sub = json.loads(ran.stdout)
+    assert "python>=3.99" in json.dumps(sub["waiting_for"]), sub
+    shown = json.loads(run_cli("status", sub["job_id"], "--json", env=env).stdout)
+    assert shown["status"] == "queued" and "python>=3.99" in json.dumps(shown["waiting_for"])

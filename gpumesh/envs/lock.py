@@ -136,11 +136,17 @@ def env_requirements(env: Lock) -> list[str]:
     """What a job with ``env`` requires of a worker: that it builds envs, and a Python the lock allows."""
     out = ["envs=yes"]
     version = python_version(env.requires_python)
-    if version and ">=" in env.requires_python:
-        out.append(f"python>={version}")
-    elif version:
-        out.append(f"python={version}")
+    if version:
+        want = python_resource(version)
+        out.append(f"python>={want}" if ">=" in env.requires_python else f"python={want}")
     return out
+
+
+def python_resource(version: str) -> str:
+    """A minor version as the ``python`` resource holds it, a number that compares as versions do: 3.9 is
+    ``3.09``, 3.12 is ``3.12`` (so 3.9 < 3.10 < 3.12 numerically too)."""
+    major, _, minor = version.partition(".")
+    return f"{int(major)}.{int(minor or 0):02d}"
 
 
 def env_label(digest: str) -> str:

@@ -43,6 +43,7 @@ from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
+from gpumesh.envs.lock import python_resource
 from gpumesh.models import Capability
 from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
@@ -127,9 +128,10 @@ def isolation_warnings(settings: Any, isolation: landlock.Isolation | None, user
 
 
 def _python_minor(python: str) -> str:
-    """The minor version (``3.12``) of the tasks' interpreter: the worker's own, or ``python``."""
+    """The minor version of the tasks' interpreter (the worker's own, or ``python``) as the ``python`` resource
+    holds it (``3.12``; ``3.09`` for 3.9: gpumesh.envs.lock.python_resource)."""
     if not python or python == sys.executable:
-        return f"{sys.version_info[0]}.{sys.version_info[1]}"
+        return python_resource(f"{sys.version_info[0]}.{sys.version_info[1]}")
     try:
         out = subprocess.run(
             [python, "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
@@ -137,7 +139,7 @@ def _python_minor(python: str) -> str:
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    return out.stdout.strip()
+    return python_resource(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else ""
 
 
 def _refuse_writable_interpreter(python: str, uid: int, gid: int) -> None:
