@@ -608,3 +608,12 @@ class WorkerInfo(Model):
     current_task: str | None
     last_heartbeat: datetime | None
     resources: dict[str, Any] = Field(default_factory=dict)
+    preparing: str | None = None  # "env DIGEST for JOB" while it builds a job's environment (gpumesh.envs)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_preparing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A worker that prepares nothing dumps as it always has: no ``preparing`` key."""
+        out: dict[str, Any] = handler(self)
+        if out.get("preparing") is None:
+            out.pop("preparing", None)
+        return out

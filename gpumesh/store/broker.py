@@ -533,6 +533,7 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         current_task=h.get("current_task") or None,
         last_heartbeat=ts(h.get("last_heartbeat")),
         resources=resources if isinstance(resources, dict) else {},
+        preparing=h.get("preparing") or None,
     )
 
 

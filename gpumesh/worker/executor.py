@@ -196,12 +196,19 @@ class Executor:
         text, python, builds = self.broker.r.hmget(keys.job(lease.job_id), "env_lock", "env_python", "env_builds")
         if text is None:
             raise EnvError("the job's lock is missing from the broker")
-        if self.envs.ready(digest) is None:
+        preparing = self.envs.ready(digest) is None
+        if preparing:
             said = f"preparing env {digest[:12]} for {lease.job_id}"
             log.info("%s", said)
             self.w.logs.put(lease.task_id, "gpumesh", said)
+            # what `workers`, `top` and the dashboard show meanwhile
+            self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", said.removeprefix("preparing "))
         started = time.monotonic()
-        got = self.envs.ensure(digest, text, python or "", builds == "1")
+        try:
+            got = self.envs.ensure(digest, text, python or "", builds == "1")
+        finally:
+            if preparing:
+                self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", "")
         log.info("env %s ready in %.2fs", digest[:12], time.monotonic() - started)
         self._env_ready[digest] = got
         return got
