@@ -289,6 +289,8 @@ def test_failed_build_is_an_environment_failure(
     assert [b["ok"] for b in builds(tmp_path / "envs")] == [False]  # the second task did not build again
     shown = run_cli("envs", "--json", env=env)
     assert [e["state"] for e in json.loads(shown.stdout)["envs"]] == ["failed"]
+    doctor = run_cli("doctor", env=env, timeout=120)
+    assert any(line.startswith("warn") and "failed build" in line for line in doctor.stdout.splitlines()), doctor.stdout
     pruned = run_cli("envs", "--prune", "--json", env=env)
     assert json.loads(pruned.stdout)["envs"] == []
 
@@ -350,3 +352,25 @@ def test_requires_python_is_a_requirement(index: Path, workers: Workers, env: di
     assert "python>=3.99" in json.dumps(sub["waiting_for"]), sub
     shown = json.loads(run_cli("status", sub["job_id"], "--json", env=env).stdout)
     assert shown["status"] == "queued" and "python>=3.99" in json.dumps(shown["waiting_for"])
+
+
+@pytest.mark.security
+def test_source_builds_need_both_sides(index: Path, workers: Workers, env: dict[str, str], tmp_path: Path) -> None:
+    """A job that allows source builds runs only on a worker that allows them too: elsewhere it fails with kind
+    environment, naming the flag, and nothing is built."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    workers.start()
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", "--allow-builds",
+                  env=env, input='[{"x": 1}]')  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    with gpumesh.connect() as mesh:
+        job = mesh.job(json.loads(ran.stdout)["job_id"])
+        assert job.wait(timeout=120).failed_by_kind == {"environment": 1}
+        assert "--allow-builds" in (job.results()[0].error or "")
+    assert builds(tmp_path / "envs") == []
+    workers.stop_all()
+    workers.start("--allow-builds")
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", "--allow-builds",
+                  env=env, input='[{"x": 1}]')  # fmt: skip
+    assert finished(json.loads(ran.stdout)["job_id"], workers) == [43]
