@@ -374,3 +374,23 @@ def test_source_builds_need_both_sides(index: Path, workers: Workers, env: dict[
     ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", "--allow-builds",
                   env=env, input='[{"x": 1}]')  # fmt: skip
     assert finished(json.loads(ran.stdout)["job_id"], workers) == [43]
+
+
+@pytest.mark.faults
+def test_a_machine_that_cannot_build_leaves_the_job_to_one_that_can(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, r: redis.Redis
+) -> None:
+    """Two machines (an env cache each), one whose index lacks the wheel: its failed build is not tried again,
+    the tasks it failed go to the other machine, and the job ends done."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    workers.start(UV_FIND_LINKS=str(empty), GPUMESH_ENV_CACHE=str(tmp_path / "envs-a"))
+    workers.start(GPUMESH_ENV_CACHE=str(tmp_path / "envs-b"))
+    items = json.dumps([{"x": i} for i in range(6)])
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", env=env, input=items)
+    assert ran.returncode == 0, ran.stderr
+    assert finished(json.loads(ran.stdout)["job_id"], workers) == [42 + i for i in range(6)]
+    assert [b["ok"] for b in builds(tmp_path / "envs-a")] in ([False], [])  # at most one try on machine a
+    assert [b["ok"] for b in builds(tmp_path / "envs-b")] == [True]

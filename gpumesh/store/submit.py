@@ -383,7 +383,9 @@ class Submitter:
                 "script_name": job.script_name,
                 "timeout": options.timeout,
                 "max_attempts": options.max_attempts,
-                "retry_on": ",".join(options.retry_on),
+                # A job with an environment also retries a failed build, elsewhere first: the machine that failed
+                # it fails that lock at once from then on, and the other machines may build it.
+                "retry_on": ",".join((*options.retry_on, *(["environment"] if job.env is not None else []))),
                 "priority": options.priority,
                 "classes": json.dumps([[[r.key, r.op, r.value] for r in reqs] for reqs in job.class_reqs]),
                 "pending_cost": repr(float(sum(job.costs))),
