@@ -394,3 +394,28 @@ def test_a_machine_that_cannot_build_leaves_the_job_to_one_that_can(
     assert finished(json.loads(ran.stdout)["job_id"], workers) == [42 + i for i in range(6)]
     assert [b["ok"] for b in builds(tmp_path / "envs-a")] in ([False], [])  # at most one try on machine a
     assert [b["ok"] for b in builds(tmp_path / "envs-b")] == [True]
+
+
+@pytest.mark.processes
+def test_a_project_s_pyproject_with_its_uv_lock(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """--project DIR: its pyproject.toml's dependencies are the job's, pinned by its uv.lock (made when gmtiny 1.0
+    was the newest: a newer 1.1 on the index since is not taken)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "pyproject.toml").write_text(
+        '[project]\nname = "proj"\nversion = "0.1"\nrequires-python = ">=3.11"\ndependencies = ["gmtiny"]\n'
+    )
+    (proj / "plain.py").write_text(PLAIN)
+    made = subprocess.run([sys.executable, "-m", "uv", "lock", "--quiet"], cwd=proj, env=env, capture_output=True)
+    assert made.returncode == 0, made.stderr
+    make_wheel(index, "gmtiny", "1.1", {"gmtiny.py": "VALUE = 1000\n"})
+    workers.start()
+    ran = run_cli("submit", "plain.py", "--project", ".", "--payloads", "-", "--json", env=env, cwd=proj,
+                  input='[{"x": 1}]')  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert finished(json.loads(ran.stdout)["job_id"], workers) == [43]
+    ran = run_cli("submit", str(proj / "plain.py"), "--payloads", "-", "--json", "--with", "gmtiny", env=env,
+                  input='[{"x": 1}]')  # fmt: skip
+    assert finished(json.loads(ran.stdout)["job_id"], workers) == [1001]  # without the lock: the newest
