@@ -205,19 +205,29 @@ def test_declared_every_way(index: Path, workers: Workers, env: dict[str, str], 
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     (tmp_path / "requirements.txt").write_text("gmtiny==1.0\n")
+    wheel = index / "gmtiny-1.0-py3-none-any.whl"
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    (tmp_path / "pylock.toml").write_text(
+        'lock-version = "1.0"\ncreated-by = "hand"\n\n[[packages]]\nname = "gmtiny"\nversion = "1.0"\n'
+        f'wheels = [{{ url = "{wheel.as_uri()}", hashes = {{ sha256 = "{digest}" }} }}]\n'
+    )
     (tmp_path / "gpumesh.toml").write_text(
         '[job]\nscript = "plain.py"\npayloads = [{x = 3}]\n\n[env]\ndependencies = ["gmtiny"]\n'
     )
     workers.start()
     ids = []
-    for args in (["--with", "gmtiny"], ["--requirements", str(tmp_path / "requirements.txt")]):
+    for args in (
+        ["--with", "gmtiny"],
+        ["--requirements", str(tmp_path / "requirements.txt")],
+        ["--requirements", str(tmp_path / "pylock.toml")],
+    ):
         ran = run_cli("submit", str(script), "--payloads", "-", "--json", *args, env=env, input='[{"x": 1}]')
         assert ran.returncode == 0, ran.stderr
         ids.append(json.loads(ran.stdout)["job_id"])
     ran = run_cli("submit", "--json", env=env, cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     ids.append(json.loads(ran.stdout)["job_id"])
-    assert [finished(i, workers) for i in ids] == [[43], [43], [45]]
+    assert [finished(i, workers) for i in ids] == [[43], [43], [43], [45]]
     with gpumesh.connect() as mesh:
         assert mesh.map(mapped.add_tiny, [{"x": 1}, {"x": 2}], dependencies=["gmtiny"]) == [43, 44]
     assert len(builds(tmp_path / "envs")) == 1  # the same lock every time: built once

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,29 @@ def _run(cmd: list[str], what: str, cwd: str | None = None) -> str:
     return proc.stdout
 
 
+def from_pylock(text: str, name: str) -> str:
+    """A ``pylock.toml`` (PEP 751) as the pinned, hashed requirements it stands for: locked already."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{name} is not valid TOML ({exc})") from None
+    out = []
+    for pkg in data.get("packages", []):
+        if not isinstance(pkg, dict) or not pkg.get("name") or not pkg.get("version"):
+            raise UsageError(f"{name}: every package needs a name and a version (a VCS or folder one cannot travel)")
+        files = [*pkg.get("wheels", []), *([pkg["sdist"]] if isinstance(pkg.get("sdist"), dict) else [])]
+        hashes = sorted(
+            {f["hashes"]["sha256"] for f in files if isinstance(f, dict) and "sha256" in f.get("hashes", {})}
+        )
+        if not hashes:
+            raise UsageError(f"{name}: {pkg['name']} has no sha256 hash; a lock must name every file's hash")
+        marker = f" ; {pkg['marker']}" if pkg.get("marker") else ""
+        out.append(
+            f"{pkg['name']}=={pkg['version']}{marker} \\\n" + " \\\n".join(f"    --hash=sha256:{h}" for h in hashes)
+        )
+    return "".join(line + "\n" for line in out)
+
+
 def lock(declared: Declared, project: Path | None = None) -> Lock | None:
     """Resolve ``declared`` with uv (the submitting machine's index settings); None for no environment.
     A resolution that fails is a UsageError with uv's own message."""
@@ -90,8 +114,12 @@ def lock(declared: Declared, project: Path | None = None) -> Lock | None:
         if declared.requirements:
             (Path(tmp) / "requirements.txt").write_text(declared.requirements)
             lines.append("-r requirements.txt")
-        if declared.pylock:
-            (Path(tmp) / "pylock.toml").write_text(declared.pylock)
+        pinned = from_pylock(declared.pylock, declared.requirements_name) if declared.pylock else ""
+        if pinned and not lines:  # locked already: used as it is
+            return Lock(pinned, rp, declared.allow_builds)
+        if pinned:  # more declared beside it: resolved under its pins
+            (Path(tmp) / "pylock.txt").write_text(pinned)
+            lines.append("-c pylock.txt")
         src.write_text("\n".join(lines) + "\n")
         cmd = [uv, "pip", "compile", "--universal", "--generate-hashes", "--no-header", "--no-annotate", "--quiet"]
         if not declared.allow_builds:
@@ -109,10 +137,7 @@ def lock(declared: Declared, project: Path | None = None) -> Lock | None:
             )  # fmt: skip
             (Path(tmp) / "uv-lock.txt").write_text(exported)
             cmd += ["--constraint", "uv-lock.txt"]
-        inputs = [str(src)]
-        if declared.pylock:
-            inputs.append("pylock.toml")
-        text = _run([*cmd, *inputs], what, cwd=tmp)
+        text = _run([*cmd, str(src)], what, cwd=tmp)
     text = "".join(line + "\n" for line in text.splitlines() if line.strip() and not line.startswith("#"))
     return Lock(text, rp, declared.allow_builds)
 
