@@ -151,8 +151,8 @@ def main() -> None:
                     [f"in the {names} env", f"{med(inside):.2f}", rounds(inside)],
                 ],
             ),  # fmt: skip
-            f"In the env / without: **{warm:.2f}×**. Ray's `runtime_env` was not measured here (Ray is not "
-            "installed on this machine); a torch CUDA job in an env was not run (no GPU here).",
+            f"In the env / without: **{warm:.2f}×**. Ray's `runtime_env` beside gpumesh: the next section "
+            "(benchmarks/envs_ray.py). A torch CUDA job in an env was not run (no GPU on this machine).",
             "Measured on a machine shared with other work: a round can move by a fifth either way.",
         ]
     )

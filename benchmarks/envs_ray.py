@@ -71,19 +71,23 @@ def ours(mesh: gpumesh.Mesh, url: str, workers: int, packages: list[str], tmp: P
 
 def ray(python: str, mode: str, workers: int, packages: list[str], tmp: Path) -> tuple[float, float] | str:
     home = Path(tempfile.mkdtemp(dir=tmp))
-    env = {**os.environ, "UV_CACHE_DIR": str(home / "uv"), "RAY_TMPDIR": str(home / "ray")}
+    short = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's sockets live there: a Unix socket path is short
+    env = {**os.environ, "UV_CACHE_DIR": str(home / "uv"), "RAY_TMPDIR": short}
     t0 = time.perf_counter()
     ran = subprocess.run([python, "-c", RAY_JOB, mode, str(workers), ",".join(packages)], env=env,
                          capture_output=True, text=True, timeout=900, cwd=home)  # fmt: skip
     if ran.returncode != 0:
-        return f"failed after {time.perf_counter() - t0:.1f} s: {(ran.stderr.strip().splitlines() or ['?'])[-1][:120]}"
+        said = [line for line in ran.stderr.splitlines() if "Error" in line] or ran.stderr.splitlines() or ["?"]
+        shutil.rmtree(short, ignore_errors=True)
+        return f"failed after {time.perf_counter() - t0:.1f} s: {said[-1].strip()[:120]}"
+    shutil.rmtree(short, ignore_errors=True)
     got = json.loads(ran.stdout.strip().splitlines()[-1])
     return float(got["cold_s"]), float(got["per_task_ms"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ray-python", required=True, help="an interpreter with ray installed")
+    ap.add_argument("--ray-python", required=True, help="an interpreter with ray, pip and uv installed")
     ap.add_argument("--packages", default="numpy,scikit-learn")
     args = ap.parse_args()
     packages = args.packages.split(",")

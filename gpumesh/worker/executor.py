@@ -219,7 +219,8 @@ class Executor:
         z = self._zygotes.pop(env.digest, None)
         if z is None or not z.alive():
             try:
-                z = Zygote(python=env.python, site=True)
+                cuda = self.w.cuda_visible_devices  # as the worker's own zygote: the GPU it is pinned to
+                z = Zygote(python=env.python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {}, site=True)
                 z.start()
             except (OSError, ZygoteError) as exc:
                 log.warning("env %s: its zygote did not start (%s); its attempts start cold", env.digest[:12], exc)
