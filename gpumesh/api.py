@@ -50,6 +50,7 @@ from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
 if TYPE_CHECKING:
+    from gpumesh.envs.lock import Lock
     from gpumesh.project import Packed
 
 T = TypeVar("T")
@@ -268,6 +269,10 @@ class Mesh:
         project: str | Path | None = None,
         include: Iterable[str] = (),
         outputs: Iterable[str] = (),
+        dependencies: Iterable[str] = (),
+        requirements: str | Path | None = None,
+        python: str = "",
+        allow_builds: bool = False,
     ) -> Job:
         """Submit a job with one task per payload (a JSON object); returns at once with its :class:`Job`.
 
@@ -297,6 +302,12 @@ class Mesh:
         ...     return _MODEL["net"](payload["x"])     # doctest: +SKIP
         >>> mesh.map(infer, payloads, reuse_process=True)          # doctest: +SKIP
 
+        ``dependencies`` (requirement strings), ``requirements`` (a requirements.txt or pylock.toml) and
+        ``python`` (a requires-python) declare the job's environment, as a script's PEP 723 block does: locked
+        here with uv and built once on each worker's machine (docs/environments.md). ``allow_builds`` lets it
+        build sdists on workers that allow that too.
+
+        >>> job = mesh.map(fit, [{"c": 1.0}], dependencies=["scikit-learn"])  # doctest: +SKIP
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
         >>> job.id                                                                            # doctest: +SKIP
         'j8f3c2a1b9d0'
@@ -309,11 +320,22 @@ class Mesh:
             speculate=speculate, retry_on=retry_on, reuse_process=reuse_process, outputs=outputs,
         )  # fmt: skip
         packed = None
+        from gpumesh.envs import declare, lock
+
+        if isinstance(dependencies, str):
+            raise UsageError(f"dependencies must be a list of requirements, such as [{dependencies!r}]")
+        env = lock(
+            declare(
+                source, script_name, dependencies=list(dependencies), requirements=requirements, python=python,
+                project=Path(project).expanduser() if project is not None else None, allow_builds=allow_builds,
+            ),
+            Path(project).expanduser() if project is not None else None,
+        )  # fmt: skip
         if project is not None:
             packed, script_name = pack_project(script, script_name, project, include, self.broker.settings)
         return self.submit_checked(
             source, script_name, checked, options, idempotency_key, sign_key, expires, project=packed,
-            siblings=siblings_of(script) if packed is None else (),
+            siblings=siblings_of(script) if packed is None else (), env=env,
         )  # fmt: skip
 
     def submit_checked(
@@ -327,6 +349,7 @@ class Mesh:
         expires: float = SIGNED_FOR,
         project: Packed | None = None,
         siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
     ) -> Job:
         """:meth:`submit` for a caller that read the script and built the :class:`JobOptions` itself (the
         CLI does, to name its flags in errors). The store checks the source and payloads again. ``project``:
@@ -343,8 +366,10 @@ class Mesh:
             signer = Signer(Path(key))
         res = self.broker.submit(
             source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires,
-            project=project, siblings=siblings,
+            project=project, siblings=siblings, env=env,
         )  # fmt: skip
+        if env is not None:
+            res.env = env.digest
         if project is not None:
             res.project = ProjectSent(
                 digest=project.digest, files=len(project.files), bytes=project.total_bytes,

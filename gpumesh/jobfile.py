@@ -38,19 +38,36 @@ class JobTable(BaseModel):
     reuse_process: bool = False
 
 
+class EnvTable(BaseModel):
+    """``[env]``: the packages that travel with the job (docs/environments.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    dependencies: list[str] = Field(default_factory=list)
+    requirements: str | None = None
+    python: str = ""
+    allow_builds: bool = False
+
+
 class JobFile(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     job: JobTable
+    env: EnvTable | None = None
 
 
 class Spec:
     """A job file, read and checked: its paths made absolute (relative to its folder)."""
 
-    def __init__(self, path: Path, job: JobTable) -> None:
+    def __init__(self, path: Path, job: JobTable, env: EnvTable | None = None) -> None:
         self.path = path
         self.job = job
+        self.env = env
         self.base = path.parent
+
+    @property
+    def requirements(self) -> Path | None:
+        return self._abs(self.env.requirements) if self.env is not None and self.env.requirements else None
 
     def _abs(self, value: str) -> Path:
         p = Path(value).expanduser()
@@ -85,6 +102,9 @@ class Spec:
         }  # fmt: skip
         if j.retry_on is not None:
             out["retry_on"] = j.retry_on
+        if self.env is not None:
+            out.update(dependencies=self.env.dependencies, requirements=self.requirements, python=self.env.python,
+                       allow_builds=self.env.allow_builds)  # fmt: skip
         return out
 
 
@@ -100,11 +120,6 @@ def load(path: Path) -> Spec:
         raise UsageError(f"cannot read the job file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
-    if "env" in data:
-        raise UsageError(
-            f"{path}: [env] (packages that travel with the job) is not supported by this version of gpumesh; "
-            "install the packages on the workers and remove the table"
-        )
     try:
         parsed = JobFile.model_validate(data)
     except ValidationError as exc:
@@ -118,7 +133,7 @@ def load(path: Path) -> Spec:
         if err["type"] == "missing":
             raise UsageError(f"{path}: {key} is required") from None
         raise UsageError(f"{path}: {key}: {err['msg']} (got {_show(err.get('input'))})") from None
-    return Spec(path.resolve(), parsed.job)
+    return Spec(path.resolve(), parsed.job, parsed.env)
 
 
 def _show(value: Any) -> str:

@@ -19,7 +19,8 @@ RETRY_KINDS = {
     "lost": "its worker or lease was lost, or its output files could not be stored (a lapsed lease does not "
     "spend an attempt, up to 3 times)",
 }
-RECORDED_KINDS = (*RETRY_KINDS, "refused")
+# 'environment': the job's environment could not be built on the worker's machine (gpumesh.envs).
+RECORDED_KINDS = (*RETRY_KINDS, "refused", "environment")
 COUNTS = ("total", "queued", "running", "done", "failed", "cancelled")  # the job's task counters
 
 
@@ -42,7 +43,7 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
     """JobStatus's fields from the job's hash (``waiting_for`` empty: :func:`waiting_for` reads it)."""
     by_kind = {k: count(h.get("failed:" + k)) for k in RECORDED_KINDS}
     on = h.get("retry_on")
-    return {
+    out = {
         "job_id": job_id,
         "name": h.get("name", ""),
         "status": h["status"],
@@ -52,9 +53,12 @@ def fields(job_id: str, h: dict[str, str]) -> dict[str, Any]:
         "finished_at": ts(h.get("finished_at")),
         "waiting_for": [],
         "failed_by_kind": {k: n for k, n in by_kind.items() if n > 0},
-        "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RECORDED_KINDS[:-1]],
+        "retry_on": [k for k in on.split(",") if k in RETRY_KINDS] if on is not None else [*RETRY_KINDS],
         **paused(h),
     }
+    if h.get("env"):  # the digest of its environment's lock (gpumesh.envs): only a job with one has the key
+        out["env"] = h["env"]
+    return out
 
 
 def paused(h: dict[str, str]) -> dict[str, Any]:

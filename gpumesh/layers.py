@@ -30,6 +30,7 @@ NAMES = (
     "trusted_keys", "project_max_mb", "project_max_files", "project_cache", "project_cache_mb",
     "stop_grace", "pause_probe_interval", "pause_probe_timeout", "idle_probe", "gpu_probe", "checkpoint_every",
     "checkpoint_mb", "lent_file", "reuse_idle",
+    "envs", "env_cache", "env_cache_mb", "allow_builds",
 )  # fmt: skip
 
 

@@ -1,12 +1,13 @@
 """``%load_ext gpumesh``: a ``%%gpumesh`` cell magic for notebooks.
 
-    %%gpumesh POINTS [--url URL]
+    %%gpumesh POINTS [--url URL] [--with SPEC ...]
     def distance(p):
         return (p["x"] ** 2 + p["y"] ** 2) ** 0.5
 
 runs the cell (so ``distance`` is defined in the notebook too), then maps the cell's last function over
 the notebook variable ``POINTS`` (a list of payload dicts) on the mesh, exactly as
-``gpumesh.connect(URL).map(distance, POINTS)`` does, and shows the results (also in ``_``).
+``gpumesh.connect(URL).map(distance, POINTS)`` does, and shows the results (also in ``_``). Each
+``--with SPEC`` is a package the function needs (``map``'s ``dependencies=``, docs/environments.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import importlib
 import shlex
 from typing import Any
 
-USAGE = "usage: %%gpumesh PAYLOADS [--url URL], PAYLOADS naming a list of payload dicts defined in the notebook"
+USAGE = (
+    "usage: %%gpumesh PAYLOADS [--url URL] [--with SPEC ...], PAYLOADS naming a list of payload dicts defined in "
+    "the notebook"
+)
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -26,12 +30,17 @@ def load_ipython_extension(ipython: Any) -> None:
         UsageError = importlib.import_module("IPython.core.error").UsageError  # IPython's: shown as one line
 
         words = shlex.split(line)
-        if len(words) == 3 and words[1] == "--url":
-            name, url = words[0], words[2]
-        elif len(words) == 1:
-            name, url = words[0], None
-        else:
+        url, deps = None, []
+        rest = words[1:]
+        while len(rest) >= 2 and rest[0] in ("--url", "--with"):
+            if rest[0] == "--url":
+                url = rest[1]
+            else:
+                deps.append(rest[1])
+            rest = rest[2:]
+        if not words or rest:
             raise UsageError(USAGE)
+        name = words[0]
         if name not in ipython.user_ns:
             raise UsageError(f"{name} is not defined in this notebook; {USAGE}")
         tree = ast.parse(ipython.transform_cell(cell))
@@ -44,7 +53,7 @@ def load_ipython_extension(ipython: Any) -> None:
         import gpumesh
 
         with gpumesh.connect(url) as mesh:
-            results: list[Any] = mesh.map(ipython.user_ns[functions[-1]], ipython.user_ns[name])
+            results: list[Any] = mesh.map(ipython.user_ns[functions[-1]], ipython.user_ns[name], dependencies=deps)
         return results
 
     ipython.register_magic_function(gpumesh_magic, magic_kind="cell", magic_name="gpumesh")

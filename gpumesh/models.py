@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
@@ -327,15 +328,19 @@ class JobStatus(Model):
     # Attempts handed back because their worker's lender paused it (no attempt spent), and how long they had run.
     paused_handbacks: int = 0
     paused_lost_s: float = 0.0
+    env: str | None = None  # the digest of the job's environment lock (gpumesh.envs), when it has one
 
     @model_serializer(mode="wrap")
-    def _without_unused_pause_fields(self, handler: Any) -> Any:
-        """The pause fields only for a job that had an attempt handed back by a pause (as jobstate.fields)."""
-        data = handler(self)
-        if isinstance(data, dict) and not self.paused_handbacks:
-            data.pop("paused_handbacks", None)
-            data.pop("paused_lost_s", None)
-        return data
+    def _without_unused_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A job dumps as it always has: the pause fields only for a job that had an attempt handed back by a
+        pause (as jobstate.fields), ``env`` only for a job with an environment."""
+        out: dict[str, Any] = handler(self)
+        if not self.paused_handbacks:
+            out.pop("paused_handbacks", None)
+            out.pop("paused_lost_s", None)
+        if out.get("env") is None:
+            out.pop("env", None)
+        return out
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[str, str]) -> JobStatus:
@@ -372,6 +377,7 @@ class SubmitResult(Model):
     waiting_for: list[Waiting] = Field(default_factory=list)
     existing: bool = False  # the idempotency key named a job submitted before: nothing new was written
     project: ProjectSent | None = None
+    env: str | None = None  # the digest of the job's environment lock (gpumesh.envs), when it has one
 
 
 class Artifact(Model):
@@ -526,6 +532,7 @@ FAILURE_KINDS = {
     "bad_result": "the script ended cleanly but its last stdout line is not a usable JSON result",
     "lost": "its worker stopped heartbeating or stopped during the attempt",
     "refused": "the worker refused to run it (signature, tampered script)",
+    "environment": "the job's environment could not be built on the worker's machine (the builder's message)",
     "cancelled": "the job was cancelled",
 }
 
@@ -538,7 +545,7 @@ def failure_kind(status: str, error: str | None, recorded: str | None = None) ->
     first = text.partition("\n")[0]
     if status == "cancelled":
         return "cancelled"
-    if recorded in ("timeout", "memory", "lost", "refused"):
+    if recorded in ("timeout", "memory", "lost", "refused", "environment"):
         return recorded
     if "\n" + EXCEPTION_MARKER in text:
         return "exception"
@@ -636,3 +643,12 @@ class WorkerInfo(Model):
     last_heartbeat: datetime | None
     resources: dict[str, Any] = Field(default_factory=dict)
     paused: str | None = None  # why its lender's probes let it take no work now (``gpumesh worker --lend``)
+    preparing: str | None = None  # "env DIGEST for JOB" while it builds a job's environment (gpumesh.envs)
+
+    @model_serializer(mode="wrap")
+    def _without_absent_preparing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A worker that prepares nothing dumps as it always has: no ``preparing`` key."""
+        out: dict[str, Any] = handler(self)
+        if out.get("preparing") is None:
+            out.pop("preparing", None)
+        return out

@@ -87,6 +87,16 @@ class Settings(BaseModel):
         ge=0,
         description="worker: projects kept on this machine, MiB (least recently used go first); 0 = no cap",
     )
+    envs: bool = Field(True, description="worker: run jobs that bring an environment (worker --no-envs: false)")
+    env_cache: str = Field(
+        "", description="worker: where this machine's workers build environments (default: a folder in the temp dir)"
+    )
+    env_cache_mb: int = Field(
+        20_480, ge=0, description="worker: environments kept on this machine, MiB (least recently used go first)"
+    )
+    allow_builds: bool = Field(
+        False, description="worker: let an environment build packages from source (the job must allow it too)"
+    )
     trusted_keys: str = Field(
         "",
         description="worker: run only tasks signed by these public keys, files or inline ed25519:BASE64 "

@@ -161,7 +161,7 @@ class Verifier:
 
 def message(
     job_id: str, index: int, script_sha: str, payload: str, timeout: float, max_attempts: int, expires: float,
-    project: str = "", outputs: str = "", reuse: bool = False,
+    project: str = "", outputs: str = "", reuse: bool = False, env: str = "",
 ) -> bytes:  # fmt: skip
     """The canonical bytes a task's signature covers (``payload``: the stored payload JSON, hashed here).
     A job with a project or output globs adds the project's tree digest and the globs (their JSON), and a job
@@ -171,10 +171,12 @@ def message(
     signed: list[object] = [
         CONTEXT, job_id, index, script_sha, payload_sha, float(timeout), int(max_attempts), float(expires)
     ]  # fmt: skip
-    if project or outputs or reuse:
+    if project or outputs or reuse or env:
         signed += [project, outputs]
     if reuse:
         signed.append("reuse-process")
+    if env:  # the environment's lock digest (gpumesh.envs): a worker credential cannot swap the lock
+        signed.append(env)
     return json.dumps(signed, separators=(",", ":")).encode()
 
 

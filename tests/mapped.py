@@ -60,3 +60,10 @@ def make_closure():
 
 if __name__ == "__main__":
     raise SystemExit("the module's main block must never run on a worker")
+
+
+def add_tiny(payload):
+    """Imports a package only the job's environment has (tests/test_envs.py: dependencies=["gmtiny"])."""
+    import gmtiny
+
+    return gmtiny.VALUE + payload["x"]

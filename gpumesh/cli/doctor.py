@@ -471,6 +471,7 @@ def machine_lines(settings: Settings) -> list[Line]:
         ("seccomp", seccomp_line),
         ("cgroup", cgroup_line),
         ("lend idle", lambda: lend_idle_line(settings.idle_probe)),
+        ("envs", lambda: envs_line(settings)),
     ]
     return [guarded(name, check) for name, check in checks]
 
@@ -489,6 +490,35 @@ def lend_idle_line(fixture: str) -> Line:
     except lending.ProbeError as exc:
         idle = f"unreadable now ({exc})"
     return ok("lend idle", f"--lend idle reads {', '.join(sources)}: {idle}")
+
+
+def envs_line(settings: Settings) -> Line:
+    """Environments (gpumesh.envs): uv here, and this machine's cache of built envs, with failed builds."""
+    import subprocess
+
+    from gpumesh.envs.cache import EnvCache, default_root
+    from gpumesh.envs.lock import uv_binary
+
+    if not settings.envs:
+        return ok("envs", "off (GPUMESH_ENVS=false): workers here take only jobs without an environment")
+    try:
+        ran = subprocess.run([uv_binary(), "--version"], capture_output=True, text=True, timeout=30)
+        uv = ran.stdout.strip() if ran.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired, UsageError):
+        uv = ""
+    if not uv:
+        return fail("envs", "uv is not usable here: jobs with packages cannot be locked or built",
+                    "pip install --force-reinstall uv")  # fmt: skip
+    cache = EnvCache(settings.env_cache or default_root(), settings.env_cache_mb)
+    entries = cache.entries()
+    ready = [e for e in entries if e["state"] == "ready"]
+    failed = [e for e in entries if e["state"] == "failed"]
+    size = sum(int(str(e["bytes"])) for e in ready) / 2**20
+    detail = f"{uv}; {len(ready)} built in {cache.root} ({size:.0f} of {settings.env_cache_mb} MiB)"
+    if failed:
+        return warn("envs", f"{detail}; {len(failed)} failed build(s) this machine will not retry",
+                    "gpumesh envs shows uv's message; fix the worker's index settings, then gpumesh envs --prune")  # fmt: skip
+    return ok("envs", detail)
 
 
 def guarded(name: str, check: Callable[[], Line]) -> Line:

@@ -24,6 +24,7 @@ from gpumesh.settings import Settings
 from gpumesh.store.broker import Broker
 
 if TYPE_CHECKING:
+    from gpumesh.envs.lock import Lock
     from gpumesh.project import Packed
 
 
@@ -104,6 +105,7 @@ class JobInput:
     options: JobOptions
     project: Packed | None = None
     siblings: tuple[str, ...] = ()
+    env: Lock | None = None
 
 
 def resolve_job(
@@ -153,12 +155,77 @@ def resolve_job(
     if options.reuse_process:
         check_reusable(source, str(script_path))
     project = opts.get("project")
+    env = _resolve_env(source, name, spec, opts, project)
     if project is None:
         if opts.get("include"):
             raise UsageError("--include names files of a project: give --project DIR too")
-        return JobInput(source, name, payloads, options, None, api.siblings_of(script_path))
+        return JobInput(source, name, payloads, options, None, api.siblings_of(script_path), env)
     packed, name = api.pack_project(script_path, name, project, opts.get("include", ()), settings)
-    return JobInput(source, name, payloads, options, packed)
+    return JobInput(source, name, payloads, options, packed, env=env)
+
+
+def _resolve_env(source: str, name: str, spec: Any, opts: dict[str, Any], project: str | None) -> Lock | None:
+    """The job's environment, declared by the script's PEP 723 block, the project's pyproject.toml, the job file's
+    [env], --requirements and --with; locked here with uv (a resolution that fails is bad input)."""
+    from gpumesh.envs import declare, lock
+
+    if opts.get("no_env"):
+        return None
+    file_env = spec.env if spec is not None else None
+    with_ = [*(file_env.dependencies if file_env is not None else []), *opts.get("with_", ())]
+    requirements = opts.get("requirements") or (spec.requirements if spec is not None else None)
+    python = opts.get("python") or (file_env.python if file_env is not None else "")
+    builds = bool(opts.get("allow_builds")) or bool(file_env is not None and file_env.allow_builds)
+    declared = declare(
+        source, name, with_=with_, requirements=requirements, project=Path(project) if project else None,
+        python=python, allow_builds=builds,
+    )  # fmt: skip
+    return lock(declared, Path(project) if project else None)
+
+
+def env_options(f: Any) -> Any:
+    """--with, --requirements, --python, --allow-builds, --no-env (submit): the job's environment."""
+    for option in reversed(
+        [
+            click.option(
+                "--with",
+                "with_",
+                multiple=True,
+                metavar="SPEC",
+                help="A package the job's tasks need, e.g. --with 'numpy>=1.26' (repeatable). With a script's "
+                "PEP 723 block, --requirements and the project's pyproject.toml it is locked here with uv and "
+                "built once on each worker's machine (docs/environments.md).",
+            ),  # fmt: skip
+            click.option(
+                "--requirements",
+                type=click.Path(dir_okay=False, exists=True, path_type=str),
+                metavar="FILE",
+                help="The job's packages from a requirements.txt (or a pylock.toml).",
+            ),  # fmt: skip
+            click.option(
+                "--python",
+                "python",
+                metavar="SPEC",
+                help="The Python the job's environment needs, e.g. '>=3.12' (as requires-python): only workers "
+                "that have it take its tasks.",
+            ),  # fmt: skip
+            click.option(
+                "--allow-builds",
+                "allow_builds",
+                is_flag=True,
+                help="Let the environment build packages from source (sdists) on workers started with "
+                "--allow-builds too; by default only wheels install, and no package's build code runs.",
+            ),  # fmt: skip
+            click.option(
+                "--no-env",
+                "no_env",
+                is_flag=True,
+                help="Ignore the script's PEP 723 block and the project's dependencies: run in the workers' Python.",
+            ),  # fmt: skip
+        ]
+    ):
+        f = option(f)
+    return f
 
 
 def project_options(f: Any) -> Any:

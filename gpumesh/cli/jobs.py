@@ -17,6 +17,7 @@ from gpumesh.api import check_expires, follow_logs
 from gpumesh.cli import render
 from gpumesh.cli.helpers import (
     emit_json,
+    env_options,
     err,
     exit_for,
     explain_failures,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 @click.option("--payloads", "payloads_spec", metavar="FILE|-", help="JSON list of payload objects.")
 @job_options
 @project_options
+@env_options
 @click.option("--wait", is_flag=True, help="Follow the job to its end; exit 1 if it failed or was cancelled.")
 @click.option(
     "--idempotency-key", metavar="KEY", help="Submitting again with the same KEY returns the same job, not a new one."
@@ -78,13 +80,21 @@ def submit(
     With --project DIR the folder travels with the job (only the files the mesh does not hold yet
     are sent) and submit prints one line: files and bytes sent, and what the rules left out. With
     no SCRIPT, the job is read from ./gpumesh.toml (or -f FILE); flags override it.
+
+    Packages travel with the job: a script's PEP 723 block, --with, --requirements, the project's
+    pyproject.toml (uv.lock honoured) or the job file's [env] are locked here with uv, for every
+    platform, and each worker's machine builds that lock once (docs/environments.md):
+
+    
+      gpumesh submit fit.py --payloads p.json --with numpy --with 'scikit-learn>=1.4'
+      gpumesh submit fit.py --payloads p.json --requirements requirements.txt --python '>=3.11'
     """
     got = resolve_job(ctx, script, payloads_spec, job_file, opts, Settings.load(url=url))  # errors name the flags
     expires = check_expires(expires, "--expires")
     mesh = open_mesh(ctx, url)
     job = mesh.submit_checked(
         got.source, got.name, got.payloads, got.options, idempotency_key=idempotency_key, sign_key=sign_key,
-        expires=expires, project=got.project, siblings=got.siblings,
+        expires=expires, project=got.project, siblings=got.siblings, env=got.env,
     )  # fmt: skip
     res, broker = job.submitted, mesh.broker
     assert res is not None
@@ -99,7 +109,7 @@ def submit(
                       "nothing new was submitted")  # fmt: skip
         if not wait:
             if as_json:
-                emit_json(res.model_dump(exclude={"project"} if res.project is None else None))
+                emit_json(res.model_dump(exclude={k for k in ("project", "env") if getattr(res, k) is None}))
             else:
                 if not res.existing:  # no tier forecast here: placement is decided when a worker asks
                     at = f" at priority {res.priority}" if res.priority else ""

@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("gpumesh.cli.dashboard", "Serve a web dashboard of the mesh: workers, jobs, tasks, failures, a timeline of attempts, live logs. Cancel and retry only with a credential that may write. Runs until Ctrl-C."),
     "lent": ("gpumesh.cli.lent", "List every attempt this machine's workers ran for the mesh: job, name, submitter, script digest, start, duration, outcome and output bytes sent. Kept on this machine ($XDG_STATE_HOME/gpumesh/lent.jsonl, or GPUMESH_LENT_FILE; readable by its user alone; the newest few thousand), written even when the broker is unreachable."),
     "doctor": ("gpumesh.cli.doctor", "Check this machine and the broker, and say how to fix what is wrong."),
+    "envs": ("gpumesh.cli.envs", "Show the environments this machine's workers built, and prune them."),
     "init": ("gpumesh.cli.jobs", "Write a commented gpumesh.toml (a job file) from what this folder holds."),
 }  # fmt: skip
 

@@ -179,6 +179,27 @@ def worker_options(f: Any) -> Any:
                 help="Save each task's GPUMESH_CHECKPOINT_DIR this often, besides when the task asks "
                 "(gpumesh.checkpoint()) and when it is stopped (also GPUMESH_CHECKPOINT_EVERY; 0: off, the default).",
             ),
+            click.option(
+                "--no-envs",
+                "no_envs",
+                is_flag=True,
+                help="Run only jobs without an environment, in this worker's own Python: never build one "
+                "(also GPUMESH_ENVS=false).",
+            ),
+            click.option(
+                "--env-cache",
+                "env_cache",
+                metavar="DIR",
+                help="Where this machine's workers build and share environments (also GPUMESH_ENV_CACHE; its "
+                "size: GPUMESH_ENV_CACHE_MB). See `gpumesh envs`.",
+            ),
+            click.option(
+                "--allow-builds",
+                "allow_builds",
+                is_flag=True,
+                help="Let an environment run packages' build code (sdists) on this machine, for jobs submitted "
+                "with --allow-builds; by default only wheels whose hashes match the lock install.",
+            ),
             click.option("--exit-with-parent", type=int, hidden=True),
         ]
     ):
@@ -238,6 +259,12 @@ def _isolation_flags(opts: dict[str, Any]) -> None:
         os.environ["GPUMESH_ISOLATION"] = "false"
     if opts.get("checkpoint_every") is not None:  # a setting, so that the per-GPU workers see it too
         os.environ["GPUMESH_CHECKPOINT_EVERY"] = repr(opts["checkpoint_every"])
+    if opts.get("no_envs"):
+        os.environ["GPUMESH_ENVS"] = "false"
+    if opts.get("allow_builds"):
+        os.environ["GPUMESH_ALLOW_BUILDS"] = "true"
+    if opts.get("env_cache"):
+        os.environ["GPUMESH_ENV_CACHE"] = os.path.abspath(opts["env_cache"])
     for flag, var in (
         ("read_path", "GPUMESH_READ_PATHS"), ("write_path", "GPUMESH_WRITE_PATHS"), ("cache_path", "GPUMESH_CACHE_PATHS")
     ):  # fmt: skip

@@ -318,7 +318,8 @@ def workers_table(rows: Iterable[WorkerInfo]) -> Table:
     for r in rows:
         table.add_row(
             *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier),
-                        f"paused: {r.paused}" if r.paused else r.state, r.current_task or ""))
+                        f"paused: {r.paused}" if r.paused else r.state,
+                        f"preparing {r.preparing}" if r.preparing else r.current_task or ""))
         )  # fmt: skip
     return table
 

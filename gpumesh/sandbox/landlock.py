@@ -109,13 +109,20 @@ def devices() -> list[str]:
 
 
 def rules(
-    isolation: Isolation, attempt_dir: str, kernel_abi: int | None = None, shm_bytes: int = 0, project: str = ""
+    isolation: Isolation,
+    attempt_dir: str,
+    kernel_abi: int | None = None,
+    shm_bytes: int = 0,
+    project: str = "",
+    env: str = "",
 ) -> str:
     """The rule set for one attempt, as the JSON the launcher takes. ``shm_bytes``: the size of the attempt's own
     /dev/shm (where ``isolation.private``; 0: the kernel's default, half the RAM). ``project``: the machine's copy
     of the attempt's project tree, which it may read (and nothing else of the project cache)."""
     shared = _rules_before_attempt(isolation, kernel_abi if kernel_abi is not None else abi(), tuple(devices()))
     tail = f',"project":{json.dumps(project)}' if project else ""
+    if env:  # the attempt's environment (gpumesh.envs): read only
+        tail += f',"env":{json.dumps(env)}'
     return shared + json.dumps(attempt_dir) + f',"shm":{int(shm_bytes)}' + tail + "}"
 
 

@@ -41,11 +41,14 @@ def copy_launcher(directory: str) -> str:
     return copy
 
 
-def launcher_command(python: str) -> list[str]:
+def launcher_command(python: str, no_site: bool = False) -> list[str]:
     """How a long-lived helper (the zygote, a spare) starts the launcher: as a module of the worker's
     own interpreter, or, for another one, from a new private copy that the helper removes as it
     starts (so a killed worker leaves none behind). If the command never runs, pass it to
-    :func:`forget_launcher_command`."""
+    :func:`forget_launcher_command`. ``no_site``: an environment's interpreter, started with -S -E (its site,
+    and any .pth file in it, is added by each attempt once confined)."""
+    if no_site:
+        return [python, "-u", "-S", "-E", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
     if python == sys.executable:
         return [python, "-u", "-P", "-m", "gpumesh.sandbox.launcher"]  # -P: not the cwd's modules
     return [python, "-u", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]

@@ -262,8 +262,9 @@ def add_attempt_rules(ruleset: int, rules: dict[str, Any]) -> None:
     handled = fs_rights(int(rules["abi"]))
     attempt = [rules["attempt"]] if rules.get("attempt") else []
     project = [rules["project"]] if rules.get("project") else []  # its project's tree: read only
+    env = [rules["env"]] if rules.get("env") else []  # its environment (gpumesh.envs): read only, never written
     _grant(ruleset, handled, ((rules.get("owner_read", ()), FS_READ), (rules.get("owner_write", ()), handled),
-                              (attempt, handled), (project, FS_READ)))  # fmt: skip
+                              (attempt, handled), (project, FS_READ), (env, FS_READ)))  # fmt: skip
 
 
 def _grant(ruleset: int, handled: int, lists: Any) -> None:
@@ -420,7 +421,14 @@ def install_seccomp(libc: ctypes.CDLL) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
-ATTEMPTS_OWN = ("attempt", "owner_read", "owner_write", "shm", "project")  # what of the rules is each attempt's own
+ATTEMPTS_OWN = (
+    "attempt",
+    "owner_read",
+    "owner_write",
+    "shm",
+    "project",
+    "env",
+)  # what of the rules is each attempt's own
 
 # A warm spare's rule set, built before its attempt came (:func:`prepare_landlock`): the rules it was built
 # from, without the attempt's directory, and its descriptor.
@@ -614,6 +622,11 @@ def _run_script(
         except OSError as exc:  # never run a task less isolated than the worker said it would be
             print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
             os._exit(70)
+    env_site = os.environ.get("GPUMESH_ENV_SITE")
+    if env_site:  # an environment's packages, their .pth files run here: confined, as the task is (gpumesh.envs)
+        import site
+
+        site.addsitedir(env_site)
     sys.argv = [script]
     if getattr(sys.flags, "safe_path", False):  # started with -P (-m, the worker's own Python): no entry of a dir yet
         sys.path.insert(0, os.path.dirname(script))
@@ -1152,6 +1165,9 @@ def zygote(ctrl_fd: int, parent: int, preload: list[str]) -> None:
     # What a task leaves behind when it kills its supervisor comes to the zygote, which kills it (_Forks.reap).
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     ctrl = socket.socket(fileno=ctrl_fd)
+    if sys.flags.no_site:  # an environment's zygote: site's module only (with -S importing it adds no path and
+        import site  # noqa: F401  # runs no .pth); each attempt then adds its env's packages once confined
+
     _preload(ctrl, preload)
     forks = _Forks(ctrl)
     ctrl.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())

@@ -99,6 +99,7 @@ class Resident:
                 landlock.rules(
                     limits.isolation, workdir, shm_bytes=limits.memory_bytes,
                     project=project.tree if project is not None else "",
+                    env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "",
                 ) if limits.isolation is not None else "-",
                 cgroup or "-",
             ]  # fmt: skip

@@ -48,6 +48,9 @@ class Limits:
     result_bytes: int = 1_000_000
     user: tuple[int, int] | None = None  # (uid, gid) to run the task as; the worker must be root
     python: str = ""  # the interpreter for the task; default: the worker's
+    # An environment's site-packages (gpumesh.envs): the interpreter starts without site (-S) and the task's
+    # process adds this folder only once it is confined, so no .pth file of the env runs outside the sandbox.
+    site: str = ""
     isolation: landlock.Isolation | None = None  # confine the task with Landlock (the worker checked it is there)
 
 
@@ -88,6 +91,8 @@ def _launcher(limits: Limits) -> list[str]:
     directory of the worker's own that the launcher removes as it starts. Never from the task's
     directory: the task's user owns it, and whatever sits there must not be what the worker runs."""
     python = limits.python or sys.executable
+    if limits.site:  # an env's interpreter: no site at start-up; the confined task adds the env's (launcher)
+        return [python, "-u", "-S", "-E", copy_launcher(tempfile.mkdtemp(prefix=COPY_DIR_PREFIX))]
     if python == sys.executable and limits.user is None:
         return [python, "-u", "-P", "-m", "gpumesh.sandbox.launcher"]  # -P: not the cwd's modules
     # -s: the interpreter starts as root with HOME set to the task's directory; the user site-packages there
@@ -540,6 +545,8 @@ def _prepare(
         if limits.user is not None:
             os.fchown(f.fileno(), *limits.user)
     extra = {"GPUMESH_PROJECT_DIR": workdir} if shows is not None else {}
+    if limits.site:
+        extra["GPUMESH_ENV_SITE"] = limits.site
     full_env = clean_env({**env, "GPUMESH_OUTPUT_DIR": output_dir, "TMPDIR": workdir, **extra})
     if limits.user is not None:
         os.chown(out_name, *limits.user, dir_fd=workdir_fd, follow_symlinks=False)
@@ -572,7 +579,8 @@ def _start(
         rlimits: list[Any] = [
             limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
             *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree)
+            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree,
+                           env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "")
             if limits.isolation is not None else "-",
             cgroup or "-",
         ]  # fmt: skip
@@ -581,7 +589,7 @@ def _start(
             handing.append(True)
         if zygote is not None:
             proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead, source)
-        elif spares is not None:
+        elif spares is not None and not limits.site:  # a spare runs the worker's interpreter, with its site
             proc = spares.start(
                 limits.python, limits.user is not None, script, workdir, env, rlimits, stdin.fileno(), ahead
             )

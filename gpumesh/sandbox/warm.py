@@ -106,9 +106,14 @@ class WarmProcess:
 class Zygote:
     """The warm executor's process. Start it once; ``spawn`` one attempt at a time or several."""
 
-    def __init__(self, preload: Sequence[str] = (), python: str = "", env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, preload: Sequence[str] = (), python: str = "", env: Mapping[str, str] | None = None, site: bool = False
+    ) -> None:
         self.preload = [m.strip() for m in preload if m.strip()]
         self.python = python or sys.executable
+        # An environment's interpreter (gpumesh.envs): started without site, so nothing of the env runs in the
+        # zygote; each attempt adds the env's packages once it is confined.
+        self.no_site = site
         self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self._ctrl: socket.socket | None = None
@@ -119,7 +124,7 @@ class Zygote:
         """Start the zygote and wait until it has imported ``preload``; ZygoteError says why not."""
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = launcher_command(self.python)
+        cmd = launcher_command(self.python, no_site=self.no_site)
         try:
             with tree.launching():  # registered before another thread's kill_escaped could take it for an orphan
                 self.proc = subprocess.Popen(

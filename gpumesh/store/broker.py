@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from rq import Queue
     from rq.job import Job
 
+    from gpumesh.envs.lock import Lock
     from gpumesh.project import Packed
     from gpumesh.signing import Signer
     from gpumesh.store import artifacts, projects
@@ -81,6 +82,7 @@ class Broker:
         expires_in: float = 7 * 86400,
         project: Packed | None = None,
         siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
     ) -> SubmitResult:
         """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
 
@@ -93,7 +95,7 @@ class Broker:
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
         files = self.project_files() if project is not None else None
         return self._submitter.submit(
-            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings
+            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings, env
         )
 
     def project_files(self) -> projects.Files:
@@ -581,6 +583,7 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         last_heartbeat=ts(h.get("last_heartbeat")),
         resources=resources if isinstance(resources, dict) else {},
         paused=h.get("paused") or None,
+        preparing=h.get("preparing") or None,
     )
 
 

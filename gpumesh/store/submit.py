@@ -24,6 +24,7 @@ from typing import Any, cast
 import redis
 
 from gpumesh import requirements, scheduling
+from gpumesh.envs.lock import Lock, env_requirements
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.models import (
     JobOptions,
@@ -97,6 +98,12 @@ class _Job:
     per_tier: dict[str, int]
     project: Packed | None = None
     siblings: tuple[str, ...] = ()  # modules beside a lone script where it was submitted (the worker's hint)
+    env: Lock | None = None  # its environment's lock (gpumesh.envs), stored once in the job's hash
+
+    @property
+    def signed_env(self) -> str:
+        """The environment's lock digest as the signature covers it ('' for none)."""
+        return self.env.digest if self.env else ""
 
     @property
     def signed_project(self) -> tuple[str, str]:
@@ -195,6 +202,7 @@ class Submitter:
         project: Packed | None = None,
         files: projects.Files | None = None,
         siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
     ) -> SubmitResult:
         """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all.
 
@@ -212,12 +220,21 @@ class Submitter:
         if options.reuse_process:
             check_reusable(source, script_name)
         sha = hashlib.sha256(source.encode()).hexdigest()
+        if env is not None:  # only workers that build envs, of a Python the lock allows, may take its tasks
+            options = options.model_copy(update={"requires": (*options.requires, *env_requirements(env))})
         request = ""  # what an idempotent retry must repeat exactly; only computed when there is a key
         if idempotency_key:
             job_id = hashlib.sha256(f"gpumesh-idempotency:{idempotency_key}".encode()).hexdigest()[:12]
             request = hashlib.sha256(
                 json.dumps(
-                    [sha, script_name, payloads, options.model_dump(), project.digest if project else ""],
+                    [
+                        sha,
+                        script_name,
+                        payloads,
+                        options.model_dump(),
+                        project.digest if project else "",
+                        *([env.digest] if env else []),
+                    ],
                     sort_keys=True,
                 ).encode()
             ).hexdigest()
@@ -236,7 +253,7 @@ class Submitter:
                 per_tier[str(t)] = per_tier.get(str(t), 0) + 1
             job = _Job(
                 job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier,
-                project, siblings if project is None else (),
+                project, siblings if project is None else (), env,
             )  # fmt: skip
             if project is not None:
                 assert files is not None
@@ -299,6 +316,7 @@ class Submitter:
 
         job_id, sha, payloads, options = job.id, job.sha, job.payloads, job.options
         tree, outputs = job.signed_project
+        env = job.signed_env
 
         if start == 0 and stop is None:
             p.hset(keys.job(job_id), mapping={"key_id": signer.key_id, "expires_at": f"{expires:.3f}"})
@@ -309,7 +327,7 @@ class Submitter:
             payload = payloads[i]
             msg = message(
                 job_id, i, sha, json.dumps(payload), options.timeout, options.max_attempts, float(f"{expires:.3f}"),
-                tree, outputs, options.reuse_process,
+                tree, outputs, options.reuse_process, env,
             )  # fmt: skip
             p.hset(keys.task(keys.task_id(job_id, i)), "sig", signer.sign(msg))
 
@@ -358,7 +376,9 @@ class Submitter:
                 "script_name": job.script_name,
                 "timeout": options.timeout,
                 "max_attempts": options.max_attempts,
-                "retry_on": ",".join(options.retry_on),
+                # A job with an environment also retries a failed build, elsewhere first: the machine that failed
+                # it fails that lock at once from then on, and the other machines may build it.
+                "retry_on": ",".join((*options.retry_on, *(["environment"] if job.env is not None else []))),
                 "priority": options.priority,
                 "classes": json.dumps([[[r.key, r.op, r.value] for r in reqs] for reqs in job.class_reqs]),
                 "pending_cost": repr(float(sum(job.costs))),
@@ -394,6 +414,9 @@ class Submitter:
             out["outputs"] = outputs_json(job.options.outputs)
         if job.siblings:
             out["siblings"] = ",".join(job.siblings)
+        if job.env is not None:  # the lock, once per job; its digest is in every task's signature
+            out.update(env=job.env.digest, env_lock=job.env.text, env_python=job.env.requires_python,
+                       env_builds=int(job.env.allow_builds))  # fmt: skip
         return out
 
     def _submit_staged(

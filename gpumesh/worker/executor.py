@@ -8,6 +8,7 @@ alive, then completes or fails the task with its fenced token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,6 +24,7 @@ from typing import Any
 
 import redis
 
+from gpumesh.envs.cache import Env, EnvCache, EnvError, default_root
 from gpumesh.models import EXCEPTION_MARKER, TERMINAL, Capability, loads_strict
 from gpumesh.project import safe_rel
 from gpumesh.sandbox import resident
@@ -30,7 +32,7 @@ from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
 from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
-from gpumesh.sandbox.warm import Zygote
+from gpumesh.sandbox.warm import Zygote, ZygoteError
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, checkpoints, keys, scripts
 from gpumesh.store.broker import Broker
@@ -50,6 +52,7 @@ DEVICE_OOM = (
     "CUDA out of memory", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY",
     "RESOURCE_EXHAUSTED: Out of memory", "MPS backend out of memory",
 )  # fmt: skip
+ENV_ZYGOTES = 3  # warm mode: the zygotes of this many envs are kept (least recently used closed first)
 MEMORY_HOLD_TTLS = 10  # a task out of memory waits this many lease TTLs for a live worker with more
 
 
@@ -85,6 +88,7 @@ class JobExtras:
     outputs: str = ""  # output globs, JSON (as signed)
     siblings: frozenset[str] = frozenset()  # modules beside a lone script where it was submitted
     reuse: bool = False  # submit --reuse-process: the job's tasks share a process per worker (as signed)
+    env: str = ""  # the environment's lock digest (gpumesh.envs)
 
     @property
     def globs(self) -> tuple[str, ...]:
@@ -174,6 +178,9 @@ class Executor:
         self._jobs_seen: dict[str, dict[str, str]] = {}  # job id -> what `gpumesh lent` records of it
         self._sent = 0  # bytes of output files the last attempt stored
         self._lent: lent.Record | None = None  # this machine's record of what it ran (`gpumesh lent`)
+        self._envs: EnvCache | None = None
+        self._env_ready: dict[str, Env] = {}  # lock digest -> its env on this machine, held by this worker
+        self._zygotes: dict[str, Zygote] = {}  # warm mode: a zygote per env, the least recently used closed first
 
     @property
     def projects(self) -> ProjectCache:
@@ -184,16 +191,74 @@ class Executor:
             )
         return self._projects
 
+    @property
+    def envs(self) -> EnvCache:
+        """This machine's environments (gpumesh.envs), shared by its workers."""
+        if self._envs is None:
+            s = self.settings
+            self._envs = EnvCache(s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python)
+        return self._envs
+
+    def _env(self, lease: scripts.Lease) -> Env | None:
+        """The job's environment on this machine: found, waited for (another worker of the machine builds it), or
+        built here before the attempt starts. EnvError with the builder's message when it cannot be had."""
+        digest = self.extras(lease.job_id).env
+        if not digest:
+            return None
+        got = self._env_ready.get(digest)
+        if got is not None:
+            return got
+        if not self.settings.envs:
+            raise EnvError("this worker runs no environments (worker --no-envs)")
+        text, python, builds = self.broker.r.hmget(keys.job(lease.job_id), "env_lock", "env_python", "env_builds")
+        if text is None:
+            raise EnvError("the job's lock is missing from the broker")
+        preparing = self.envs.ready(digest) is None
+        if preparing:
+            said = f"preparing env {digest[:12]} for {lease.job_id}"
+            log.info("%s", said)
+            self.w.logs.put(lease.task_id, "gpumesh", said)
+            # what `workers`, `top` and the dashboard show meanwhile
+            self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", said.removeprefix("preparing "))
+        started = time.monotonic()
+        try:
+            got = self.envs.ensure(digest, text, python or "", builds == "1")
+        finally:
+            if preparing:
+                self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", "")
+        log.info("env %s ready in %.2fs", digest[:12], time.monotonic() - started)
+        self._env_ready[digest] = got
+        return got
+
+    def _zygote_for(self, env: Env) -> Zygote | None:
+        """Warm mode: the zygote of ``env`` (its interpreter, started without site: nothing of the env runs in
+        it), started on first use; a few are kept, the least recently used closed first. None: start cold."""
+        z = self._zygotes.pop(env.digest, None)
+        if z is None or not z.alive():
+            try:
+                cuda = self.w.cuda_visible_devices  # as the worker's own zygote: the GPU it is pinned to
+                z = Zygote(python=env.python, env={"CUDA_VISIBLE_DEVICES": cuda} if cuda else {}, site=True)
+                z.start()
+            except (OSError, ZygoteError) as exc:
+                log.warning("env %s: its zygote did not start (%s); its attempts start cold", env.digest[:12], exc)
+                return None
+        self._zygotes[env.digest] = z
+        while len(self._zygotes) > ENV_ZYGOTES:
+            old = next(iter(self._zygotes))
+            self._zygotes.pop(old).close()
+        return z
+
     def extras(self, job_id: str) -> JobExtras:
         got = self._extras.get(job_id)
         if got is None:
-            project, outputs, siblings, reuse = self.broker.r.hmget(
-                keys.job(job_id), "project", "outputs", "siblings", "reuse_process"
+            project, outputs, siblings, reuse, env = self.broker.r.hmget(
+                keys.job(job_id), "project", "outputs", "siblings", "reuse_process", "env"
             )
             got = NO_EXTRAS
-            if project or outputs or siblings or reuse == "1":
+            if project or outputs or siblings or reuse == "1" or env:
                 got = JobExtras(
-                    project or "", outputs or "", frozenset((siblings or "").split(",")) - {""}, reuse == "1"
+                    project or "", outputs or "", frozenset((siblings or "").split(",")) - {""}, reuse == "1",
+                    env or "",
                 )
             if len(self._extras) > 256:
                 self._extras.clear()
@@ -224,6 +289,11 @@ class Executor:
         self.tidy()
         self.residents.close()
         self._release_tree()
+        for z in self._zygotes.values():
+            z.close()
+        self._zygotes.clear()
+        if self._envs is not None:
+            self._envs.release_all()
         if self.spares is not None:
             self.spares.close()
         if self._lent is not None:
@@ -311,6 +381,8 @@ class Executor:
         extras = self.extras(lease.job_id)  # read once per job (the refusal's check read it already)
         if extras.project and self._tree(extras.project, make=False) is None:
             return  # its tree is not held here yet: run() makes it, and says what fails
+        if extras.env and extras.env not in self._env_ready:
+            return  # its environment is not ready here yet: run() prepares it, and says what fails
         running = Running(lease, last_renewal=leased_at)
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
@@ -436,6 +508,13 @@ class Executor:
                 log.error("%s refused: %s", lease.task_id, why)
                 self.w.logs.put(lease.task_id, "gpumesh", why)
                 return self._fail(running, why, 0.0, reject=True, kind="refused")
+        try:
+            self._env(lease)
+        except (EnvError, OSError, redis.RedisError) as exc:
+            why = f"environment: {exc}"
+            log.error("%s: %s", lease.task_id, why)
+            self.w.logs.put(lease.task_id, "gpumesh", why)
+            return self._fail(running, why, 0.0, kind="environment")
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
         out = self._finish_in_sandbox(self._start_in_sandbox(running, source, limits))
@@ -469,15 +548,20 @@ class Executor:
             held = self._tree(extras.project, make=False)
             assert held is not None  # made before the attempt started (_attempt), or begin would not start it
             view = View(held.path, folders_to_expand(lease.script_name, extras.globs))
+        zygote = self.w.zygote
+        env = self._env_ready.get(extras.env) if extras.env else None
+        if env is not None:  # its env's interpreter, which adds the env's packages once confined (sandbox.Limits.site)
+            limits = dataclasses.replace(limits, python=env.python, site=env.site)
+            zygote = self._zygote_for(env) if zygote is not None else None
         if self._reuse_process(lease.job_id):
             key = (lease.job_id, lease.script_sha, limits.python, str(limits.user))
             return resident.start(
                 self.residents, key, source, lease.script_name, lease.payload, self._task_env(lease), limits,
-                on_line, should_stop, collect, zygote=self.w.zygote, project=view,
+                on_line, should_stop, collect, zygote=zygote, project=view,
             )  # fmt: skip
         return sandbox.start(
             source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
-            zygote=self.w.zygote, spares=self.spares, collect=collect, meanwhile=self.meanwhile,
+            zygote=zygote, spares=self.spares, collect=collect, meanwhile=self.meanwhile,
             project=view, output_globs=extras.globs, checkpoint=Saver(self, running),
         )  # fmt: skip
 
@@ -652,7 +736,7 @@ class Executor:
         job_id, index = identity
         msg = message(
             job_id, index, lease.script_sha, lease.payload, lease.timeout, lease.max_attempts, lease.expires_at,
-            extras.project, extras.outputs, extras.reuse,
+            extras.project, extras.outputs, extras.reuse, extras.env,
         )  # fmt: skip
         why = verifier.verify(lease.key_id, lease.signature, msg)
         if why is None and lease.server_ms / 1000 > lease.expires_at:
@@ -952,6 +1036,8 @@ def _resource(resources: dict[str, Any], key: str) -> tuple[str, float] | None:
 def next_step(res: scripts.Outcome, kind: str, need: tuple[str, float] | None) -> str:
     """What happens to a task after a failed attempt, when it is not the plain "queued again": a line
     for its log (empty for a plain retry)."""
+    if res.status == "failed" and kind == "environment":
+        return "not retried: this machine cannot build the job's environment (the message above is the builder's)"
     if res.status == "failed" and res.not_retried:
         return (
             f"not retried: the job does not retry {kind} failures (submit --retry-on {kind} would); attempts were left"

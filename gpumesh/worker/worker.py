@@ -26,6 +26,7 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
+from gpumesh.envs.lock import python_resource
 from gpumesh.models import Capability
 from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
@@ -152,6 +154,21 @@ def isolation_warnings(settings: Any, isolation: landlock.Isolation | None, user
     return said
 
 
+def _python_minor(python: str) -> str:
+    """The minor version of the tasks' interpreter (the worker's own, or ``python``) as the ``python`` resource
+    holds it (``3.12``; ``3.09`` for 3.9: gpumesh.envs.lock.python_resource)."""
+    if not python or python == sys.executable:
+        return python_resource(f"{sys.version_info[0]}.{sys.version_info[1]}")
+    try:
+        out = subprocess.run(
+            [python, "-S", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return python_resource(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else ""
+
+
 def _refuse_writable_interpreter(python: str, uid: int, gid: int) -> None:
     from gpumesh.errors import UsageError
     from gpumesh.sandbox.launch import writable_by
@@ -206,7 +223,11 @@ class MeshWorker(LeanRQWorker):
         # declared ones override the probe; task_memory_gb (the RSS cap of a task) tells a task that ran out
         # of memory which workers have more
         task_memory_gb = round((self.settings.task_memory_mb << 20 or self._default_task_memory) / 2**30, 2)
-        self.resources = {**capability.resources(), "task_memory_gb": task_memory_gb, **(resources or {})}
+        # envs: whether it builds jobs' environments (worker --no-envs); python: the minor version its envs run
+        envs = {"envs": "yes" if self.settings.envs else "no", "python": _python_minor(self.settings.sandbox_python)}
+        self.resources = {
+            **capability.resources(), "task_memory_gb": task_memory_gb, **envs, **(resources or {})
+        }  # fmt: skip
         self.logs = LogShipper(broker.redis)
         # The lender's say (--lend, --pause-when, --max-vram-gb): asked by a thread of its own (_lend_loop)
         self.lend = lend or lending.Lend()

@@ -47,7 +47,7 @@ local kind = ARGV[8] or ''
 local need_key = ARGV[9] or ''
 local need_value = tonumber(ARGV[10] or '')
 local hold_ms = tonumber(ARGV[11] or '') or 0
-local KINDS = {script = true, timeout = true, memory = true, lost = true, refused = true}
+local KINDS = {script = true, timeout = true, memory = true, lost = true, refused = true, environment = true}
 if not KINDS[kind] then
   kind = 'script'
 end
