@@ -19,13 +19,14 @@ PACKAGE = Path(gpumesh.__file__).parent
 # core = the modules at the top of the package (errors, models, settings, ...), pure or near it.
 LAYERS = {
     "core": set(),
-    "store": set(),
+    "envs": set(),  # a job's packages: declared, locked (uv) and built; pure of Redis and of the sandbox
+    "store": {"envs"},  # a lock's digest travels with the job
     "sandbox": set(),
-    "worker": {"store", "sandbox"},
+    "worker": {"store", "sandbox", "envs"},
     "server": {"store"},
-    "api": {"store"},
+    "api": {"store", "envs"},
     "dashboard": {"api", "store"},  # a web view over the Python API (and the artifact reader under it)
-    "cli": {"api", "store", "worker", "server", "dashboard"},  # the commands that start them
+    "cli": {"api", "store", "worker", "server", "dashboard", "envs"},  # the commands that start them
 }
 
 

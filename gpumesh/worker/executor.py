@@ -257,7 +257,10 @@ class Executor:
             got = NO_EXTRAS
             if project or outputs or siblings or reuse == "1" or env:
                 got = JobExtras(
-                    project or "", outputs or "", frozenset((siblings or "").split(",")) - {""}, reuse == "1",
+                    project or "",
+                    outputs or "",
+                    frozenset((siblings or "").split(",")) - {""},
+                    reuse == "1",
                     env or "",
                 )
             if len(self._extras) > 256:
