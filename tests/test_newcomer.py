@@ -16,7 +16,7 @@ pytestmark = pytest.mark.core
 
 DISTRIBUTION = "gpumesh-pool"
 # Third-party distributions an install line may name (the dashboard image's own, what the fixes name).
-OTHERS = {"rq-dashboard", "rq", "six", "numpy", "torch", "nvidia-ml-py"}
+OTHERS = {"rq-dashboard", "rq", "six", "numpy", "torch", "nvidia-ml-py", "uv"}
 PLACES = ["README.md", "SECURITY.md", "docs", "workers", "docker-compose.yml", "gpumesh", "examples", ".ci"]
 
 
@@ -60,6 +60,8 @@ def test_every_install_line_installs_this_project() -> None:
         for req in requirements(line):
             name = re.split(r"[\[<>=@ ]", req, maxsplit=1)[0].lower()
             local = req.startswith((".", "/", "dist/", "<"))  # a checkout, a wheel, a path
+            if req.startswith(":"):  # an option's value (uv pip install --only-binary :all:), no distribution
+                continue
             if not local and name != DISTRIBUTION and name not in OTHERS:
                 wrong.append(f"{where}: {req}  ({line.strip()[:80]})")
     assert wrong == [], "install lines naming another distribution (gpumesh on PyPI is another project)"
