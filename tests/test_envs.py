@@ -158,8 +158,6 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
     if user:
         if not can_sandbox_user:
             pytest.skip("--sandbox-user needs a root worker on Linux and a Python the task user can read")
-        if both_modes == "warm":
-            pytest.skip("a --sandbox-user's attempts start cold: the fresh run covers it")
         extra = ["--sandbox-user", user]
         # The env cache where the task's user can reach it (the test's own folder is 0700), and made on a Python
         # that user can read.
