@@ -245,6 +245,8 @@ def test_a_cancelled_attempt_says_so(env, broker, r, mesh_worker, script):
         job = mesh.submit(script, [{"sleep": 60}])
         tid = keys.task_id(job.id, 0)
         wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the task to start")
+        # a worker may start the task ahead of its delivery's record (RQ's job), which follows within ms
+        wait_until(lambda: Job.exists(keys.rq_job_id(tid, 1), connection=broker.rq), what="the delivery's record")
         assert rq_job(broker, tid).description == f"task 0 of job {job.id}: attempt 1 of 3, cost 1"
         job.cancel()
         wait_until(lambda: not Job.exists(keys.rq_job_id(tid, 1), connection=broker.rq),

@@ -246,26 +246,38 @@ def _orphan(data_dir: Path, holder: list[str]) -> psutil.Process | None:
     return None
 
 
+def _gone(proc: psutil.Process, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` s: gone, or a zombie that only its parent's wait still holds (an
+    orphan's parent is init, or whichever subreaper took it in)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _stop_orphan(proc: psutil.Process, data_dir: Path, port: str, timeout: float = 15.0) -> None:
     try:
         proc.terminate()  # Redis flushes its append-only file and exits
         proc.resume()  # a stopped one (SIGSTOP, a debugger let go) gets the signal too
-        proc.wait(timeout)
     except psutil.NoSuchProcess:
         pass
-    except psutil.TimeoutExpired:  # busy writing, or wedged: the append-only file keeps all but its last second
+    if not _gone(proc, timeout):  # busy writing, or wedged: the append-only file keeps all but its last second
         log.warning("the broker (pid %d) a killed gpumesh serve left running did not stop within %.0fs of SIGTERM; "
                     "killing it", proc.pid, timeout)  # fmt: skip
         try:
             proc.kill()
-            proc.wait(timeout)
         except psutil.NoSuchProcess:
             pass
-        except psutil.TimeoutExpired:
+        if not _gone(proc, timeout):
             raise UsageError(
                 f"the broker (pid {proc.pid}, port {port}) left running on {data_dir} by a killed gpumesh serve "
                 f"survived SIGTERM and SIGKILL; stop it by hand"
-            ) from None
+            )
     log.warning(
         "stopped the broker (pid %d, port %s) that a killed gpumesh serve left running on %s; starting it again",
         proc.pid, port, data_dir,
