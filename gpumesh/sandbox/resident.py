@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -174,14 +173,7 @@ class Resident:
             self.leave = self.leave or "the task replaced its output directory"
             return
         try:
-            for name in os.listdir(out):
-                try:
-                    if _is_dir(name, out):
-                        shutil.rmtree(name, dir_fd=out, ignore_errors=True)
-                    else:
-                        os.unlink(name, dir_fd=out)
-                except OSError:
-                    pass
+            taskdir.empty(out)
         finally:
             os.close(out)
 
@@ -221,12 +213,6 @@ class Resident:
                 taskdir.remove(self.workdir, self.script, os.path.join(self.workdir, taskdir.OUTPUT), self.dir_fd)
             finally:
                 os.close(self.dir_fd)
-
-
-def _is_dir(name: str, dir_fd: int) -> bool:
-    import stat
-
-    return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
 
 
 def _children_of(pid: int) -> list[int]:

@@ -141,7 +141,14 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
         pass
     # What else the task left there (its temp files: TMPDIR is this directory), then the directory itself.
     _open_overlay_work_dirs(dir_fd)
-    for name in os.listdir(dir_fd):  # rmtree through dir_fd opens each entry with O_NOFOLLOW
+    empty(dir_fd)
+    _rmdir_made(workdir, dir_fd)
+
+
+def empty(dir_fd: int) -> None:
+    """Remove everything in the directory ``dir_fd`` holds, following no link (rmtree through a descriptor opens
+    each entry with O_NOFOLLOW); what cannot be removed stays."""
+    for name in os.listdir(dir_fd):
         try:
             if _is_dir(name, dir_fd):
                 shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
@@ -149,7 +156,6 @@ def remove(workdir: str, script: str | None, output_dir: str, dir_fd: int | None
                 os.unlink(name, dir_fd=dir_fd)
         except OSError:
             pass
-    _rmdir_made(workdir, dir_fd)
 
 
 def _rmdir_made(workdir: str, dir_fd: int) -> bool:
