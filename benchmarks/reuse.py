@@ -9,7 +9,7 @@ stay up for the whole run; each round measures every contender in turn, from a c
   * no-op tasks (benchmarks/reuse_tasks.py ``noop``): one task, submit to result (median of 10 in a round);
     20 tasks; 1,000 tasks (``mesh.map`` / ``ray.get``), gpumesh with and without ``reuse_process=True``;
   * a task whose module "loads a model" for 2 s on first use in its process, then answers in 10 ms
-    (``infer``): ``--model-tasks`` tasks with reuse on 2 workers, against the issue's bound
+    (``infer``): ``--model-tasks`` tasks with reuse on 2 workers, against its bound
     2 × 2 s + N × 10 ms / 2 + 0.5 s; Ray's figure beside it, with the load (a new model key each round, as a new
     job's process loads anew) and once loaded (the same key again). Without reuse every task pays the load:
     4 tasks are run, and the per-task time is shown.

@@ -43,7 +43,7 @@ def test_exported_members_are_the_public_api() -> None:
 
 
 def test_every_public_name_and_method_shows_an_example() -> None:
-    # DESIGN §8 / issue 16: a docstring with an example on every public name, the methods of Mesh and Job too.
+    # DESIGN §8: a docstring with an example on every public name, the methods of Mesh and Job too.
     missing = []
     for name in gpumesh.__all__:
         value = getattr(gpumesh, name)

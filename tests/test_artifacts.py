@@ -1,4 +1,4 @@
-"""Artifacts (DESIGN §9, issue 17): the files a task's winning attempt writes to GPUMESH_OUTPUT_DIR come
+"""Artifacts (DESIGN §9): the files a task's winning attempt writes to GPUMESH_OUTPUT_DIR come
 back with ``gpumesh pull`` / ``Job.pull``, byte for byte, from the broker or from an object store; what
 cannot or may not be stored is skipped with a note; losing, failed and cancelled copies keep nothing;
 pruning a job gives its memory back."""

@@ -1,4 +1,4 @@
-"""A broker SIGKILLed mid-job, again and again (issue 14, item 1): what a crash can do to a job.
+"""A broker SIGKILLed mid-job, again and again: what a crash can do to a job.
 
 The broker here is configured as `gpumesh serve` and docker-compose.yml configure theirs: an append-only
 file with ``appendfsync always``, so Redis fsyncs every write before it replies. Each crash is a SIGKILL

@@ -1,4 +1,4 @@
-"""The CLI starts fast (issue 18 item 3): ``gpumesh --help`` imports click and the command table, not the
+"""The CLI starts fast: ``gpumesh --help`` imports click and the command table, not the
 modules that talk to Redis or render tables; guarded by the modules it imports, never by timing."""
 
 from __future__ import annotations

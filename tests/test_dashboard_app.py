@@ -1,4 +1,4 @@
-"""The web dashboard (gpumesh.dashboard, issue 20) without a browser: each page against a real broker and
+"""The web dashboard (gpumesh.dashboard) without a browser: each page against a real broker and
 an in-process worker, everything a task or a submitter can set coming back escaped, a worker credential
 getting a read-only view that refuses writes, the form token and same-origin checks, artifact downloads
 as attachments, and the timeline's SVG drawn from attempts alone."""

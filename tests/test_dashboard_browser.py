@@ -1,4 +1,4 @@
-"""The web dashboard as a person sees it in a browser (issue 20): a real mesh (Redis, `gpumesh worker`
+"""The web dashboard as a person sees it in a browser: a real mesh (Redis, `gpumesh worker`
 processes), a real `gpumesh dashboard` process and a headless Chromium. Each test asserts what is on the
 screen: live workers and their disappearance, progress that moves without a reload, a task's error, the
 cancel button that stops running tasks, one timeline bar per attempt in its worker's lane, and what a

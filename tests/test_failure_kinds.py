@@ -1,4 +1,4 @@
-"""Failures told apart (issue 14 item 5): each failed attempt records its kind (script, timeout, memory,
+"""Failures told apart: each failed attempt records its kind (script, timeout, memory,
 lost, refused); status, results and metrics show it; ``--retry-on`` chooses which kinds are retried; a
 lost attempt does not spend one of the task's attempts; a task out of memory is retried on a live worker
 with more of it, and its log says so."""

@@ -1,4 +1,4 @@
-"""Reliability under faults, each with real processes, a real Redis and real signals (issue: faults).
+"""Reliability under faults, each with real processes, a real Redis and real signals.
 
 Every scenario checks that nothing is lost and nothing is accepted twice; the figures they measure
 (seconds from a fault to the task running elsewhere) are printed with `pytest -s`.

@@ -1,4 +1,4 @@
-"""Isolation of a task from the worker and the host (issue 13, items 1-3), each shown by performing the attack.
+"""Isolation of a task from the worker and the host, each shown by performing the attack.
 
 1. No escalation: nothing a task's user can write is run, or followed, by the root worker (--sandbox-user).
 2. The tree dies with its attempt, even when the task SIGKILLs its supervisor and double-forks out of its session.
@@ -458,7 +458,7 @@ def test_nothing_the_task_user_can_write_is_run_or_followed_by_root(trap, warm):
     user = {"user": nobody(), "python": SYSTEM_PYTHON}
     attacker = None
     try:
-        # A first task leaves the attacker behind as a setsid daemon, as in the issue: it must die with its attempt.
+        # A first task leaves the attacker behind as a setsid daemon, as an attacker would: it must die with its attempt.
         left = f"""
             import os, subprocess, sys
             p = subprocess.Popen([sys.executable, {str(trap["attacker"])!r}, {str(trap["marks"])!r},

@@ -1,4 +1,4 @@
-"""A mesh of trusting and plain workers (issue 19, item 4): an unsigned task goes to a worker that runs
+"""A mesh of trusting and plain workers: an unsigned task goes to a worker that runs
 unsigned work, never to one started with --trust, and submit says when no live worker would take it."""
 
 from __future__ import annotations

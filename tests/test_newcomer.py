@@ -1,4 +1,4 @@
-"""What a newcomer meets first (issue 19): install lines that install this project, deploy files that do
+"""What a newcomer meets first: install lines that install this project, deploy files that do
 not leak the password or fail on a fresh machine."""
 
 from __future__ import annotations

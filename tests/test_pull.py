@@ -1,4 +1,4 @@
-"""``gpumesh pull`` end to end: real `gpumesh worker` processes, the real CLI (issue 17, item 5)."""
+"""``gpumesh pull`` end to end: real `gpumesh worker` processes, the real CLI."""
 
 from __future__ import annotations
 

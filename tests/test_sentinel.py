@@ -1,4 +1,4 @@
-"""A broker that fails over (issue 14, item 2): ``redis+sentinel://`` URLs, and a real failover mid-job.
+"""A broker that fails over: ``redis+sentinel://`` URLs, and a real failover mid-job.
 
 The failover test runs a primary (append-only file), a replica (``replicaof``, read-only) and three
 Sentinels (quorum 2), all real redis-server processes on free loopback ports; two real workers and a

@@ -1,4 +1,4 @@
-"""Signed by default (issue 13, item 4): in the set-up `gpumesh serve` prints, a worker credential runs
+"""Signed by default: in the set-up `gpumesh serve` prints, a worker credential runs
 nothing and forges nothing.
 
 Each attack is made with a real worker credential against a real `serve` broker and real trusting

@@ -1,5 +1,5 @@
 """`gpumesh serve --tls`: a CA made at the first start, lines that pin it, and clients that check it
-before they send anything (issue 13 item 6). Real brokers, a real tunnel stand-in, real impostors."""
+before they send anything. Real brokers, a real tunnel stand-in, real impostors."""
 
 from __future__ import annotations
 

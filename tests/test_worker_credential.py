@@ -105,7 +105,7 @@ def test_a_worker_credential_cannot_stop_the_mesh_or_freeze_redis(mesh: Mesh, en
         # gpumesh registers the worker before RQ's loop registers it in rq:workers
         wait_until(lambda: admin.scard("rq:workers") == 1, timeout=30, what="RQ to register the worker")
         name = next(iter(admin.smembers("rq:workers"))).removeprefix("rq:worker:")
-        # what the issue did: a new epoch stops every worker; RQ's shutdown command stops one
+        # the attack: a new epoch stops every worker; RQ's shutdown command stops one
         assert refused(attacker, "SET", keys.EPOCH, "stolen")
         assert refused(attacker, "DEL", keys.EPOCH)
         assert refused(attacker, "PUBLISH", f"rq:pubsub:{name}", json.dumps({"command": "shutdown"}))
@@ -208,7 +208,7 @@ def test_a_lease_token_is_never_stored_and_what_is_stored_does_not_act_as_holder
         assert everything and not any(lease.token in value for value in everything), "the token is nowhere in Redis"
         stored = other.r.hget(keys.task(tid), "lease")
         assert stored == other.r.get(keys.lease(tid)) == scripts.token_digest(lease.token)
-        # what the issue did: read the token from the task and complete (or fail) the task with it
+        # the attack: read the token from the task and complete (or fail) the task with it
         forged = scripts.Lease(**{**lease.__dict__, "token": stored})
         assert scripts.complete(other.scripts, other.r, forged, "thief", '{"forged": 1}', 0.1) == scripts.Outcome(
             False, "stale"
