@@ -102,9 +102,9 @@ class JobExtras:
 NO_EXTRAS = JobExtras()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Host:
-    """What the executor needs of the worker it runs in, and nothing more."""
+    """What the executor needs of the worker it runs in, and nothing more (built by keyword)."""
 
     broker: Broker
     worker_id: str
@@ -556,17 +556,26 @@ class Executor:
         if env is not None:  # its env's interpreter, which adds the env's packages once confined (sandbox.Limits.site)
             limits = dataclasses.replace(limits, python=env.python, site=env.site)
             zygote = self._zygote_for(env) if zygote is not None else None
+        spec = sandbox.AttemptSpec(
+            source=source,
+            script_name=lease.script_name,
+            payload=lease.payload,
+            env=self._task_env(lease),
+            limits=limits,
+            on_line=on_line,
+            should_stop=should_stop,
+            zygote=zygote,
+            spares=self.spares,
+            collect=collect,
+            meanwhile=self.meanwhile,
+            project=view,
+            output_globs=extras.globs,
+            checkpoint=Saver(self, running),
+        )
         if self._reuse_process(lease.job_id):
             key = (lease.job_id, lease.script_sha, limits.python, str(limits.user))
-            return resident.start(
-                self.residents, key, source, lease.script_name, lease.payload, self._task_env(lease), limits,
-                on_line, should_stop, collect, zygote=zygote, project=view,
-            )  # fmt: skip
-        return sandbox.start(
-            source, lease.script_name, lease.payload, self._task_env(lease), limits, on_line, should_stop,
-            zygote=zygote, spares=self.spares, collect=collect, meanwhile=self.meanwhile,
-            project=view, output_globs=extras.globs, checkpoint=Saver(self, running),
-        )  # fmt: skip
+            return resident.start(self.residents, key, spec)
+        return sandbox.start(spec)
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
         """Supervise the attempt to its end. Its log lines are in the broker before its end is reported: sent

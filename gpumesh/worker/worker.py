@@ -241,11 +241,25 @@ class MeshWorker(LeanRQWorker):
         task_env = {"GPUMESH_MAX_VRAM_GB": f"{max_vram_gb:g}"} if max_vram_gb else {}
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
-        self.executor = executor.Executor(
-            executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
-                          verifier, self.dispatched, self.resources, self.send_records, self._wants_next,
-                          self._got_next, self._begin_next, lent_path, task_env)
-        )  # fmt: skip
+        host = executor.Host(
+            broker=broker,
+            worker_id=self.worker_id,
+            capability=capability,
+            cuda_visible_devices=cuda_visible_devices,
+            limits=self.limits,
+            zygote=zygote,
+            logs=self.logs,
+            verifier=verifier,
+            dispatched=self.dispatched,
+            resources=self.resources,
+            send_records=self.send_records,
+            wants_next=self._wants_next,
+            got_next=self._got_next,
+            begin_next=self._begin_next,
+            lent_path=lent_path,
+            task_env=task_env,
+        )
+        self.executor = executor.Executor(host)
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
