@@ -36,7 +36,7 @@ from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
 from gpumesh.store import artifacts, checkpoints, keys, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker import lent
-from gpumesh.worker.failures import bad_result, failure_of, module_hint, next_step, outcome
+from gpumesh.worker.classify import bad_result, failure_of, module_hint, next_step, outcome
 from gpumesh.worker.lending import PAUSED
 from gpumesh.worker.logship import LogShipper
 from gpumesh.worker.projects import Held, ProjectCache, ProjectError

@@ -9,7 +9,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gpumesh.models import EXCEPTION_MARKER, loads_strict
+from gpumesh.failures import EXCEPTION_MARKER
+from gpumesh.payloads import loads_strict
 from gpumesh.sandbox.runner import Attempt, Limits
 from gpumesh.store.scripts import Outcome
 from gpumesh.worker.lending import VRAM_OVER
