@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
-from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
+from gpumesh.sandbox import outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import forget_launcher_command
+from gpumesh.sandbox.launcher import LIMITS
 from gpumesh.sandbox.process import close_pipes
 from gpumesh.sandbox.runner import (
     Attempt,
@@ -39,6 +40,7 @@ from gpumesh.sandbox.runner import (
     _payload_file,
     _prepare,
     _watch,
+    launcher_limits,
 )  # fmt: skip
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
@@ -93,16 +95,7 @@ class Resident:
                 cgroup, ahead = tree.attempt_cgroups(zygote)
             else:
                 cgroup = tree.new_cgroup()
-            rlimits: list[Any] = [
-                limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
-                *(limits.user if limits.user else ("-", "-")),
-                landlock.rules(
-                    limits.isolation, workdir, shm_bytes=limits.memory_bytes,
-                    project=project.tree if project is not None else "",
-                    env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "",
-                ) if limits.isolation is not None else "-",
-                cgroup or "-",
-            ]  # fmt: skip
+            rlimits = launcher_limits(limits, workdir, project.tree if project is not None else "", cgroup)
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             proc: subprocess.Popen[bytes] | WarmProcess
             if zygote is not None:
@@ -120,7 +113,7 @@ class Resident:
                 try:
                     with tree.launching():
                         proc = subprocess.Popen(
-                            [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *map(str, rlimits)],
+                            [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *(rlimits[name] for name in LIMITS)],
                             stdin=stdio[0], stdout=stdio[1], stderr=stdio[2], pass_fds=(theirs.fileno(),),
                             cwd="/", env=full_env, start_new_session=True,
                         )  # fmt: skip

@@ -26,7 +26,7 @@ import psutil
 
 from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command
-from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
+from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, LIMITS, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.taskdir import CHECKPOINT
@@ -573,14 +573,7 @@ def _start(
     limits, zygote, spares = spec.limits, spec.zygote, spec.spares
     project_tree = spec.project.tree if spec.project is not None else ""
     with _payload_file(spec.payload) as stdin:
-        rlimits: list[Any] = [
-            limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
-            *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree,
-                           env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "")
-            if limits.isolation is not None else "-",
-            cgroup or "-",
-        ]  # fmt: skip
+        rlimits = launcher_limits(limits, workdir, project_tree, cgroup)
         proc: AttemptProcess | None = None
         handing.append(True)
         if zygote is not None:
@@ -595,7 +588,7 @@ def _start(
             cmd = _launcher(limits)
             try:
                 proc = subprocess.Popen(
-                    [*cmd, str(os.getpid()), script, *map(str, rlimits)],
+                    [*cmd, str(os.getpid()), script, *(rlimits[name] for name in LIMITS)],
                     stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     cwd="/", env=env, start_new_session=True, close_fds=True,
                 )  # fmt: skip
@@ -603,6 +596,29 @@ def _start(
                 forget_launcher_command(cmd)
                 raise
         return proc
+
+
+def launcher_limits(limits: Limits, workdir: str, project_tree: str, cgroup: str | None) -> dict[str, str]:
+    """What the launcher is told of an attempt's limits, by the names of launcher.LIMITS: a warm or spare request's
+    ``limits``, and, in that order, a fresh launcher's arguments. "-": none (no user, no Landlock, no cgroup)."""
+    uid, gid = limits.user if limits.user else ("-", "-")
+    rules = "-"
+    if limits.isolation is not None:
+        env_root = os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else ""
+        rules = landlock.rules(
+            limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree, env=env_root
+        )
+    named = {
+        "cpu": limits.cpu_seconds,
+        "fsize": limits.file_bytes,
+        "nofile": limits.open_files,
+        "grace": limits.grace,
+        "uid": uid,
+        "gid": gid,
+        "isolation": rules,
+        "cgroup": cgroup or "-",
+    }
+    return {name: str(named[name]) for name in LIMITS}
 
 
 def _payload_file(payload: str) -> IO[bytes]:
