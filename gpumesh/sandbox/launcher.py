@@ -19,6 +19,10 @@ TERM to the whole tree, KILL after the grace period, and exits the way the scrip
 
 Standard library only, in one file: it is copied next to the task for another interpreter or user.
 Imports stay minimal: in fresh mode this runs once per task attempt.
+
+The file's sections, in order: an attempt's limits, as the worker names them (:data:`LIMITS`); the process tree
+below a supervisor; Landlock; seccomp; the attempt's own namespaces; the supervisor, which every mode runs
+(:func:`supervise`); reused processes; warm mode (and the spares, which take its requests); the entry point.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker
 COPY_DIR_PREFIX = "gpumesh-launcher-"  # a private copy of this file, for a helper in another interpreter
 
 
+# -- An attempt's limits, as the worker names them ---------------------------------------------------------
 # What the worker tells the launcher of each attempt: a fresh or resident launcher's arguments after PARENT_PID SCRIPT,
 # in this order, and a warm or spare request's "limits" object, by these names (gpumesh.sandbox.runner.launcher_limits
 # builds both). cpu: RLIMIT_CPU s, fsize: RLIMIT_FSIZE bytes, nofile: RLIMIT_NOFILE (0: the inherited limit); grace: s
@@ -59,6 +64,9 @@ LIMITS = ("cpu", "fsize", "nofile", "grace", "uid", "gid", "isolation", "cgroup"
 def limits_of(args: Sequence[str]) -> dict[str, str]:
     """A fresh launcher's arguments after PARENT_PID SCRIPT, by name (isolation and cgroup may be left out)."""
     return {"isolation": "-", "cgroup": "-", **dict(zip(LIMITS, args))}
+
+
+# -- The process tree below a supervisor ---------------------------------------------------------------------
 
 
 def _descendants() -> list[int]:
@@ -606,6 +614,9 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
         if attempt is not None:
             shutil.rmtree(attempt, ignore_errors=True)  # its overlay's work dir stays 000 only while mounted
     return ""
+
+
+# -- The supervisor: the script's process forked, its tree supervised (every mode) ------------------------------
 
 
 def _run_script(
@@ -1748,6 +1759,9 @@ def _take_env(req: dict[str, Any]) -> None:
     nprandom = sys.modules.get("numpy.random")
     if nprandom is not None:  # Python's random reseeds itself after fork; numpy's global generator does not
         nprandom.seed()
+
+
+# -- The entry point ---------------------------------------------------------------------------------------
 
 
 def main(argv: list[str]) -> None:
