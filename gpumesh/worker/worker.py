@@ -242,25 +242,7 @@ class MeshWorker(LeanRQWorker):
         task_env = {"GPUMESH_MAX_VRAM_GB": f"{max_vram_gb:g}"} if max_vram_gb else {}
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
-        host = executor.Host(
-            broker=broker,
-            worker_id=self.worker_id,
-            capability=capability,
-            cuda_visible_devices=cuda_visible_devices,
-            limits=self.limits,
-            zygote=zygote,
-            logs=self.logs,
-            verifier=verifier,
-            dispatched=self.dispatched,
-            resources=self.resources,
-            send_records=self.send_records,
-            wants_next=self._wants_next,
-            got_next=self._got_next,
-            begin_next=self._begin_next,
-            lent_path=lent_path,
-            task_env=task_env,
-        )
-        self.executor = executor.Executor(host)
+        self.executor = executor.Executor(self._host(verifier, lent_path, task_env))
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
@@ -299,6 +281,27 @@ class MeshWorker(LeanRQWorker):
 
     # Stopping. RQ's handlers, with what each signal does said at the default log level (RQ says it at
     # DEBUG, through a logger gpumesh keeps at WARNING), and a second signal's stop without a traceback.
+    def _host(self, verifier: Any, lent_path: str | None, task_env: dict[str, str]) -> executor.Host:
+        """What the executor is given of this worker (executor.Host)."""
+        return executor.Host(
+            broker=self.broker,
+            worker_id=self.worker_id,
+            capability=self.capability,
+            cuda_visible_devices=self.cuda_visible_devices,
+            limits=self.limits,
+            zygote=self.zygote,
+            logs=self.logs,
+            verifier=verifier,
+            dispatched=self.dispatched,
+            resources=self.resources,
+            send_records=self.send_records,
+            wants_next=self._wants_next,
+            got_next=self._got_next,
+            begin_next=self._begin_next,
+            lent_path=lent_path,
+            task_env=task_env,
+        )
+
     def request_stop(self, signum: int, frame: Any) -> None:
         """The first SIGTERM or SIGINT: finish the current task, take no other (RQ's warm shutdown). A task
         started ahead of its delivery (executor.begin) is handed back as the worker stops, so none is named."""
