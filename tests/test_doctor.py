@@ -15,6 +15,8 @@ from gpumesh import capability
 from gpumesh.cli import doctor
 from gpumesh.extras import install_hint
 from gpumesh.models import Capability
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox import tree
 from gpumesh.settings import Settings
 
 from .conftest import ROOT, MeshWorkers, RedisServer, cli, free_port
@@ -246,10 +248,31 @@ def test_python_below_3_11_fails():
 
 
 def test_own_cgroup_is_read_from_proc_self_cgroup():
-    proc = "4:memory:/lab/job-1\n2:cpu,cpuacct:/lab\n0::/user.slice/doctor.scope\n"
-    assert doctor.own_cgroup("v2", proc) == Path("/sys/fs/cgroup/user.slice/doctor.scope")
-    assert doctor.own_cgroup("v1", proc) == Path("/sys/fs/cgroup/memory/lab/job-1")
-    assert doctor.own_cgroup("v1", "0::/\n") is None
+    """The worker's cgroup on v1 is its own in the pids hierarchy (doctor reads it through the same probe), not
+    the memory controller's where the two differ."""
+    proc = "8:pids:/lab/job-2\n4:memory:/lab/job-1\n2:cpu,cpuacct:/lab\n0::/user.slice/doctor.scope\n"
+    assert tree.own_cgroup(proc, v2=True) == "/sys/fs/cgroup/user.slice/doctor.scope"
+    assert tree.own_cgroup(proc, v2=False) == "/sys/fs/cgroup/pids/lab/job-2"
+    assert tree.own_cgroup("0::/\n", v2=False) is None
+
+
+def test_doctor_names_the_cgroup_an_attempt_of_a_worker_here_runs_in(env):
+    """What doctor says of cgroups is where a worker started here puts its attempts: an attempt that ran reads
+    its own cgroup, and doctor names that cgroup's parent (or warns, where the attempt had none)."""
+    shown = "import pathlib; print(pathlib.Path('/proc/self/cgroup').read_text().replace(chr(10), ';'))"
+    limits = sandbox.Limits(timeout=30, memory_bytes=0)
+    out = sandbox.run(shown, "t.py", "{}", {}, limits, lambda s, line: None, lambda: None)
+    assert out.returncode == 0, list(out.stderr_tail)
+    rows = [row.split(":", 2) for row in (out.last_line or "").split(";") if "gpumesh-attempt-" in row]
+    code, found = doctor_json()
+    line = found["cgroup"]
+    if not rows:
+        assert line["status"] == "warn" and "could not make a cgroup per attempt" in line["detail"], line
+        return
+    _, controllers, path = rows[0]
+    parent = str(Path(tree.CGROUP_ROOT, controllers, path.lstrip("/")).parent)
+    assert line["status"] == "ok", line
+    assert f"makes a cgroup per attempt in {parent}" in line["detail"], (line, rows)
 
 
 def test_a_check_that_breaks_is_a_fail_line_not_a_traceback(env, r: redis.Redis, monkeypatch: pytest.MonkeyPatch):

@@ -7,13 +7,10 @@ and an unreachable broker is one ``fail`` line while the machine checks still ru
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import pwd
 import shutil
 import subprocess
@@ -44,9 +41,6 @@ TORCH_TIMEOUT = 120.0  # s importing torch may take in the child (slow on a cold
 SMI_TIMEOUT = 10.0
 SKEW_WARN, SKEW_FAIL = 1.0, 30.0  # s between this machine's clock and the broker's
 OTHER_PROJECT = "gpumesh"  # the name on PyPI of another project (versions 3.x); ours is gpumesh-pool
-LANDLOCK_SYSCALL = {"x86_64": 444, "aarch64": 444, "arm64": 444}
-LANDLOCK_CREATE_RULESET_VERSION = 1 << 0
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass(frozen=True)
@@ -299,19 +293,6 @@ def cache_line(cache_dir: Path) -> Line:
     return ok("cache", f"{cache_dir} (not created yet; {base} is writable)")
 
 
-def landlock_abi() -> tuple[int, int]:
-    """(ABI version, 0), or (-1, errno) when the kernel has no usable Landlock; ENOSYS off Linux."""
-    nr = LANDLOCK_SYSCALL.get(platform.machine())
-    if sys.platform != "linux" or nr is None:
-        return -1, errno.ENOSYS
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    abi = int(
-        libc.syscall(ctypes.c_long(nr), None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
-    )
-    return (abi, 0) if abi >= 0 else (-1, ctypes.get_errno())
-
-
 UNIX_SOCKETS_FIX = (
     "Run root workers with --sandbox-user USER (a user in neither the docker group nor an agent's); "
     "Landlock ABI 9 (Linux 7.1+) confines pathname Unix sockets."
@@ -332,23 +313,17 @@ def unix_socket_exposure(abi: int) -> str:
 
 
 def landlock_line() -> Line:
-    if sys.platform != "linux":
-        why = f"not Linux ({sys.platform})"
-    elif platform.machine() not in LANDLOCK_SYSCALL:
-        why = f"not checked on {platform.machine()} (syscall number unknown)"
-    else:
-        abi, err = landlock_abi()
-        if abi > 0:
-            scoped = "" if abi >= 6 else "; before ABI 6 a task may still signal processes of the worker's user"
-            said = f"ABI {abi}: workers confine tasks to the system, Python and their own directory{scoped}"
-            sockets = unix_socket_exposure(abi)
-            if sockets:
-                return warn("landlock", f"{said}; but {sockets}", UNIX_SOCKETS_FIX)
-            return ok("landlock", said)
-        why = {
-            errno.ENOSYS: "this kernel has no Landlock (Linux 5.13+ has it)",
-            errno.EOPNOTSUPP: "Landlock is built into this kernel but disabled at boot",
-        }.get(err, f"unavailable ({os.strerror(err)})")
+    """What the sandbox's own probe finds (sandbox.landlock, as a worker started here asks it)."""
+    from gpumesh.worker.build import landlock_found
+
+    abi, why = landlock_found()
+    if why is None:
+        scoped = "" if abi >= 6 else "; before ABI 6 a task may still signal processes of the worker's user"
+        said = f"ABI {abi}: workers confine tasks to the system, Python and their own directory{scoped}"
+        sockets = unix_socket_exposure(abi)
+        if sockets:
+            return warn("landlock", f"{said}; but {sockets}", UNIX_SOCKETS_FIX)
+        return ok("landlock", said)
     return warn(
         "landlock",
         f"{why}: tasks are not isolated from the host's files",
@@ -405,41 +380,31 @@ def seccomp_line() -> Line:
     )
 
 
-def own_cgroup(version: str, proc_cgroup: str) -> Path | None:
-    """This process's own cgroup directory: the v2 one, or v1's memory controller's."""
-    for row in proc_cgroup.splitlines():
-        _, controllers, path = row.split(":", 2)
-        if version == "v2" and controllers == "":
-            return CGROUP_ROOT / path.lstrip("/")
-        if version == "v1" and "memory" in controllers.split(","):
-            return CGROUP_ROOT / "memory" / path.lstrip("/")
-    return None
-
-
 def cgroup_line() -> Line:
+    """Where the sandbox's own probe (sandbox.tree) would have a worker started here make a cgroup per attempt."""
+    from gpumesh.worker.build import cgroup_found
+
     fix = (
         "Run the worker where it may manage its own cgroup: as root, in a systemd unit with Delegate=yes, "
         "or in a container with a writable /sys/fs/cgroup."
     )
-    if (CGROUP_ROOT / "cgroup.controllers").exists():
-        version, shown = "v2", "v2"
-    elif (CGROUP_ROOT / "memory").is_dir():
-        hybrid = (CGROUP_ROOT / "unified" / "cgroup.controllers").exists()
-        version, shown = "v1", "v1 (hybrid, v2 at /sys/fs/cgroup/unified)" if hybrid else "v1"
+    found = cgroup_found()
+    root = Path(found.root)
+    if found.v2:
+        shown = "v2"
+    elif (root / "pids").is_dir():
+        hybrid = (root / "unified" / "cgroup.controllers").exists()
+        shown = "v1 (hybrid, v2 at /sys/fs/cgroup/unified)" if hybrid else "v1"
     else:
-        return warn("cgroup", f"no cgroup filesystem at {CGROUP_ROOT}: task trees cannot be confined by cgroups", fix)
-    try:
-        own = own_cgroup(version, Path("/proc/self/cgroup").read_text())
-    except (OSError, ValueError):
-        own = None
-    if own is None or not own.is_dir():
-        return warn("cgroup", f"{shown}; this process's own cgroup is not visible under {CGROUP_ROOT}", fix)
-    if not os.access(own, os.W_OK | os.X_OK):
-        return warn("cgroup", f"{shown}; this process cannot create a child cgroup in {own} (no write access)", fix)
+        return warn("cgroup", f"no cgroup filesystem at {root}: task trees cannot be confined by cgroups", fix)
+    if found.base is None:
+        where = f"in {found.own}" if found.own else f"under {root} (this process's own cgroup is not visible there)"
+        return warn("cgroup", f"{shown}; a worker started here could not make a cgroup per attempt {where}", fix)
+    base = found.base.rstrip("/") or "/"
     controllers = ""
-    if version == "v2":
-        controllers = " (controllers: " + ((own / "cgroup.controllers").read_text().strip() or "none") + ")"
-    return ok("cgroup", f"{shown}; this process can create a child cgroup in {own}{controllers}")
+    if found.v2:
+        controllers = " (controllers: " + ((Path(base) / "cgroup.controllers").read_text().strip() or "none") + ")"
+    return ok("cgroup", f"{shown}; a worker started here makes a cgroup per attempt in {base}{controllers}")
 
 
 def probe_gpu() -> tuple[str | None, Torch | None, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -26,7 +25,6 @@ from gpumesh.cli.helpers import (
 )
 from gpumesh.errors import UsageError
 from gpumesh.settings import Settings
-from gpumesh.store.broker import Broker
 from gpumesh.worker import reaper
 
 SERVE_PORT = 6390  # `gpumesh serve`'s port, and what `join HOST` dials when HOST has none
@@ -417,119 +415,28 @@ def serve(
     `gpumesh results` verifies results with. --no-sign prints unsigned lines.
     """
     from gpumesh import logfmt
-    from gpumesh.server.broker_server import BrokerServer, default_data_dir, has_tls, is_loopback, reachable_host
+    from gpumesh.server.serve import ServeOptions, serving
 
     logfmt.setup("INFO", log_format)
-    data_dir = data_dir or default_data_dir()
-    if tls is None:
-        tls = has_tls(data_dir)  # a restart keeps the mode, so the lines already handed out keep working
-    if public and not tls and not insecure_public:
-        raise UsageError(
-            "--public without TLS sends the password through the tunnel in clear: add --tls, "
-            "or --insecure-public to accept that"
-        )
-    tunnel_url = None
-    if public:
-        try:
-            from pyngrok import ngrok
-        except ImportError:
-            from gpumesh.extras import install_hint
-
-            raise UsageError(f"--public needs pyngrok (the tunnel extra): {install_hint('tunnel')}") from None
-    server = BrokerServer(data_dir, host=host, port=port, tls=tls, fsync=fsync).start()
+    opts = ServeOptions(
+        host=host,
+        port=port,
+        data_dir=data_dir,
+        tls=tls,
+        public=public,
+        insecure_public=insecure_public,
+        metrics_port=metrics_port,
+        no_sign=no_sign,
+        fsync=fsync,
+    )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        settings = Settings.load(url=server.url)
-        broker = Broker(settings).ping()
-        broker.epoch()
-        trust, sign_key = _serve_signing(server, broker, no_sign)
-        if metrics_port:
-            from gpumesh.server.metrics import serve_metrics
-
-            serve_metrics(broker, metrics_port)
-            logging.getLogger("gpumesh.serve").info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
-        join_host = reachable_host(host)
-        lines = [f"gpumesh broker listening on {host}:{port}, data in {server.data_dir}"]
-        if tls:
-            lines.append(f"TLS only; CA fingerprint {server.fingerprint} (CA in {server.data_dir / 'tls' / 'ca.pem'})")
-        if not is_loopback(host):
-            err.print(
-                f"WARNING: the broker listens on {host}: anyone who can reach port {port} and has the "
-                "password can run code on every worker. Keep the password secret"
-                + ("; traffic is TLS." if tls else "; prefer a VPN or --tls."),
-                style="bold red",
-            )
-        join = server.url_for("worker", join_host)
-        submit_url = server.url_for("submitter", join_host)
-        if public:
-            tunnel = ngrok.connect(port, "tcp")
-            public_host, public_port = urlsplit(tunnel.public_url).netloc.rsplit(":", 1)
-            tunnel_url = server.url_for("worker", public_host, int(public_port))
-            submit_url = server.url_for("submitter", public_host, int(public_port))
-            err.print(
-                "WARNING: the broker is now reachable from the whole internet at "
-                f"{public_host}:{public_port}. Whoever has the join line can run code on your workers. "
-                + (
-                    "Traffic through the tunnel is TLS, checked against the pinned CA."
-                    if tls
-                    else "Redis traffic through the tunnel is NOT encrypted (--insecure-public): "
-                    "anyone on the path can read the password; use --tls."
-                ),
-                style="bold red",
-            )
-        lines += [
-            "",
-            "Join a worker on another machine:"
-            if tunnel_url or not is_loopback(host)
-            else f"Join a worker on this machine (the broker listens on {host} only: serve --host 0.0.0.0 for others):",
-            f"  gpumesh worker '{tunnel_url or join}'{trust}",
-            "Submit a job:",
-            f"  gpumesh submit examples/grid_search.py --payloads examples/payloads.json{sign_key} --url '{submit_url}' "
-            "--wait",
-            "Or store that URL and key once, then submit with no --url or --sign-key:",
-            f"  gpumesh config init --url '{submit_url}'{sign_key}",
-            "",
-            "A credential per person (revocable): gpumesh access add NAME",
-            f"Admin URL: in {server.data_dir / 'credentials.json'} (mode 0600)",
-        ]
-        if tunnel_url:
-            lines += ["On this machine or its LAN:", f"  gpumesh worker '{join}'{trust}"]
-        click.echo("\n".join(lines), nl=True)
+    with serving(opts, stop) as served:
+        for warning in served.warnings:
+            err.print(warning, style="bold red")
+        click.echo("\n".join(served.lines), nl=True)
         sys.stdout.flush()
-        reaper.reap_until(broker, stop, settings.heartbeat_interval)
+        reaper.reap_until(served.broker, stop, served.settings.heartbeat_interval)
         err.print("stopping the broker (append-only file flushed)")
-        broker.close()
-    finally:
-        if tunnel_url:
-            ngrok.kill()
-        server.stop()
-
-
-def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str]:
-    """serve's signing set-up: the job-signing key pair in the data dir (made at first start) and the
-    result key of the `worker` credential, registered in gpumesh:resultkeys (with the admin credential).
-    Returns what the worker line and the submit line add (' --trust ed25519:...', ' --sign-key PATH')."""
-    import shlex
-
-    from gpumesh import signing
-    from gpumesh.store import keys
-
-    try:
-        broker.r.hset(keys.RESULT_KEYS, "worker", signing.result_public("worker", server.passwords["worker"]))
-    except UsageError:  # no cryptography package: results go unsigned
-        if not no_sign:
-            from gpumesh.extras import pip_command
-
-            raise UsageError(
-                "serve signs jobs by default and needs the cryptography package, a dependency of gpumesh: "
-                f"{pip_command(['cryptography>=42'])} (or pass --no-sign for unsigned jobs)"
-            ) from None
-    if no_sign:
-        return "", ""
-    priv, pub = signing.ensure_keypair(server.data_dir, "signing")
-    return f" --trust {signing.inline(signing.public_key(pub))}", f" --sign-key {shlex.quote(str(priv))}"
 
 
 @click.command()

@@ -1,6 +1,8 @@
 """The sandbox's first process, in one of three modes.
 
-Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID`` runs one attempt.
+Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID ISOLATION CGROUP``
+runs one attempt: after the script, the attempt's limits, as :data:`LIMITS` names them and in that order (a warm or
+spare request carries the same as an object by those names).
 Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fresh interpreter started before its
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
 Resident: ``python -m gpumesh.sandbox.launcher --resident CTRL_FD PARENT_PID SCRIPT ...`` is a fresh attempt whose
@@ -17,6 +19,10 @@ TERM to the whole tree, KILL after the grace period, and exits the way the scrip
 
 Standard library only, in one file: it is copied next to the task for another interpreter or user.
 Imports stay minimal: in fresh mode this runs once per task attempt.
+
+The file's sections, in order: an attempt's limits, as the worker names them (:data:`LIMITS`); the process tree
+below a supervisor; Landlock; seccomp; the attempt's own namespaces; the supervisor, which every mode runs
+(:func:`supervise`); reused processes; warm mode (and the spares, which take its requests); the entry point.
 """
 
 from __future__ import annotations
@@ -44,6 +50,23 @@ PR_SET_NO_NEW_PRIVS = 38
 SPARE_DELAY = 0.005  # s: a warm attempt still running this long after it started gets its successor's spare now
 TASK_DIR_PREFIX = "gpumesh-task-"  # the attempt's directory, made by the worker (sandbox.run)
 COPY_DIR_PREFIX = "gpumesh-launcher-"  # a private copy of this file, for a helper in another interpreter
+
+
+# -- An attempt's limits, as the worker names them ---------------------------------------------------------
+# What the worker tells the launcher of each attempt: a fresh or resident launcher's arguments after PARENT_PID SCRIPT,
+# in this order, and a warm or spare request's "limits" object, by these names (gpumesh.sandbox.runner.launcher_limits
+# builds both). cpu: RLIMIT_CPU s, fsize: RLIMIT_FSIZE bytes, nofile: RLIMIT_NOFILE (0: the inherited limit); grace: s
+# between TERM and KILL; uid, gid: the task's user ("-": this one); isolation: the Landlock rules as JSON ("-": none);
+# cgroup: the attempt's cgroup directory ("-": none).
+LIMITS = ("cpu", "fsize", "nofile", "grace", "uid", "gid", "isolation", "cgroup")
+
+
+def limits_of(args: Sequence[str]) -> dict[str, str]:
+    """A fresh launcher's arguments after PARENT_PID SCRIPT, by name (isolation and cgroup may be left out)."""
+    return {"isolation": "-", "cgroup": "-", **dict(zip(LIMITS, args))}
+
+
+# -- The process tree below a supervisor ---------------------------------------------------------------------
 
 
 def _descendants() -> list[int]:
@@ -593,6 +616,9 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
     return ""
 
 
+# -- The supervisor: the script's process forked, its tree supervised (every mode) ------------------------------
+
+
 def _run_script(
     script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None,
     serve: int | None = None,
@@ -797,26 +823,26 @@ def _join_ahead(path: str) -> str | None:
 
 
 def supervise(
-    parent: str, script: str, cpu: str, fsize: str, nofile: str, grace: str, uid: str, gid: str,
-    isolation: str = "-", cgroup: str = "-", *, cwd: str | None = None, serve: int | None = None,
-) -> int:  # fmt: skip
+    parent: str, script: str, limits: dict[str, str], *, cwd: str | None = None, serve: int | None = None
+) -> int:
     """Run one attempt of ``script`` (fresh mode: a new interpreter per attempt) and return its exit code (or die
     by the signal that killed it). A warm attempt's supervisor is :func:`_serve_attempts`.
 
-    ``isolation``: the Landlock rule set (JSON, from gpumesh.sandbox.landlock) the script runs under, or "-".
-    ``cgroup``: the attempt's cgroup directory (or "-"), joined before anything of the task starts.
+    ``limits``: by the names of :data:`LIMITS`; its ``isolation`` is the Landlock rule set (JSON, from
+    gpumesh.sandbox.landlock) the script runs under, or "-", and its ``cgroup`` the attempt's cgroup directory (or
+    "-"), joined before anything of the task starts.
     ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped.
     ``serve``: a reused process's socket (``--resident``): the child serves task after task on it."""
     libc = _syscall()[1]
-    why = _enter(cgroup, cpu, fsize, nofile, uid, gid, cwd or os.path.dirname(script))
+    why = _enter(limits, cwd or os.path.dirname(script))
     if why is not None:  # the worker said the attempt runs in it: never run it outside
         print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
         return 70
     rules = None
-    if isolation != "-":
+    if limits["isolation"] != "-":
         import json
 
-        rules = json.loads(isolation)
+        rules = json.loads(limits["isolation"])
     ruleset = take_prepared(rules, os.path.dirname(script))  # a spare's, built before the attempt came
     # After the credential change, which clears it: die with the worker.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -827,7 +853,7 @@ def supervise(
         return 70
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
-    _OnTerm(grace)
+    _OnTerm(limits["grace"])
     status = _wait_for(_fork_script(script, rules, ruleset, serve))
     _end_what_it_left()
     if _parent_gone(int(parent)):
@@ -835,20 +861,21 @@ def supervise(
     return _end_like(status)
 
 
-def _enter(cgroup: str, cpu: str, fsize: str, nofile: str, uid: str, gid: str, cwd: str) -> str | None:
-    """Put this process where the attempt runs, in this order: into its cgroup (``cgroup``, or "-"), under its
-    rlimits, as its user (root dropped for good), into its directory (only once root is dropped: no path in it is
-    ever resolved with more privilege). Returns why not, when the cgroup could not be joined (then nothing else
-    was done)."""
+def _enter(limits: dict[str, str], cwd: str, join: bool = True) -> str | None:
+    """Put this process where the attempt runs, in this order: into its cgroup (``limits["cgroup"]``, or "-"; not
+    unless ``join``), under its rlimits, as its user (root dropped for good), into its directory (only once root is
+    dropped: no path in it is ever resolved with more privilege). Returns why not, when the cgroup could not be
+    joined (then nothing else was done)."""
+    cgroup = limits["cgroup"] if join else "-"
     if cgroup != "-":
         try:  # this process; all it starts is born in the attempt's cgroup
             if not _in_cgroup(cgroup):  # a process moved there ahead (or born there) is in it already
                 _join(cgroup)
         except OSError as exc:
             return f"could not join the attempt's cgroup ({exc})"
-    _set_rlimits(int(cpu), int(fsize), int(nofile))
-    if uid != "-":  # --sandbox-user: drop root for good before anything of the task runs
-        _become_user(uid, gid)
+    _set_rlimits(int(limits["cpu"]), int(limits["fsize"]), int(limits["nofile"]))
+    if limits["uid"] != "-":  # --sandbox-user: drop root for good before anything of the task runs
+        _become_user(limits["uid"], limits["gid"])
     os.chdir(cwd)
     return None
 
@@ -1304,7 +1331,7 @@ class _Forks:
         reply = socket.socket(fileno=fds[0])
         try:
             req = json.loads(msg)
-            isolation, cgroup = str(req["limits"][6]), str(req["limits"][7])
+            isolation, cgroup = str(req["limits"]["isolation"]), str(req["limits"]["cgroup"])
             ahead = str(req.get("ahead") or "-")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             isolation, cgroup, ahead = "-", "-", "-"
@@ -1607,8 +1634,8 @@ def _serve_attempts(ctrl: socket.socket, zygote: int, isolation: str, ahead: str
             for fd in fds:
                 os.close(fd)
             return 70
-        term.grace = str(req["limits"][3])
-        status = _run_attempt(req, fds, ctrl, born_in=where == str(req["limits"][7]))
+        term.grace = str(req["limits"]["grace"])
+        status = _run_attempt(req, fds, ctrl, born_in=where == str(req["limits"]["cgroup"]))
         if os.getppid() != zygote:  # the worker (and the zygote) died: nobody will remove the attempt's directory
             _remove_as(req, str(req["script"]))
             return 70
@@ -1633,7 +1660,7 @@ def _run_attempt(req: dict[str, Any], fds: list[int], ctrl: socket.socket, born_
     import json
 
     _take_env(req)
-    isolation = str(req["limits"][6])
+    isolation = str(req["limits"]["isolation"])
     rules = json.loads(isolation) if isolation != "-" else None
     source = req.get("source")
     code = _compiled(source if isinstance(source, str) else None, str(req["script"]))
@@ -1670,8 +1697,7 @@ def _become_script(
         os.dup2(fd, target)
         os.close(fd)
     script = str(req["script"])
-    cpu, fsize, nofile, _grace, uid, gid, _isolation, cgroup = map(str, req["limits"])
-    why = _enter("-" if born_in else cgroup, cpu, fsize, nofile, uid, gid, str(req["cwd"]))
+    why = _enter(_limits(req), str(req["cwd"]), join=not born_in)
     if why is not None:  # the worker said the attempt runs in it: never run it outside
         print(f"gpumesh: {why}; the task did not run", file=sys.stderr)
         sys.stderr.flush()
@@ -1681,7 +1707,7 @@ def _become_script(
 
 def _remove_as(req: dict[str, Any], script: str) -> None:
     """Remove the attempt's directory as its task's user (a process of its own: this one stays who it is)."""
-    uid, gid = str(req["limits"][4]), str(req["limits"][5])
+    uid, gid = str(req["limits"]["uid"]), str(req["limits"]["gid"])
     if uid == "-":
         remove_dir_of(script, TASK_DIR_PREFIX)
         return
@@ -1700,7 +1726,13 @@ def _become_attempt(req: dict[str, Any], fds: list[int], parent: int) -> int:
     ``parent``: the worker, to die with."""
     os.setsid()
     _take_stdio(req, fds)
-    return supervise(str(parent), req["script"], *map(str, req["limits"]), cwd=req["cwd"])
+    return supervise(str(parent), req["script"], _limits(req), cwd=req["cwd"])
+
+
+def _limits(req: dict[str, Any]) -> dict[str, str]:
+    """A request's limits, by the names of :data:`LIMITS`."""
+    limits = req["limits"]
+    return {name: str(limits[name]) for name in LIMITS}
 
 
 def _take_stdio(req: dict[str, Any], fds: list[int]) -> None:
@@ -1729,6 +1761,9 @@ def _take_env(req: dict[str, Any]) -> None:
         nprandom.seed()
 
 
+# -- The entry point ---------------------------------------------------------------------------------------
+
+
 def main(argv: list[str]) -> None:
     # Started from a private copy of this file, the interpreter has read it by now: remove the copy, so
     # nothing is left behind even if the worker is killed. Run as a module: nothing to remove.
@@ -1739,13 +1774,13 @@ def main(argv: list[str]) -> None:
     elif argv and argv[0] == "--resident":
         # A reused attempt process (submit --reuse-process): as a fresh attempt, but its script's process serves
         # task after task on the socket CTRL_FD (see _serve_tasks).
-        sys.exit(supervise(*argv[2:], serve=int(argv[1])))
+        sys.exit(supervise(argv[2], argv[3], limits_of(argv[4:]), serve=int(argv[1])))
     elif argv and argv[0] == "--spare":
         sys.exit(spare(int(argv[1]), int(argv[2]), *argv[3:4]))
     else:
         # A fresh attempt starts outside its directory (so the task's files are not on sys.path while
         # this file's imports run); supervise() moves there, as the task's user, before the script is forked.
-        sys.exit(supervise(*argv))
+        sys.exit(supervise(argv[0], argv[1], limits_of(argv[2:])))
 
 
 if __name__ == "__main__":

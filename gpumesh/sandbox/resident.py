@@ -24,20 +24,23 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
-from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
+from gpumesh.sandbox import outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import forget_launcher_command
+from gpumesh.sandbox.launcher import LIMITS
 from gpumesh.sandbox.process import close_pipes
 from gpumesh.sandbox.runner import (
     Attempt,
+    AttemptSpec,
     Limits,
     Started,
     _launcher,
     _payload_file,
     _prepare,
     _watch,
+    launcher_limits,
 )  # fmt: skip
 from gpumesh.sandbox.warm import WarmProcess, Zygote
 
@@ -92,16 +95,7 @@ class Resident:
                 cgroup, ahead = tree.attempt_cgroups(zygote)
             else:
                 cgroup = tree.new_cgroup()
-            rlimits: list[Any] = [
-                limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
-                *(limits.user if limits.user else ("-", "-")),
-                landlock.rules(
-                    limits.isolation, workdir, shm_bytes=limits.memory_bytes,
-                    project=project.tree if project is not None else "",
-                    env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "",
-                ) if limits.isolation is not None else "-",
-                cgroup or "-",
-            ]  # fmt: skip
+            rlimits = launcher_limits(limits, workdir, project.tree if project is not None else "", cgroup)
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             proc: subprocess.Popen[bytes] | WarmProcess
             if zygote is not None:
@@ -119,7 +113,7 @@ class Resident:
                 try:
                     with tree.launching():
                         proc = subprocess.Popen(
-                            [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *map(str, rlimits)],
+                            [*cmd, "--resident", str(theirs.fileno()), str(os.getpid()), script, *(rlimits[name] for name in LIMITS)],
                             stdin=stdio[0], stdout=stdio[1], stderr=stdio[2], pass_fds=(theirs.fileno(),),
                             cwd="/", env=full_env, start_new_session=True,
                         )  # fmt: skip
@@ -313,52 +307,28 @@ class Pool:
             r.close()
 
 
-def start(
-    pool: Pool,
-    key: Key,
-    source: str,
-    script_name: str,
-    payload: str,
-    env: Mapping[str, str],
-    limits: Limits,
-    on_line: Callable[[str, str], None],
-    should_stop: Callable[[], str | None],
-    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
-    zygote: Zygote | None = None,
-    project: projectview.View | None = None,
-) -> Started:
+def start(pool: Pool, key: Key, spec: AttemptSpec) -> Started:
     """Hand the task to its job's reused process on this worker (started now if there is none) and return at once,
-    as :func:`gpumesh.sandbox.runner.start` does; ``finish`` supervises it to its end. ``project``: the tree the
-    process's directory shows (its job's, the same for all its tasks)."""
-    steps = _steps(pool, key, source, script_name, payload, env, limits, on_line, should_stop, collect, zygote, project)
+    as :func:`gpumesh.sandbox.runner.start` does; ``finish`` supervises it to its end. ``spec.project``: the tree
+    the process's directory shows (its job's, the same for all its tasks). The process keeps its own directory,
+    so ``spec``'s spares, meanwhile, output globs and checkpoint are not this path's."""
+    steps = _steps(pool, key, spec)
     next(steps)
     return Started(steps)
 
 
-def _steps(
-    pool: Pool,
-    key: Key,
-    source: str,
-    script_name: str,
-    payload: str,
-    env: Mapping[str, str],
-    limits: Limits,
-    on_line: Callable[[str, str], None],
-    should_stop: Callable[[], str | None],
-    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
-    zygote: Zygote | None,
-    project: projectview.View | None = None,
-) -> Generator[None, None, Attempt]:
+def _steps(pool: Pool, key: Key, spec: AttemptSpec) -> Generator[None, None, Attempt]:
+    env, limits, on_line = spec.env, spec.limits, spec.on_line
     out = Attempt()
     started = time.monotonic()
     res = pool.take(key)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        with _payload_file(payload) as stdin:
+        with _payload_file(spec.payload) as stdin:
             stdio = (stdin.fileno(), out_w, err_w)
             if res is None:
-                res = Resident.start(key, source, script_name, env, limits, stdio, zygote, project)
+                res = Resident.start(key, spec.source, spec.script_name, env, limits, stdio, spec.zygote, spec.project)
                 on_line("gpumesh", f"started the job's reused process {res.proc.pid} on this worker (--reuse-process)")
             res.hand(env, stdio)
     except BaseException:
@@ -378,15 +348,15 @@ def _steps(
         except BaseException:
             close_pipes(proc)
             raise
-        _watch(proc, out, limits, on_line, should_stop, started)
+        _watch(proc, out, limits, on_line, spec.should_stop, started)
         out.duration = time.monotonic() - started
         if out.killed:
             res.leave = res.leave or f"the task was killed ({out.killed})"
         res.check_after_task()
         if out.killed or res.leave:
             res.stop(limits.grace)  # nothing of it runs while its files are read
-        if collect is not None and out.returncode == 0 and not out.killed:
-            out.collected = collect(outputs.walk(taskdir.OUTPUT, dir_fd=res.dir_fd))
+        if spec.collect is not None and out.returncode == 0 and not out.killed:
+            out.collected = spec.collect(outputs.walk(taskdir.OUTPUT, dir_fd=res.dir_fd))
         if not res.leave:
             res.empty_output()
         keep = not res.leave

@@ -26,7 +26,7 @@ import psutil
 
 from gpumesh.sandbox import landlock, outputs, projectview, taskdir, tree
 from gpumesh.sandbox.launch import clean_env, copy_launcher, forget_launcher_command
-from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, SHM
+from gpumesh.sandbox.launcher import COPY_DIR_PREFIX, LIMITS, SHM
 from gpumesh.sandbox.process import AttemptProcess, close_pipes
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.taskdir import CHECKPOINT
@@ -292,6 +292,36 @@ def _kill_hard(proc: AttemptProcess) -> None:
         pass
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttemptSpec:
+    """One attempt as the worker hands it to the sandbox (:func:`start`): what runs, under which limits, and
+    which of the worker's parts it uses. ``on_line(stream, line)`` gets output lines (capped); ``should_stop()``
+    returning a reason kills the attempt (cancel, lease lost, worker shutdown). With a ``zygote`` (warm mode)
+    the attempt is forked from it instead of started as a new interpreter; with ``spares`` (fresh mode in a
+    worker) it takes an interpreter that started while the last one ran. ``collect`` gets the files of the
+    output dir (sandbox.outputs.walk) after a clean exit, once the attempt's whole tree is gone and before its
+    directory is removed; its answer is ``collected``. With ``meanwhile`` (a worker's), what it holds is done as
+    soon as this attempt runs, and a confined attempt that ended as it should leaves its directory to it.
+    ``project``: the attempt's directory shows that tree's files (projectview), and ``script_name`` is the
+    script's path in it; ``output_globs``: files of the directory ``collect`` gets too; ``checkpoint``: where
+    the attempt's checkpoint directory is restored from and saved to."""
+
+    source: str
+    script_name: str
+    payload: str
+    env: Mapping[str, str]
+    limits: Limits
+    on_line: Callable[[str, str], None]
+    should_stop: Callable[[], str | None]
+    zygote: Zygote | None = None
+    spares: Spares | None = None
+    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None
+    meanwhile: Meanwhile | None = None
+    project: projectview.View | None = None
+    output_globs: tuple[str, ...] = ()
+    checkpoint: Checkpoint | None = None
+
+
 def run(
     source: str,
     script_name: str,
@@ -306,18 +336,23 @@ def run(
     meanwhile: Meanwhile | None = None,
     checkpoint: Checkpoint | None = None,
 ) -> Attempt:
-    """Run ``source`` with ``payload`` on stdin. ``on_line(stream, line)`` gets output lines (capped);
-    ``should_stop()`` returning a reason kills the attempt (cancel, lease lost, worker shutdown).
-    With a ``zygote`` (warm mode) the attempt is forked from it instead of started as a new interpreter;
-    with ``spares`` (fresh mode in a worker) it takes an interpreter that started while the last one ran.
-    ``collect`` gets the files of the output dir (sandbox.outputs.walk) after a clean exit, once the
-    attempt's whole tree is gone and before its directory is removed; its answer is ``collected``.
-    With ``meanwhile`` (a worker's), what it holds is done as soon as this attempt runs, and a confined attempt
-    that ended as it should leaves its directory to it."""
-    return start(
-        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile,
+    """Run ``source`` with ``payload`` on stdin, to its end: :func:`start` then ``finish``, for a caller that
+    holds the parts of an :class:`AttemptSpec` rather than one (scripts, benchmarks)."""
+    spec = AttemptSpec(
+        source=source,
+        script_name=script_name,
+        payload=payload,
+        env=env,
+        limits=limits,
+        on_line=on_line,
+        should_stop=should_stop,
+        zygote=zygote,
+        spares=spares,
+        collect=collect,
+        meanwhile=meanwhile,
         checkpoint=checkpoint,
-    ).finish()  # fmt: skip
+    )
+    return start(spec).finish()
 
 
 class Started:
@@ -338,55 +373,21 @@ class Started:
         raise RuntimeError("an attempt's steps went on past their end")
 
 
-def start(
-    source: str,
-    script_name: str,
-    payload: str,
-    env: Mapping[str, str],
-    limits: Limits,
-    on_line: Callable[[str, str], None],
-    should_stop: Callable[[], str | None],
-    zygote: Zygote | None = None,
-    spares: Spares | None = None,
-    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None = None,
-    meanwhile: Meanwhile | None = None,
-    project: projectview.View | None = None,
-    output_globs: tuple[str, ...] = (),
-    checkpoint: Checkpoint | None = None,
-) -> Started:
+def start(spec: AttemptSpec) -> Started:
     """Hand the attempt over to what runs it and return at once (see :class:`Started`): nothing of it is left
-    behind when this raises. ``project``: the attempt's directory shows that tree's files (projectview), and
-    ``script_name`` is the script's path in it; ``output_globs``: files of the directory ``collect`` gets too;
-    ``checkpoint``: where the attempt's checkpoint directory is restored from and saved to."""
-    steps = _steps(
-        source, script_name, payload, env, limits, on_line, should_stop, zygote, spares, collect, meanwhile, project,
-        output_globs, checkpoint,
-    )  # fmt: skip
+    behind when this raises."""
+    steps = _steps(spec)
     next(steps)  # to the hand-over; an error before it has cleaned up already
     return Started(steps)
 
 
-def _steps(
-    source: str,
-    script_name: str,
-    payload: str,
-    env: Mapping[str, str],
-    limits: Limits,
-    on_line: Callable[[str, str], None],
-    should_stop: Callable[[], str | None],
-    zygote: Zygote | None,
-    spares: Spares | None,
-    collect: Callable[[Iterator[outputs.Found | outputs.Skipped]], Any] | None,
-    meanwhile: Meanwhile | None,
-    project: projectview.View | None = None,
-    output_globs: tuple[str, ...] = (),
-    checkpoint: Checkpoint | None = None,
-) -> Generator[None, None, Attempt]:
+def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
     """:func:`run`, in two steps: up to the hand-over (a ``yield``), then the rest."""
+    limits, meanwhile, project, checkpoint = spec.limits, spec.meanwhile, spec.project, spec.checkpoint
     out = Attempt()
     tree.become_subreaper()  # what outlives its supervisor comes back to us, to be killed with its attempt
     # Its descriptor held from before the task may touch the directory: the output files are read through it.
-    script_rel = script_name if project is not None else os.path.basename(script_name) or "task.py"
+    script_rel = spec.script_name if project is not None else os.path.basename(spec.script_name) or "task.py"
     # A directory made ahead may show the project already (made by the worker for the same view and script).
     made = meanwhile.take_dir_for(project, script_rel) if meanwhile is not None and limits.user is None else None
     if made is None and meanwhile is not None and limits.user is not None:
@@ -403,18 +404,16 @@ def _steps(
     ckpt_fd = None  # the checkpoint directory's, opened before the task could touch it
     try:
         full_env = _prepare(
-            source, workdir_fd, script, output_dir, env, limits, None if shown else project, script_rel, project
-        )
+            spec.source, workdir_fd, script, output_dir, spec.env, limits, None if shown else project, script_rel,
+            project,
+        )  # fmt: skip
         ckpt_fd = _checkpoint_dir(checkpoint, workdir, workdir_fd, limits, full_env)
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
-        owner = zygote if zygote is not None else spares if limits.user is None else None
+        owner = spec.zygote if spec.zygote is not None else spec.spares if limits.user is None else None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
-            proc = _start(
-                payload, workdir, script, full_env, limits, zygote, spares, cgroup, ahead, handing, source,
-                project.tree if project is not None else "",
-            )  # fmt: skip
+            proc = _start(spec, workdir, script, full_env, cgroup, ahead, handing)
             tree.started(proc.pid)
         since = tree.start_time(proc.pid)
         if checkpoint is not None and ckpt_fd is not None:
@@ -433,7 +432,7 @@ def _steps(
                 ahead=_confined(limits) or limits.user is not None,
                 view=project if limits.user is None else None, view_script=script_rel,
             )  # fmt: skip
-        _watch(proc, out, limits, on_line, should_stop, started)
+        _watch(proc, out, limits, spec.on_line, spec.should_stop, started)
         # Nothing of the attempt runs on: not even what escaped its supervisor. Its cgroup, where it had one,
         # holds what it started; and what left it (a task with no Landlock may write a cgroup.procs) came back
         # to this subreaper since the attempt began: both are killed.
@@ -448,10 +447,11 @@ def _steps(
         out.duration = time.monotonic() - started
         if checkpoint is not None and ckpt_fd is not None:
             checkpoint.ended(ckpt_fd, out)  # what the task left there, saved before its directory goes
-        if collect is not None and out.returncode == 0 and not out.killed:
-            out.collected = collect(
-                outputs.walk_with_globs(os.path.basename(output_dir), workdir_fd, output_globs, frozenset({script_rel}))
+        if spec.collect is not None and out.returncode == 0 and not out.killed:
+            found = outputs.walk_with_globs(
+                os.path.basename(output_dir), workdir_fd, spec.output_globs, frozenset({script_rel})
             )
+            out.collected = spec.collect(found)
     finally:
         _close_checkpoint(checkpoint, ckpt_fd)
         if ahead is not None and cgroup is not None and owner is not None and not handing:
@@ -558,37 +558,26 @@ def _prepare(
 
 
 def _start(
-    payload: str,
+    spec: AttemptSpec,
     workdir: str,
     script: str,
     env: dict[str, str],
-    limits: Limits,
-    zygote: Zygote | None,
-    spares: Spares | None,
-    cgroup: str | None = None,
-    ahead: str | None = None,
-    handing: list[bool] | None = None,
-    source: str | None = None,
-    project_tree: str = "",
+    cgroup: str | None,
+    ahead: str | None,
+    handing: list[bool],
 ) -> AttemptProcess:
-    """Start the attempt with ``payload`` on its stdin: forked by the zygote, handed to a waiting spare, or cold.
+    """Start the attempt with its payload on its stdin: forked by the zygote, handed to a waiting spare, or cold.
     ``cgroup``: the attempt's own, which its supervisor joins; ``ahead``: the next attempt's, which the next
-    spare moves into. ``handing`` gets an item once something may run the attempt. ``source``: the script's text
-    (the zygote's supervisor compiles it once for the attempts that share it)."""
-    with _payload_file(payload) as stdin:
-        rlimits: list[Any] = [
-            limits.cpu_seconds, limits.file_bytes, limits.open_files, limits.grace,
-            *(limits.user if limits.user else ("-", "-")),
-            landlock.rules(limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree,
-                           env=os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else "")
-            if limits.isolation is not None else "-",
-            cgroup or "-",
-        ]  # fmt: skip
+    spare moves into. ``handing`` gets an item once something may run the attempt. The zygote's supervisor gets
+    the script's text too (it compiles it once for the attempts that share it)."""
+    limits, zygote, spares = spec.limits, spec.zygote, spec.spares
+    project_tree = spec.project.tree if spec.project is not None else ""
+    with _payload_file(spec.payload) as stdin:
+        rlimits = launcher_limits(limits, workdir, project_tree, cgroup)
         proc: AttemptProcess | None = None
-        if handing is not None:
-            handing.append(True)
+        handing.append(True)
         if zygote is not None:
-            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead, source)
+            proc = zygote.spawn(script, workdir, env, rlimits, stdin.fileno(), ahead, spec.source)
         elif spares is not None and not limits.site:  # a spare runs the worker's interpreter, with its site
             proc = spares.start(
                 limits.python, limits.user is not None, script, workdir, env, rlimits, stdin.fileno(), ahead
@@ -599,7 +588,7 @@ def _start(
             cmd = _launcher(limits)
             try:
                 proc = subprocess.Popen(
-                    [*cmd, str(os.getpid()), script, *map(str, rlimits)],
+                    [*cmd, str(os.getpid()), script, *(rlimits[name] for name in LIMITS)],
                     stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     cwd="/", env=env, start_new_session=True, close_fds=True,
                 )  # fmt: skip
@@ -607,6 +596,29 @@ def _start(
                 forget_launcher_command(cmd)
                 raise
         return proc
+
+
+def launcher_limits(limits: Limits, workdir: str, project_tree: str, cgroup: str | None) -> dict[str, str]:
+    """What the launcher is told of an attempt's limits, by the names of launcher.LIMITS: a warm or spare request's
+    ``limits``, and, in that order, a fresh launcher's arguments. "-": none (no user, no Landlock, no cgroup)."""
+    uid, gid = limits.user if limits.user else ("-", "-")
+    rules = "-"
+    if limits.isolation is not None:
+        env_root = os.path.dirname(os.path.dirname(os.path.dirname(limits.site))) if limits.site else ""
+        rules = landlock.rules(
+            limits.isolation, workdir, shm_bytes=limits.memory_bytes, project=project_tree, env=env_root
+        )
+    named = {
+        "cpu": limits.cpu_seconds,
+        "fsize": limits.file_bytes,
+        "nofile": limits.open_files,
+        "grace": limits.grace,
+        "uid": uid,
+        "gid": gid,
+        "isolation": rules,
+        "cgroup": cgroup or "-",
+    }
+    return {name: str(named[name]) for name in LIMITS}
 
 
 def _payload_file(payload: str) -> IO[bytes]:

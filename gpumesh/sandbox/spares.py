@@ -12,7 +12,6 @@ import sys
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from gpumesh.sandbox import tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command, launcher_command
@@ -53,7 +52,7 @@ class Spares:
         script: str,
         cwd: str,
         env: Mapping[str, str],
-        rlimits: list[Any],
+        rlimits: Mapping[str, str],
         stdin: int,
         ahead: str | None = None,
     ) -> subprocess.Popen[bytes] | None:
@@ -71,7 +70,7 @@ class Spares:
             try:
                 if spare.python != python or spare.env != _startup_env(env) or proc.poll() is not None:
                     raise OSError("this spare cannot serve the attempt")
-                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": rlimits}
+                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": dict(rlimits)}
                 socket.send_fds(spare.ctrl, [json.dumps(req).encode()], [stdin])
             except OSError:
                 _discard(proc)
@@ -79,7 +78,7 @@ class Spares:
             finally:
                 spare.ctrl.close()
                 tree.helper(spare.proc.pid, alive=False)  # the attempt's launcher now (tree.started), or gone
-        self._spare = self._launch(python, str(rlimits[6]), ahead)
+        self._spare = self._launch(python, rlimits["isolation"], ahead)
         return proc
 
     def _launch(self, python: str, isolation: str = "-", ahead: str | None = None) -> _Spare | None:

@@ -179,39 +179,55 @@ _busy: set[int] = set()
 
 
 def cgroup_base() -> str | None:
-    """The cgroup directory this process may make attempt cgroups in: its own (cgroup v2), or its own in
-    v1's pids hierarchy (any v1 hierarchy tracks membership; pids is the lightest). None where it may not."""
+    """The cgroup directory this process may make attempt cgroups in (:func:`probe_cgroup_base`), looked up once;
+    the attempt cgroups that workers which died here left behind are removed from it then."""
     global _cgroup_base, _cgroup_looked
     with _lock:
         if _cgroup_looked:
             return _cgroup_base
         _cgroup_looked = True
-        try:
-            with open("/proc/self/cgroup") as f:
-                rows = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-        except OSError:
-            return None
-        v2 = os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers"))
-        for _id, controllers, path in rows:
-            if v2 and controllers == "":
-                base = os.path.join(CGROUP_ROOT, path.lstrip("/"))
-            elif not v2 and "pids" in controllers.split(","):
-                base = os.path.join(CGROUP_ROOT, controllers, path.lstrip("/"))
-            else:
-                continue
-            probe = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-probe")
-            try:
-                os.mkdir(probe)
-            except OSError:
-                return None
-            joinable = _can_join(probe)
-            _remove_empty(probe)
-            if not joinable:  # a supervisor that cannot join its attempt's cgroup runs nothing (exit 70)
-                return None
-            _cgroup_base = base
-            _sweep_cgroups(base)
-            return base
+        _cgroup_base = probe_cgroup_base()
+        if _cgroup_base is not None:
+            _sweep_cgroups(_cgroup_base)
+        return _cgroup_base
+
+
+def cgroup_v2() -> bool:
+    return os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers"))
+
+
+def own_cgroup(proc_cgroup: str, v2: bool) -> str | None:
+    """This process's own cgroup directory, as ``/proc/self/cgroup`` says: the v2 one, or its own in v1's pids
+    hierarchy (any v1 hierarchy tracks membership; pids is the lightest). None where it has none."""
+    for row in proc_cgroup.splitlines():
+        if row.count(":") < 2:
+            continue
+        _id, controllers, path = row.split(":", 2)
+        if v2 and controllers == "":
+            return os.path.join(CGROUP_ROOT, path.lstrip("/"))
+        if not v2 and "pids" in controllers.split(","):
+            return os.path.join(CGROUP_ROOT, controllers, path.lstrip("/"))
+    return None
+
+
+def probe_cgroup_base() -> str | None:
+    """Where this process may make attempt cgroups: its own cgroup (:func:`own_cgroup`), where a probe cgroup can
+    be made there and a process it starts can move into it. None where it may not (attempts then run without)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            base = own_cgroup(f.read(), cgroup_v2())
+    except OSError:
         return None
+    if base is None:
+        return None
+    probe = os.path.join(base, f"{CGROUP_PREFIX}{os.getpid()}-probe")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return None
+    joinable = _can_join(probe)
+    _remove_empty(probe)
+    return base if joinable else None  # a supervisor that cannot join its attempt's cgroup runs nothing (exit 70)
 
 
 def _can_join(path: str) -> bool:

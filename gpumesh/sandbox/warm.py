@@ -161,14 +161,14 @@ class Zygote:
         script: str,
         cwd: str,
         env: Mapping[str, str],
-        limits: Sequence[Any],
+        limits: Mapping[str, str],
         stdin: int,
         ahead: str | None = None,
         source: str | None = None,
         serve: int | None = None,
     ) -> WarmProcess:
-        """Fork one attempt: the supervisor runs ``script`` with ``limits`` (cpu, fsize, nofile, grace, uid, gid,
-        Landlock rules, cgroup). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into.
+        """Fork one attempt: the supervisor runs ``script`` with ``limits`` (named as launcher.LIMITS names them:
+        runner.launcher_limits). ``ahead``: the next attempt's cgroup, which the zygote's next spare moves into.
         ``source``: the script's text, which the supervisor compiles once for the attempts that share it (sent
         where the request stays small; else the script's process compiles the file). ``serve``: the socket of a
         reused process (submit --reuse-process, :mod:`gpumesh.sandbox.resident`), whose script's process then
@@ -185,7 +185,7 @@ class Zygote:
             err_r, err_w = os.pipe()
             try:
                 req: dict[str, Any] = {
-                    "script": script, "cwd": cwd, "env": dict(env), "limits": list(limits), "ahead": ahead or "-"
+                    "script": script, "cwd": cwd, "env": dict(env), "limits": dict(limits), "ahead": ahead or "-"
                 }  # fmt: skip
                 if serve is not None:
                     req["serve"] = 1

@@ -18,7 +18,7 @@ from typing import Any
 from gpumesh import capability
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.requirements import parse_resource
-from gpumesh.sandbox import namespaces
+from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.warm import Zygote, ZygoteError
 from gpumesh.signing import Verifier
 from gpumesh.store.broker import Broker
@@ -160,6 +160,32 @@ def seccomp_refuses() -> str | None:
     if sys.platform.startswith("linux") and os.uname().machine in ARCHES:
         return seccomp_described()
     return None
+
+
+def landlock_found() -> tuple[int, str | None]:
+    """The Landlock ABI a worker started here confines its tasks with, or (0, why) it would run them unconfined
+    (for `gpumesh doctor`)."""
+    why = landlock.unavailable()
+    return (0, why) if why is not None else (landlock.abi(), None)
+
+
+@dataclass(frozen=True)
+class CgroupFound:
+    """What a worker started here would find of cgroups (for `gpumesh doctor`)."""
+
+    root: str  # where the cgroup filesystem is mounted
+    v2: bool
+    base: str | None  # where it would make a cgroup per attempt; None: its attempts would run without one
+    own: str | None  # this process's own cgroup, where it looks
+
+
+def cgroup_found() -> CgroupFound:
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = tree.own_cgroup(f.read(), tree.cgroup_v2())
+    except OSError:
+        own = None
+    return CgroupFound(tree.CGROUP_ROOT, tree.cgroup_v2(), tree.probe_cgroup_base(), own)
 
 
 def check_sandbox_user(name: str | None, python: str) -> tuple[int, int] | None:

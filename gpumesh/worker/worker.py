@@ -52,6 +52,7 @@ from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
 from gpumesh.worker import executor, lending, reaper
+from gpumesh.worker.heartbeat import Heartbeat
 from gpumesh.worker.logship import LogShipper
 from gpumesh.worker.rqworker import BAD_DATA, REFUSED, LeanRQWorker
 
@@ -241,11 +242,7 @@ class MeshWorker(LeanRQWorker):
         task_env = {"GPUMESH_MAX_VRAM_GB": f"{max_vram_gb:g}"} if max_vram_gb else {}
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
-        self.executor = executor.Executor(
-            executor.Host(broker, self.worker_id, capability, cuda_visible_devices, self.limits, zygote, self.logs,
-                          verifier, self.dispatched, self.resources, self.send_records, self._wants_next,
-                          self._got_next, self._begin_next, lent_path, task_env)
-        )  # fmt: skip
+        self.executor = executor.Executor(self._host(verifier, lent_path, task_env))
         self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
         self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
@@ -253,11 +250,14 @@ class MeshWorker(LeanRQWorker):
         self._next: tuple[scripts.Lease, float] | None = None
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-        self._hb_failing = False
-        self._beat_ok_at = time.monotonic()  # when a heartbeat last succeeded (renewed our registration and lease)
-        self._stalled_said = False
+        self.beats = Heartbeat(
+            self.settings.heartbeat_interval,
+            self.settings.lease_ttl,
+            self._heartbeat_turn,
+            refused=self._revoked,
+            give_up=self._heartbeat_gave_up,
+        )
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
         self._scores: dict[str, float] = {}
         self.epoch = ""
         self.fatal = ""  # why the worker stopped for good (broker data lost, credentials revoked)
@@ -281,6 +281,27 @@ class MeshWorker(LeanRQWorker):
 
     # Stopping. RQ's handlers, with what each signal does said at the default log level (RQ says it at
     # DEBUG, through a logger gpumesh keeps at WARNING), and a second signal's stop without a traceback.
+    def _host(self, verifier: Any, lent_path: str | None, task_env: dict[str, str]) -> executor.Host:
+        """What the executor is given of this worker (executor.Host)."""
+        return executor.Host(
+            broker=self.broker,
+            worker_id=self.worker_id,
+            capability=self.capability,
+            cuda_visible_devices=self.cuda_visible_devices,
+            limits=self.limits,
+            zygote=self.zygote,
+            logs=self.logs,
+            verifier=verifier,
+            dispatched=self.dispatched,
+            resources=self.resources,
+            send_records=self.send_records,
+            wants_next=self._wants_next,
+            got_next=self._got_next,
+            begin_next=self._begin_next,
+            lent_path=lent_path,
+            task_env=task_env,
+        )
+
     def request_stop(self, signum: int, frame: Any) -> None:
         """The first SIGTERM or SIGINT: finish the current task, take no other (RQ's warm shutdown). A task
         started ahead of its delivery (executor.begin) is handed back as the worker stops, so none is named."""
@@ -345,7 +366,7 @@ class MeshWorker(LeanRQWorker):
                     if timeout is None:
                         return None
                     continue
-                if not self.dispatched and self._heartbeat_stalled():
+                if not self.dispatched and self.beats.stalled():
                     self._hand_back_next("no heartbeat gets through: its lease would lapse here")
                     self._sleep_after_error(1)  # no new work until a heartbeat gets through again
                     continue
@@ -414,24 +435,6 @@ class MeshWorker(LeanRQWorker):
             with contextlib.suppress(redis.RedisError):
                 self.connection.lrem(self.my_queue.intermediate_queue_key, 1, job_id)
 
-    def _heartbeat_stalled(self) -> bool:
-        """Whether no heartbeat has succeeded for a lease TTL: a worker whose heartbeat is stuck cannot renew
-        a lease, so each task it took would be leased again elsewhere (and this attempt killed) at the TTL,
-        every attempt spent here while healthy workers idle. It takes no new task until a beat gets through;
-        said once each way."""
-        stalled = time.monotonic() - self._beat_ok_at > self.settings.lease_ttl
-        if stalled and not self._stalled_said:
-            log.warning(
-                "no heartbeat has succeeded for %.0f s, longer than the lease TTL (%g s): taking no new task "
-                "until one does",
-                time.monotonic() - self._beat_ok_at,
-                self.settings.lease_ttl,
-            )
-        elif not stalled and self._stalled_said:
-            log.info("heartbeats succeed again: taking work")
-        self._stalled_said = stalled
-        return stalled
-
     def _bad_dispatch(self, exc: Exception) -> None:
         log.warning("asking for work failed (%s: %s); carrying on", type(exc).__name__, str(exc)[:300])
         if isinstance(exc, scripts.MalformedLease) and exc.task_id:
@@ -455,7 +458,7 @@ class MeshWorker(LeanRQWorker):
             return None
         if self.paused:
             return None
-        if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
+        if self._fleet_seen != self._fleet_now or self.beats.out_of_touch():
             return None
         return scripts.Next(int(self.settings.lease_ttl * 1000), self.capability.score_gflops, scripts.new_token())
 
@@ -470,7 +473,7 @@ class MeshWorker(LeanRQWorker):
         held = self._next
         if held is None or self._stop_requested or self.fatal or self.revoked or self.dispatched or self.paused:
             return
-        if self._fleet_seen != self._fleet_now or time.monotonic() - self._beat_ok_at > self.settings.lease_ttl:
+        if self._fleet_seen != self._fleet_now or self.beats.out_of_touch():
             return
         self.executor.begin(*held)
 
@@ -707,8 +710,7 @@ class MeshWorker(LeanRQWorker):
             self._beat()
         except BAD_DATA as exc:  # something in Redis it cannot read: the heartbeat thread keeps trying
             log.warning("first heartbeat failed (%s: %s); retrying", type(exc).__name__, str(exc)[:200])
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="gpumesh-heartbeat", daemon=True)
-        self._hb_thread.start()
+        self.beats.start()
         if lend_thread is not None:
             lend_thread.start()
         log.info(
@@ -722,8 +724,7 @@ class MeshWorker(LeanRQWorker):
             self._hand_back_all("the worker is stopping")  # a stop that interrupted a delivery
             if not self.revoked:
                 self.logs.flush(timeout=1.0)  # the last notes (a task handed back) wait no longer than they would
-            self._hb_stop.set()
-            self._hb_thread.join(timeout=5)
+            self.beats.stop(timeout=5)
             self._unregister()
             self.executor.close()
             executor.bind(None)
@@ -758,7 +759,7 @@ class MeshWorker(LeanRQWorker):
 
     def _lend_loop(self) -> None:
         """Ask the lender's probes every GPUMESH_PAUSE_PROBE_INTERVAL; pause or resume on what they say."""
-        while not self._hb_stop.wait(self.settings.pause_probe_interval):
+        while not self.beats.wait(self.settings.pause_probe_interval):
             try:
                 self._lend_check()
             except Exception:
@@ -804,31 +805,21 @@ class MeshWorker(LeanRQWorker):
         except redis.RedisError as exc:
             log.warning("could not unregister (%s); the registration expires by itself", exc)
 
-    def _heartbeat_loop(self) -> None:
-        next_sweep = time.monotonic() + SWEEP_INTERVAL
-        while not self._hb_stop.wait(self.settings.heartbeat_interval):
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                log.warning("parent process %d is gone; stopping", self.parent_pid)
-                self.parent_pid = None
-                os.kill(os.getpid(), signal.SIGTERM)
-            if time.monotonic() >= next_sweep:  # off this thread: a large directory must not delay a renewal
-                next_sweep = time.monotonic() + SWEEP_INTERVAL
-                threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
-            try:
-                self._beat()
-                tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
-                self.executor.prune_residents()  # reused processes idle too long, or whose job has ended
-                if self._hb_failing:
-                    log.info("broker reachable again")
-                self._hb_failing = False
-            except REFUSED as exc:
-                self._revoked(exc)
-            except redis.RedisError as exc:
-                if not self._hb_failing:
-                    log.warning("heartbeat failed (%s); retrying every %.1fs", exc, self.settings.heartbeat_interval)
-                self._hb_failing = True
-            except Exception:
-                log.exception("heartbeat error")
+    def _heartbeat_turn(self) -> None:
+        """The heartbeat thread's turn (worker.heartbeat): its chores, then the beat."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            log.warning("parent process %d is gone; stopping", self.parent_pid)
+            self.parent_pid = None
+            os.kill(os.getpid(), signal.SIGTERM)
+        if time.monotonic() >= self._next_sweep:  # off this thread: a large directory must not delay a renewal
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            threading.Thread(target=sweep_dead_workers_dirs, name="gpumesh-sweep", daemon=True).start()
+        self._beat()
+        tree.release_cgroups()  # attempt cgroups the kernel let go of since their attempt ended
+        self.executor.prune_residents()  # reused processes idle too long, or whose job has ended
+
+    def _heartbeat_gave_up(self, why: str) -> None:
+        self._stop_for_good(why + "; --log-level DEBUG shows its traceback")
 
     def _beat(self) -> None:
         s = self.settings
@@ -846,7 +837,7 @@ class MeshWorker(LeanRQWorker):
         if not beat.epoch_ok:
             self._broker_lost()
             return
-        self._beat_ok_at = sent_at
+        self.beats.succeeded(sent_at)
         if running is not None:
             if beat.lease == "ok":
                 running.last_renewal = sent_at
@@ -912,7 +903,7 @@ class MeshWorker(LeanRQWorker):
             log.error("%s%s: killing the current task and stopping", why, f" ({exc})" if exc else "")
         if running is not None:
             running.stop("broker lost: " + (why if announce else "the worker stops for good"))
-        self._hb_stop.set()
+        self.beats.halt()
         if threading.current_thread() is self._work_thread:
             self._stop_requested = True  # RQ's loop checks it (and our bookkeeping raises StopRequested)
         else:

@@ -197,15 +197,25 @@ end
 
 -- The task fields take() needs, read in one call (status first, so callers can check it).
 local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig'}
+-- Where each of ``fields`` sits in an HMGET reply of them, by name: reply[at(fields).name] is that field's value.
+local function at(fields)
+  local pos = {}
+  for i = 1, #fields do  -- no ipairs: the library's loading code may call only Lua itself
+    pos[fields[i]] = i
+  end
+  return pos
+end
+
 -- The job fields take() needs; dispatch reads them with what it chooses by, in one call.
 local TAKE_JOB = {'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id', 'expires_at', 'max_attempts'}
+local TAKE_JOB_AT = at(TAKE_JOB)
 
 -- queued -> running: the lease, the counters, the worker's current task. Returns lease_reply.
 -- a: {task_key, lease_key, leases_key, job_key, events_key, worker_key, task_id, worker_id, ttl_ms, ms,
 --     token: the lease token the worker made (only its digest is stored),
 --     task: the HMGET of TAKE_TASK of the task,
---     job: an HMGET holding TAKE_JOB of its job from position job_from + 1 (job_from: 0 if nil), or nil
---          to read it here,
+--     job: an HMGET reply holding TAKE_JOB of its job, with job_at its fields' positions (at()), or nil to
+--          read it here,
 --     worker_known: the worker hash exists (else checked here),
 --     fleet_version: passed on to lease_reply}
 local function take(a)
@@ -223,11 +233,11 @@ local function take(a)
     redis.call('HSETNX', a.task_key, 'log_from', ms)
   end
   move(a.job_key, 'queued', 'running')
-  local job, j = a.job, a.job_from or 0
+  local job, J = a.job, a.job_at
   if not job then
-    job, j = redis.call('HMGET', a.job_key, unpack(TAKE_JOB)), 0
+    job, J = redis.call('HMGET', a.job_key, unpack(TAKE_JOB)), TAKE_JOB_AT
   end
-  if job[j + 1] == 'queued' then  -- the job's status
+  if job[J.status] == 'queued' then
     redis.call('HSET', a.job_key, 'status', 'running', 'started_at', secs(ms))
   end
   if a.worker_known or redis.call('EXISTS', a.worker_key) == 1 then
@@ -235,9 +245,10 @@ local function take(a)
   end
   emit(a.events_key, 'task', task_id, 'running')
   return lease_reply({
-    task_id = task_id, attempt = attempt, job_id = job[j + 2], index = index, payload = payload,
-    script_sha = job[j + 3], script_name = job[j + 4], timeout = job[j + 5], key_id = job[j + 6],
-    expires_at = job[j + 7], max_attempts = job[j + 8], signature = signature, server_ms = ms,
+    task_id = task_id, attempt = attempt, job_id = job[J.id], index = index, payload = payload,
+    script_sha = job[J.script_sha], script_name = job[J.script_name], timeout = job[J.timeout],
+    key_id = job[J.key_id], expires_at = job[J.expires_at], max_attempts = job[J.max_attempts],
+    signature = signature, server_ms = ms,
     fleet_version = a.fleet_version,
   })
 end

@@ -55,12 +55,13 @@ do
     local t = redis.pcall('HMGET', PREFIX .. 'task:' .. held, 'status', 'lease', 'worker', 'attempts', 'index',
       'payload', 'sig')
     if type(t) == 'table' and not t.err and t[1] == 'running' and t[2] == digest(token) and t[3] == worker_id then
-      local job = redis.pcall('HMGET', PREFIX .. 'job:' .. (job_of(held) or ''), unpack(TAKE_JOB))
-      if type(job) == 'table' and not job.err and job[2] then
+      local job, J = redis.pcall('HMGET', PREFIX .. 'job:' .. (job_of(held) or ''), unpack(TAKE_JOB)), TAKE_JOB_AT
+      if type(job) == 'table' and not job.err and job[J.id] then
         return lease_reply({
-          task_id = held, attempt = tonumber(t[4]) or 1, job_id = job[2], index = t[5], payload = t[6],
-          script_sha = job[3], script_name = job[4], timeout = job[5], key_id = job[6], expires_at = job[7],
-          max_attempts = job[8], signature = t[7], server_ms = now_ms(), fleet_version = version,
+          task_id = held, attempt = tonumber(t[4]) or 1, job_id = job[J.id], index = t[5], payload = t[6],
+          script_sha = job[J.script_sha], script_name = job[J.script_name], timeout = job[J.timeout],
+          key_id = job[J.key_id], expires_at = job[J.expires_at], max_attempts = job[J.max_attempts],
+          signature = t[7], server_ms = now_ms(), fleet_version = version,
         })
       end
     end
@@ -101,18 +102,15 @@ local limited = raw and (string.find(raw, '"max_task_hours"', 1, true) or string
 if trusting or limited then
   resources = decode_resources()
 end
-local KEY_ID = 4 + 6  -- where the job's key_id sits in JOB_FIELDS (CHOOSE_BY fields, then TAKE_JOB's)
--- what we choose by (the first CHOOSE_BY fields), then what take() needs, in one read per candidate job
+-- what we choose by, then what take() needs, in one read per candidate job; read by name (JOB_AT)
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
-local CHOOSE_BY = 4
 JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
-local SUBMITTER = #JOB_FIELDS
+local JOB_AT = at(JOB_FIELDS)
 local NO_REQUIREMENTS = '[[]]'
--- Job fields the lease carries as numbers (their position in JOB_FIELDS), as the worker reads them.
-local NUMERIC = {{'timeout', CHOOSE_BY + 5, 'number'}, {'expires_at', CHOOSE_BY + 7, 'number'},
-  {'max_attempts', CHOOSE_BY + 8, 'integer'}}
+-- Job fields the lease carries as numbers, as the worker reads them.
+local NUMERIC = {{'timeout', 'number'}, {'expires_at', 'number'}, {'max_attempts', 'integer'}}
 -- The job fields a lease carries as text: a missing one would cut the reply short.
-local REQUIRED = {{'id', CHOOSE_BY + 2}, {'script_sha', CHOOSE_BY + 3}, {'script_name', CHOOSE_BY + 4}}
+local REQUIRED = {'id', 'script_sha', 'script_name'}
 
 -- Text that Python's int() (kind 'integer') or float() ('number') reads as Lua does, or nil.
 local function numeric(text, kind)
@@ -130,21 +128,21 @@ end
 
 -- Why a queued task (and its job) cannot be leased to a worker, or nil: the fields the lease carries.
 local function malformed(task, job, index)
-  for _, f in ipairs(REQUIRED) do
-    if type(job[f[2]]) ~= 'string' then
-      return "its job's field '" .. f[1] .. "' is missing"
+  for _, name in ipairs(REQUIRED) do
+    if type(job[JOB_AT[name]]) ~= 'string' then
+      return "its job's field '" .. name .. "' is missing"
     end
   end
   for _, f in ipairs(NUMERIC) do
-    local v = job[f[2]]
-    if v ~= false and v ~= nil and numeric(v, f[3]) == nil then  -- expires_at may be absent
+    local v = job[JOB_AT[f[1]]]
+    if v ~= false and v ~= nil and numeric(v, f[2]) == nil then  -- expires_at may be absent
       return "its job's field '" .. f[1] .. "' is not a number"
     end
   end
-  if type(job[CHOOSE_BY + 5]) ~= 'string' then
+  if type(job[JOB_AT.timeout]) ~= 'string' then
     return "its job's field 'timeout' is missing"
   end
-  if type(job[CHOOSE_BY + 8]) ~= 'string' then
+  if type(job[JOB_AT.max_attempts]) ~= 'string' then
     return "its job's field 'max_attempts' is missing"
   end
   if numeric(task[3], 'integer') ~= index then
@@ -256,7 +254,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
         job_id = nil  -- no job has a million requirement classes
       end
       local job = job_id and redis.pcall('HMGET', PREFIX .. 'job:' .. job_id, unpack(JOB_FIELDS))
-      local classes = type(job) == 'table' and not job.err and job[1]  -- JSON: per requirement class, its requirements
+      local classes = type(job) == 'table' and not job.err and job[JOB_AT.classes]  -- JSON: per class, its requirements
       local ok = true
       if type(classes) == 'string' and classes ~= NO_REQUIREMENTS then
         ok = meets_class(classes, klass)
@@ -265,13 +263,14 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
         redis.call('ZREM', ready_key, member)  -- drained, cancelled or deleted (or not a job at all)
       else
         if ok and trusting then
-          ok = accepts_signer(resources, job[KEY_ID])  -- an unsigned or foreign-signed job is for other workers
+          ok = accepts_signer(resources, job[JOB_AT.key_id])  -- an unsigned or foreign-signed job is for other workers
         end
         if ok and limited then  -- a task longer than the lender allows, or a submitter it does not accept
-          ok = lender_accepts(resources, job[CHOOSE_BY + 5], job[SUBMITTER])
+          ok = lender_accepts(resources, job[JOB_AT.timeout], job[JOB_AT.submitter])
         end
         if ok then
-          local running, left, created = tonumber(job[2]) or 0, tonumber(job[4]) or 0, tonumber(job[3]) or 0
+          local running = tonumber(job[JOB_AT.running]) or 0
+          local left, created = tonumber(job[JOB_AT.pending_cost]) or 0, tonumber(job[JOB_AT.created_at]) or 0
           if not best or running < best_running or (running == best_running and (left < best_left or
               (left == best_left and created < best_created))) then
             best, best_prio, best_running, best_left, best_created = member, prio, running, left, created
@@ -290,7 +289,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
   local pick, heaviest
   if n > 1 then
     heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
-    local queued_cost = tonumber(best_fields[4] or 0) or 0  -- pending_cost
+    local queued_cost = tonumber(best_fields[JOB_AT.pending_cost] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
     local limit = score * horizon * (1 + 1e-9)
     pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
@@ -355,7 +354,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       return take({
         task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
         events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
-        ms = now_ms(), task = task, job = best_fields, job_from = CHOOSE_BY, worker_known = raw ~= nil,
+        ms = now_ms(), task = task, job = best_fields, job_at = JOB_AT, worker_known = raw ~= nil,
         fleet_version = version, token = token,
       })
     end

@@ -57,12 +57,13 @@ end
 -- a credential wrote that does not decode counts as a worker that may not run it.
 local MORE = 1.2  -- "more memory" is this much more: two machines of one size differ by a few MB
 local function bigger_worker(key, above)
-  local job = redis.pcall('HMGET', job_key, 'classes', 'key_id', 'timeout', 'submitter')
+  local fields = {'classes', 'key_id', 'timeout', 'submitter'}
+  local job, J = redis.pcall('HMGET', job_key, unpack(fields)), at(fields)
   local klass = redis.pcall('HGET', task_key, 'class')
-  if type(job) ~= 'table' or job.err or type(job[1]) ~= 'string' then
+  if type(job) ~= 'table' or job.err or type(job[J.classes]) ~= 'string' then
     return nil
   end
-  local ok, classes = pcall(cjson.decode, job[1])
+  local ok, classes = pcall(cjson.decode, job[J.classes])
   local reqs = ok and type(classes) == 'table' and classes[(tonumber(klass) or 0) + 1] or {}
   if type(reqs) ~= 'table' then
     return nil
@@ -73,7 +74,7 @@ local function bigger_worker(key, above)
     if type(raw) == 'string' and #raw <= 65536 then
       local fine, res = pcall(cjson.decode, raw)
       local have = fine and type(res) == 'table' and decimal(tostring(res[key]))
-      if have and have >= most and accepts_signer(res, job[2]) and lender_accepts(res, job[3], job[4]) then
+      if have and have >= most and accepts_signer(res, job[J.key_id]) and lender_accepts(res, job[J.timeout], job[J.submitter]) then
         local meets_ok, meets = pcall(meets_all, reqs, res)
         if meets_ok and meets then
           best, most = id, have

@@ -51,10 +51,12 @@ local ms = now_ms()
 if not resent and backup and backup ~= '' and tonumber(backup_until or 0) > ms then
   return {0, 'has a backup'}
 end
-local job = redis.call('HMGET', job_key, 'speculate', 'queued', 'id', 'script_sha', 'script_name', 'timeout',
-  'key_id', 'expires_at', 'max_attempts', 'classes')
-local speculative, queued, job_id, script_sha, script_name = job[1], job[2], job[3], job[4], job[5]
-local timeout, key_id, expires_at, max_attempts, classes = job[6], job[7], job[8], job[9], job[10]
+local JOB = {'speculate', 'queued', 'id', 'script_sha', 'script_name', 'timeout', 'key_id', 'expires_at',
+  'max_attempts', 'classes'}
+local job, J = redis.call('HMGET', job_key, unpack(JOB)), at(JOB)
+local speculative, queued, job_id = job[J.speculate], job[J.queued], job[J.id]
+local script_sha, script_name, timeout = job[J.script_sha], job[J.script_name], job[J.timeout]
+local key_id, expires_at, max_attempts, classes = job[J.key_id], job[J.expires_at], job[J.max_attempts], job[J.classes]
 local function reply()
   return lease_reply({
     task_id = task_id, attempt = tonumber(attempts), job_id = job_id, index = index,
