@@ -86,7 +86,7 @@ def _access_opts(f: Any) -> Any:
 def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
     """Create (or rotate) the worker credential of NAME and print their join line.
 
-    The credential's result key (derived from its password) is registered in gpumesh:resultkeys, so
+    The credential's result key (derived from its password) is registered in the broker, so
     `gpumesh results` shows which results came from NAME's workers. The line pins serve's job-signing
     key (--trust ed25519:..., from signing.pub in the data dir) when there is one."""
     from gpumesh.server.broker_server import (

@@ -413,7 +413,7 @@ def serve(
     submit from another machine; GPUMESH_SIGNING_KEY or signing_key in the config file sign every
     submit without --sign-key); the worker line pins the public
     key inline (--trust ed25519:...), so a worker never takes trust from Redis and runs only jobs signed
-    with it. serve also registers the result key of the `worker` credential (gpumesh:resultkeys), which
+    with it. serve also registers the result key of the `worker` credential in the broker, which
     `gpumesh results` verifies results with. --no-sign prints unsigned lines.
     """
     from gpumesh import logfmt
@@ -509,7 +509,7 @@ def serve(
 
 def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str]:
     """serve's signing set-up: the job-signing key pair in the data dir (made at first start) and the
-    result key of the `worker` credential, registered in gpumesh:resultkeys (with the admin credential).
+    result key of the `worker` credential, registered in keys.RESULT_KEYS (with the admin credential).
     Returns what the worker line and the submit line add (' --trust ed25519:...', ' --sign-key PATH')."""
     import shlex
 

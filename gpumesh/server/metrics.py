@@ -1,6 +1,6 @@
 """Prometheus metrics, read from Redis at scrape time (``gpumesh metrics`` or ``gpumesh serve --metrics-port``).
 
-Counters and the duration histogram are kept by the Lua transitions themselves (``gpumesh:stats*``),
+Counters and the duration histogram are kept by the Lua transitions themselves (``keys.STATS``, ``keys.STATS_DURATION``),
 so every exporter, on any machine, reports the same numbers.
 """
 

@@ -424,7 +424,7 @@ class Submitter:
     ) -> SubmitResult:
         """A large job in bounded steps, so neither this process nor Redis's MULTI buffer holds it all at once.
 
-        1. Claim the job id in ``gpumesh:staging`` (a concurrent submit with the same idempotency key
+        1. Claim the job id in ``keys.STAGING`` (a concurrent submit with the same idempotency key
            waits for ours), then stage the tasks chunk by chunk, invisible; the reaper deletes what a
            submitter that died here left behind.
         2. One MULTI/EXEC makes the whole job visible at once."""

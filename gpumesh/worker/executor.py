@@ -164,7 +164,7 @@ class Executor:
         # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
         self.artifacts = artifacts.backend(self.settings, self.broker.rq)
         self.artifact_caps = artifacts.Caps.of(self.settings)
-        # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
+        # Signs each result with this worker credential's own key (keys.RESULT_KEYS), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
         # submit --reuse-process: each such job's tasks run in one long-lived process here, kept between its tasks.
         self.residents = resident.Pool(self.settings.reuse_idle)
