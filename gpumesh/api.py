@@ -46,7 +46,6 @@ from gpumesh.models import (
     failure_kind,
 )  # fmt: skip
 from gpumesh.settings import Settings
-from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
 if TYPE_CHECKING:
@@ -539,7 +538,7 @@ class Job:
         """The broker's registry of worker result keys (ACL user -> public key), written by the admin."""
         broker = self.mesh.broker
         try:
-            return dict(broker.r.hgetall(keys.RESULT_KEYS))
+            return broker.result_keys()
         except redis.RedisError as exc:
             from gpumesh.store.connection import translate
 
@@ -638,7 +637,7 @@ class Job:
         (['script_error: ZeroDivisionError: division by zero'], 1)
         """
         broker = self.mesh.broker
-        ids = list(dict.fromkeys(broker.r.lrange(keys.job_failed(self.id), 0, -1)))  # retried, failed again: once
+        ids = broker.failed_task_ids(self.id)
         failed = [res for res in broker.task_results(ids) if res.status == "failed"]
         total = broker.job_status(self.id).tasks.failed
         if len(failed) < min(limit, total):  # failed before its worker kept the list (or re-failed after a retry)

@@ -26,8 +26,8 @@ from gpumesh.cli.helpers import (
 )
 from gpumesh.errors import UsageError
 from gpumesh.settings import Settings
+from gpumesh.store import reaper
 from gpumesh.store.broker import Broker
-from gpumesh.worker import reaper
 
 SERVE_PORT = 6390  # `gpumesh serve`'s port, and what `join HOST` dials when HOST has none
 
@@ -514,10 +514,9 @@ def _serve_signing(server: Any, broker: Broker, no_sign: bool) -> tuple[str, str
     import shlex
 
     from gpumesh import signing
-    from gpumesh.store import keys
 
     try:
-        broker.r.hset(keys.RESULT_KEYS, "worker", signing.result_public("worker", server.passwords["worker"]))
+        broker.register_result_key("worker", signing.result_public("worker", server.passwords["worker"]))
     except UsageError:  # no cryptography package: results go unsigned
         if not no_sign:
             from gpumesh.extras import pip_command
