@@ -156,10 +156,12 @@ def test_only_store_keys_spells_a_redis_key() -> None:
     # unnoticed. The Functions library gets the prefix from keys.py when scripts.py assembles it.
     spelled = re.compile(r"gpumesh:(?!\s)")  # "gpumesh: could not..." starts a message, not a key
     home = PACKAGE / "store" / "keys.py"
+    frozen = PACKAGE / "store" / "protocols"  # earlier releases' libraries, kept byte for byte as they shipped
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
         for path in sorted(PACKAGE.rglob("*"))
-        if path.is_file() and path != home and path.suffix in (".py", ".lua", ".html", ".js")
+        if path.is_file() and path != home and frozen not in path.parents
+        if path.suffix in (".py", ".lua", ".html", ".js")
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if spelled.search(line)
     ]

@@ -71,8 +71,8 @@ def _lua(name: str) -> str:
 
 
 def _prelude() -> str:
-    """What the library defines before ``_lib.lua``: the key prefix, from keys.py (the one home of the layout),
-    from which the scripts build the few names they cannot be passed."""
+    """What the library defines before ``_lib.lua`` (library() and _source put it first): the key prefix, from
+    keys.py (the one home of the layout), from which the scripts build the few names they cannot be passed."""
     return f"local PREFIX = '{keys.PREFIX}'  -- keys.PREFIX"
 
 
@@ -99,11 +99,10 @@ def done_token(token: str) -> str:
 
 @cache
 def library() -> tuple[str, str]:
-    """(library name, the code FUNCTION LOAD takes): the key prefix (``_prelude``) and ``_lib.lua`` once at
-    the top of the library (its helpers are made when the library loads, not at every call), then one
-    function ``<library>_<script>`` per script, and ``<library>_version`` (read-only), which answers the
-    library's name. Each function reaches the helpers as upvalues: Lua 5.1 allows a function 60, and
-    ``_lib.lua`` defines fewer names."""
+    """(library name, the code FUNCTION LOAD takes): ``_lib.lua`` once at the top of the library (its
+    helpers are made when the library loads, not at every call), then one function ``<library>_<script>``
+    per script, and ``<library>_version`` (read-only), which answers the library's name. Each function
+    reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer names."""
     lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
     parts = ["#!lua name=" + _NAME, _prelude(), lib_code]
     for name, body in zip(NAMES, bodies):
