@@ -351,11 +351,14 @@ class Mesh:
         env: Lock | None = None,
     ) -> Job:
         """:meth:`submit` for a caller that read the script and built the :class:`JobOptions` itself (the
-        CLI does, to name its flags in errors). The store checks the source and payloads again. ``project``:
-        the folder as :func:`pack_project` packed it.
+        CLI does, to name its flags in errors). The rest is checked here, once, into the one request the
+        broker sends (gpumesh.store.submit.SubmitRequest); payloads that ``check_payloads`` returned are not
+        checked again. ``project``: the folder as :func:`pack_project` packed it.
 
         >>> job = mesh.submit_checked(source, "train.py", payloads, gpumesh.JobOptions(timeout=60))  # doctest: +SKIP
         """
+        from gpumesh.store.submit import SubmitRequest
+
         expires = check_expires(expires)
         signer = None
         key = sign_key or self.broker.settings.signing_key
@@ -363,10 +366,11 @@ class Mesh:
             from gpumesh.signing import Signer
 
             signer = Signer(Path(key))
-        res = self.broker.submit(
+        request = SubmitRequest.checked(
             source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires,
             project=project, siblings=siblings, env=env,
         )  # fmt: skip
+        res = self.broker.send(request)
         if env is not None:
             res.env = env.digest
         if project is not None:

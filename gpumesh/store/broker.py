@@ -27,11 +27,8 @@ if TYPE_CHECKING:
     from rq import Queue
     from rq.job import Job
 
-    from gpumesh.envs.lock import Lock
-    from gpumesh.project import Packed
-    from gpumesh.signing import Signer
     from gpumesh.store import artifacts, projects
-    from gpumesh.store.submit import Submitter
+    from gpumesh.store.submit import SubmitRequest, Submitter
 
 log = logging.getLogger("gpumesh")
 
@@ -82,31 +79,26 @@ class Broker:
         self._may_block = True  # false once the broker refused a blocking read (an older serve's submitter user)
 
     def submit(
-        self,
-        source: str,
-        script_name: str,
-        payloads: list[dict[str, Any]],
-        options: JobOptions,
-        idempotency_key: str | None = None,
-        signer: Signer | None = None,
-        expires_in: float = 7 * 86400,
-        project: Packed | None = None,
-        siblings: tuple[str, ...] = (),
-        env: Lock | None = None,
+        self, source: str, script_name: str, payloads: list[dict[str, Any]], options: JobOptions, **more: Any
     ) -> SubmitResult:
-        """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
+        """Check and send a job in one call (``more``: the keywords of ``SubmitRequest.checked``): the store's
+        own callers' way; the API builds the request itself and calls :meth:`send`."""
+        from gpumesh.store.submit import SubmitRequest
 
-        With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
-        returns the job the first one created instead of a second job. With ``project`` (gpumesh.project.pack)
+        return self.send(SubmitRequest.checked(source, script_name, payloads, options, **more))
+
+    def send(self, request: SubmitRequest) -> SubmitResult:
+        """Write a checked job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
+
+        With an idempotency key the job id derives from the key, so a submit retried after a timeout
+        returns the job the first one created instead of a second job. With a project (gpumesh.project.pack)
         the files the mesh lacks are sent first (gpumesh.store.projects)."""
         if self._submitter is None:
             from gpumesh.store.submit import Submitter
 
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
-        files = self.project_files() if project is not None else None
-        return self._submitter.submit(
-            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings, env
-        )
+        files = self.project_files() if request.project is not None else None
+        return self._submitter.submit(request, files)
 
     def project_files(self) -> projects.Files:
         """Where this mesh keeps project files (the broker, or GPUMESH_ARTIFACTS's object store)."""
