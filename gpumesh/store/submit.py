@@ -112,10 +112,19 @@ class SubmitRequest:
 
     @classmethod
     def checked(
-        cls, source: str, script_name: str, payloads: list[dict[str, Any]], options: JobOptions, *,
-        idempotency_key: str | None = None, signer: Signer | None = None, expires_in: float = 7 * 86400,
-        project: Packed | None = None, siblings: tuple[str, ...] = (), env: Lock | None = None,
-    ) -> SubmitRequest:  # fmt: skip
+        cls,
+        source: str,
+        script_name: str,
+        payloads: list[dict[str, Any]],
+        options: JobOptions,
+        *,
+        idempotency_key: str | None = None,
+        signer: Signer | None = None,
+        expires_in: float = 7 * 86400,
+        project: Packed | None = None,
+        siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
+    ) -> SubmitRequest:
         """The request, once its input passed every check (a UsageError naming what is wrong otherwise).
         Payloads that ``check_payloads`` returned already (the CLI's, the API's) are not checked again."""
         checked = check_payloads(payloads)
@@ -128,8 +137,8 @@ class SubmitRequest:
             check_reusable(source, script_name)
         if env is not None:  # only workers that build envs, of a Python the lock allows, may take its tasks
             options = options.model_copy(update={"requires": (*options.requires, *env_requirements(env))})
-        return cls(source, script_name, checked, options, idempotency_key, signer, expires_in, project,
-                   siblings if project is None else (), env)  # fmt: skip
+        siblings = siblings if project is None else ()
+        return cls(source, script_name, checked, options, idempotency_key, signer, expires_in, project, siblings, env)
 
     @property
     def sha(self) -> str:
@@ -147,10 +156,9 @@ class SubmitRequest:
         environment ('' without an idempotency key: never compared, so never computed)."""
         if not self.idempotency_key:
             return ""
-        what = [
-            self.sha, self.script_name, self.payloads, self.options.model_dump(),
-            self.project.digest if self.project else "", *([self.env.digest] if self.env else []),
-        ]  # fmt: skip
+        project = self.project.digest if self.project else ""
+        what = [self.sha, self.script_name, self.payloads, self.options.model_dump(), project]
+        what += [self.env.digest] if self.env else []
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
@@ -320,10 +328,11 @@ class Submitter:
         costs = [payload_cost(p) for p in request.payloads]
         classes, class_reqs = requirement_classes(request.payloads, request.options.requires)
         now_ms, scores = self._live()
+        forecast = tier_forecast(costs, scores, self.settings.tiers)
+        created = now_ms / 1000
         return _Job(
-            request, request.job_id(), request.sha, costs, classes, class_reqs, now_ms / 1000,
-            tier_forecast(costs, scores, self.settings.tiers), request.fingerprint(),
-        )  # fmt: skip
+            request, request.job_id(), request.sha, costs, classes, class_reqs, created, forecast, request.fingerprint()
+        )
 
     def _write(self, job: _Job) -> SubmitResult:
         """The job, written in one MULTI/EXEC or (a large one) in stages."""
