@@ -39,9 +39,8 @@ from scale import Delivery, register, simulate
 
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, reaper, scripts
 from gpumesh.store.broker import Broker
-from gpumesh.worker import reaper
 
 NOOP = "print('{}')\n"
 SLOW_US = 500  # SLOWLOG threshold while pruning and cancelling

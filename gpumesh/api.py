@@ -46,7 +46,6 @@ from gpumesh.models import (
     failure_kind,
 )  # fmt: skip
 from gpumesh.settings import Settings
-from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
 if TYPE_CHECKING:
@@ -352,11 +351,14 @@ class Mesh:
         env: Lock | None = None,
     ) -> Job:
         """:meth:`submit` for a caller that read the script and built the :class:`JobOptions` itself (the
-        CLI does, to name its flags in errors). The store checks the source and payloads again. ``project``:
-        the folder as :func:`pack_project` packed it.
+        CLI does, to name its flags in errors). The rest is checked here, once, into the one request the
+        broker sends (gpumesh.store.submit.SubmitRequest); payloads that ``check_payloads`` returned are not
+        checked again. ``project``: the folder as :func:`pack_project` packed it.
 
         >>> job = mesh.submit_checked(source, "train.py", payloads, gpumesh.JobOptions(timeout=60))  # doctest: +SKIP
         """
+        from gpumesh.store.submit import SubmitRequest
+
         expires = check_expires(expires)
         signer = None
         key = sign_key or self.broker.settings.signing_key
@@ -364,10 +366,11 @@ class Mesh:
             from gpumesh.signing import Signer
 
             signer = Signer(Path(key))
-        res = self.broker.submit(
+        request = SubmitRequest.checked(
             source, script_name, payloads, options, idempotency_key=idempotency_key, signer=signer, expires_in=expires,
             project=project, siblings=siblings, env=env,
         )  # fmt: skip
+        res = self.broker.send(request)
         if env is not None:
             res.env = env.digest
         if project is not None:
@@ -539,7 +542,7 @@ class Job:
         """The broker's registry of worker result keys (ACL user -> public key), written by the admin."""
         broker = self.mesh.broker
         try:
-            return dict(broker.r.hgetall(keys.RESULT_KEYS))
+            return broker.result_keys()
         except redis.RedisError as exc:
             from gpumesh.store.connection import translate
 
@@ -638,7 +641,7 @@ class Job:
         (['script_error: ZeroDivisionError: division by zero'], 1)
         """
         broker = self.mesh.broker
-        ids = list(dict.fromkeys(broker.r.lrange(keys.job_failed(self.id), 0, -1)))  # retried, failed again: once
+        ids = broker.failed_task_ids(self.id)
         failed = [res for res in broker.task_results(ids) if res.status == "failed"]
         total = broker.job_status(self.id).tasks.failed
         if len(failed) < min(limit, total):  # failed before its worker kept the list (or re-failed after a retry)

@@ -304,7 +304,7 @@ class TaskResult(Model):
     _stored: dict[str, str] = PrivateAttr(default_factory=dict)  # what verify_with checks, as stored
 
     def verify_with(self, result_keys: dict[str, str]) -> TaskResult:
-        """Set ``verified`` and ``signed_by`` from the broker's registry of result keys (gpumesh:resultkeys)."""
+        """Set ``verified`` and ``signed_by`` from the broker's registry of result keys (keys.RESULT_KEYS)."""
         from gpumesh.signing import verify_result
 
         self.verified, self.signed_by = verify_result(self.task_id, self._stored, result_keys)

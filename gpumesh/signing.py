@@ -5,7 +5,7 @@ A task's signature covers its job id and index, the script's SHA-256, the SHA-25
 JSON, its limits (timeout, attempts), an expiry and, for a job that ships a project, brings back
 files by glob or reuses a process per worker, the project's tree digest, the globs and that choice. The worker takes the job id and the index from
 the task it actually leased (its key), never from fields stored next to it, and checks the job's
-*spent set* (``gpumesh:spent:<job>``, made at submit with a placeholder member): a task whose index
+*spent set* (``keys.spent(job)``, made at submit with a placeholder member): a task whose index
 is in it has ended for good (completed, failed for good or was cancelled: the transition functions add
 it) and is not run again unless its submitter retries it (``retry`` takes the index out first; a worker
 credential may only add to the set, so its call of retry fails before it changes anything). So a task written into Redis with a worker
@@ -14,7 +14,7 @@ the old ``id``), a finished task put back in the queue, and an expired job all f
 
 **Results.** Each worker credential has a result key of its own, derived from the credential's password
 (:func:`result_key`): whoever holds the credential can sign as it, no one else can. The admin registers
-the public key under the ACL user's name in ``gpumesh:resultkeys`` (``gpumesh serve`` for ``worker``,
+the public key under the ACL user's name in ``keys.RESULT_KEYS`` (``gpumesh serve`` for ``worker``,
 ``gpumesh access add NAME`` for ``worker-NAME``); a worker signs (task id, attempt, SHA-256 of the result,
 worker id, user, and the SHA-256 of the task's artifact index, which lists each output file with its
 SHA-256: `pull` checks the bytes against it) and stores the proof with the result in the same step. ``gpumesh results`` says
@@ -207,7 +207,7 @@ def result_key(user: str, password: str) -> Any:
 
 
 def result_public(user: str, password: str) -> str:
-    """What the admin registers for ``user`` in ``gpumesh:resultkeys``."""
+    """What the admin registers for ``user`` in ``keys.RESULT_KEYS``."""
     return inline(result_key(user, password).public_key())
 
 

@@ -25,8 +25,8 @@ from gpumesh.sandbox.runner import Attempt
 from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
+from gpumesh.store.reaper import reap_once
 from gpumesh.worker.executor import Running
-from gpumesh.worker.reaper import reap_once
 
 from .conftest import cli, wait_until
 

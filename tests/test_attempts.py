@@ -12,8 +12,8 @@ import redis
 import gpumesh
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
+from gpumesh.store.reaper import reap_once
 from gpumesh.store.submit import delete_job
-from gpumesh.worker.reaper import reap_once
 
 from .test_lua_transitions import LEASE_MS, submit
 from .test_speculation import backup, started

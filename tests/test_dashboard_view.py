@@ -25,7 +25,7 @@ import gpumesh
 from gpumesh.server.broker_server import ROLES, prepare
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker, delivery_label
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 from .conftest import RedisServer, Workers, wait_until
 

@@ -472,7 +472,7 @@ def test_a_small_job_behind_a_big_one_starts_at_once_and_priority_goes_first(
 @pytest.mark.core
 def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env):
     from gpumesh.settings import Settings
-    from gpumesh.worker.reaper import reap_once
+    from gpumesh.store.reaper import reap_once
 
     b = Broker(Settings.load(job_retention=1))
     payloads = [{"i": 0}, {"i": 1, "requires": ["gpu~a100"]}, {"i": 2, "cost": 3}]

@@ -15,7 +15,7 @@ import gpumesh
 from gpumesh.models import JobOptions
 from gpumesh.store import keys, retention, scripts
 from gpumesh.store.broker import Broker
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 from .conftest import cli, wait_until
 

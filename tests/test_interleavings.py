@@ -33,7 +33,7 @@ from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 pytestmark = pytest.mark.faults
 

@@ -4,6 +4,7 @@ import only downwards, and ``gpumesh`` exports exactly its public API."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,23 @@ def test_the_wheel_ships_every_module_the_lua_scripts_and_py_typed(tmp_path: Pat
     }
     assert source - shipped == set()
     assert "gpumesh/store/lua/dispatch.lua" in shipped and "gpumesh/py.typed" in shipped
+
+
+def test_only_store_keys_spells_a_redis_key() -> None:
+    # The layout has one home: a key written out anywhere else (Python, Lua, a template) drifts from it
+    # unnoticed. The Functions library gets the prefix from keys.py when scripts.py assembles it.
+    spelled = re.compile(r"gpumesh:(?!\s)")  # "gpumesh: could not..." starts a message, not a key
+    home = PACKAGE / "store" / "keys.py"
+    frozen = PACKAGE / "store" / "protocols"  # earlier releases' libraries, kept byte for byte as they shipped
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*"))
+        if path.is_file() and path != home and frozen not in path.parents
+        if path.suffix in (".py", ".lua", ".html", ".js")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if spelled.search(line)
+    ]
+    assert found == []
+    from gpumesh.store import keys, scripts
+
+    assert f"local PREFIX = '{keys.PREFIX}'" in scripts.library()[1]

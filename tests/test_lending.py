@@ -454,7 +454,7 @@ def test_checkpoints_go_to_the_object_store_when_output_files_do(env, workers: W
 def test_checkpoints_are_fenced_like_results_and_one_replaced_while_read_restores_nothing(broker, r, tmp_path):
     from gpumesh.models import JobOptions
     from gpumesh.store import checkpoints, scripts
-    from gpumesh.worker.reaper import reap_once
+    from gpumesh.store.reaper import reap_once
 
     store = checkpoints.Store(broker.rq, broker.r, broker.scripts)
     job = broker.submit("print('{}')", "t.py", [{"i": 0}], JobOptions()).job_id

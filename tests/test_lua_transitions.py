@@ -10,7 +10,7 @@ import redis
 from gpumesh.models import JobOptions
 from gpumesh.store import keys, scripts, tasklog
 from gpumesh.store.broker import Broker
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 from .conftest import RedisServer
 

@@ -24,7 +24,7 @@ from gpumesh.sandbox import landlock
 from gpumesh.settings import Settings
 from gpumesh.store import keys, projects
 from gpumesh.store.broker import Broker
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 from .conftest import Workers, wait_until
 from .conftest import gpumesh as run_cli

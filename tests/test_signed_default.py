@@ -462,7 +462,7 @@ def test_every_way_a_task_ends_for_good_marks_it_spent_and_retry_unmarks_it(brok
     from gpumesh.models import JobOptions
     from gpumesh.signing import SPENT_PLACEHOLDER
     from gpumesh.store import scripts
-    from gpumesh.worker.reaper import reap_once
+    from gpumesh.store.reaper import reap_once
 
     def job_of_three() -> tuple[str, list[str]]:
         # retry_on without 'lost': the reaper's lapsed lease ends the task for good

@@ -12,7 +12,7 @@ import redis
 from gpumesh.models import JobOptions
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import Broker
-from gpumesh.worker.reaper import reap_once
+from gpumesh.store.reaper import reap_once
 
 from .conftest import Workers, gpumesh, pid_alive, wait_until
 from .test_lua_transitions import LEASE_MS, SCRIPT, assert_counters_match_tasks

@@ -13,10 +13,9 @@ import pytest
 import redis
 
 from gpumesh.models import JobOptions
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, reaper, scripts
 from gpumesh.store import submit as submit_module
 from gpumesh.store.broker import Broker
-from gpumesh.worker import reaper
 
 N = 30
 SCRIPT = "import json, sys\nprint(json.dumps(json.load(sys.stdin)))\n"

@@ -86,7 +86,7 @@ def _access_opts(f: Any) -> Any:
 def access_add(name: str, host: str | None, data_dir: Path | None, url: str | None) -> None:
     """Create (or rotate) the worker credential of NAME and print their join line.
 
-    The credential's result key (derived from its password) is registered in gpumesh:resultkeys, so
+    The credential's result key (derived from its password) is registered in the broker, so
     `gpumesh results` shows which results came from NAME's workers. The line pins serve's job-signing
     key (--trust ed25519:..., from signing.pub in the data dir) when there is one."""
     from gpumesh.server.broker_server import (
@@ -99,13 +99,13 @@ def access_add(name: str, host: str | None, data_dir: Path | None, url: str | No
         worker_user,
     )
     from gpumesh.signing import inline, public_key, result_public
-    from gpumesh.store import keys as store_keys
+    from gpumesh.store.broker import register_result_key
 
     admin = _admin(data_dir, url)
     user = worker_user(name)
     result_public(user, "")  # without the cryptography package: a usage error before anything changes
     password = add_worker(admin, name)
-    admin.hset(store_keys.RESULT_KEYS, user, result_public(user, password))
+    register_result_key(admin, user, result_public(user, password))
     kw = admin.connection_pool.connection_kwargs
     pub = (data_dir or default_data_dir()) / "signing.pub"
     trust = f" --trust {inline(public_key(pub))}" if pub.is_file() else ""

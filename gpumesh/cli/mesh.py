@@ -25,7 +25,7 @@ from gpumesh.cli.helpers import (
 )
 from gpumesh.errors import UsageError
 from gpumesh.settings import Settings
-from gpumesh.worker import reaper
+from gpumesh.store import reaper
 
 SERVE_PORT = 6390  # `gpumesh serve`'s port, and what `join HOST` dials when HOST has none
 
@@ -411,7 +411,7 @@ def serve(
     submit from another machine; GPUMESH_SIGNING_KEY or signing_key in the config file sign every
     submit without --sign-key); the worker line pins the public
     key inline (--trust ed25519:...), so a worker never takes trust from Redis and runs only jobs signed
-    with it. serve also registers the result key of the `worker` credential (gpumesh:resultkeys), which
+    with it. serve also registers the result key of the `worker` credential in the broker, which
     `gpumesh results` verifies results with. --no-sign prints unsigned lines.
     """
     from gpumesh import logfmt

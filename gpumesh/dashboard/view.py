@@ -9,19 +9,17 @@ import itertools
 import json
 import re
 import secrets
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 from urllib.parse import quote
-
-import redis
 
 from gpumesh import api
 from gpumesh.dashboard import timeline
 from gpumesh.errors import NotFound, UsageError
 from gpumesh.models import TERMINAL, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 from gpumesh.store import artifacts, keys
+from gpumesh.store.broker import may_write_jobs
 
 TASKS_SHOWN = 500  # rows of the job page's task table
 JOBS_SHOWN = 100  # rows of the jobs page
@@ -196,8 +194,8 @@ class View:
         st = job.status()
         now = self.now()
         broker = self.mesh.broker
-        total = broker.r.llen(keys.job_tasks(job_id))  # a job of 1,000,000 tasks: read the first rows only
-        rows = broker.task_results(broker.r.lrange(keys.job_tasks(job_id), 0, TASKS_SHOWN - 1))
+        total = broker.task_count(job_id)  # a job of 1,000,000 tasks: read the first rows only
+        rows = broker.task_results(broker.first_task_ids(job_id, TASKS_SHOWN))
         failures, failed_n = job.failures(limit=5) if st.tasks.failed else ([], 0)
         tasks = [
             {
@@ -212,7 +210,7 @@ class View:
             "job": self._job_row(st, now) | {
                 "retry_on": ", ".join(st.retry_on) or "none", "failed_by_kind": st.failed_by_kind,
                 "finished": ago(_age(now, st.finished_at)) if st.finished_at else "",
-            } | project_facts(broker.r.hmget(keys.job(job_id), "project", "project_files", "project_bytes", "outputs")),
+            } | project_facts(broker.job_fields(job_id, "project", "project_files", "project_bytes", "outputs")),
             "tasks": tasks, "shown": len(tasks), "total": total,
             "failures": [(r.index, r.task_id, error_line(r.status, r.error, r.error_kind)) for r in failures],
             "failed_n": failed_n,
@@ -229,7 +227,7 @@ class View:
     def log(self, task_id: str, cursors: dict[str, str]) -> tuple[bool, list[tuple[str, str]]]:
         """(whether the task had ended before these lines were read, its new (stream, line)s)."""
         broker = self.mesh.broker
-        status = broker.r.hget(keys.task(task_id), "status") if TASK_ID.fullmatch(task_id) else None
+        status = broker.task_fields(task_id, "status")[0] if TASK_ID.fullmatch(task_id) else None
         if status is None:  # a job id is no task (its log would be every task's, re-read twice a second)
             raise NotFound(f"no task {task_id!r} on this broker")
         # the status is read before the lines, so that no line is missed: two round trips a poll
@@ -246,7 +244,7 @@ class View:
         """(size, its bytes) of one file a done task stored, as its index lists it; NotFound otherwise."""
         self.mesh.job(job_id)
         broker = self.mesh.broker
-        status, raw = broker.r.hmget(keys.task(keys.task_id(job_id, index)), "status", "artifacts")
+        status, raw = broker.task_fields(keys.task_id(job_id, index), "status", "artifacts")
         if status != "done" or not raw:
             raise NotFound(f"task {index} of job {job_id} has no stored files")
         try:
@@ -299,9 +297,4 @@ def first_checked(chunks: Iterator[bytes]) -> Iterator[bytes]:
 def probe_may_write(mesh: api.Mesh) -> bool:
     """Whether the credential may write the job index: ``ZADD XX`` of a member that is not there adds
     nothing, and a read-only credential is refused it."""
-    try:
-        client = cast(redis.Redis, mesh.broker.r)  # redis-py underneath the store's narrower protocol
-        client.zadd(keys.JOBS, {f"dashboard-probe-{uuid.uuid4().hex}": 0}, xx=True)
-    except redis.exceptions.NoPermissionError:
-        return False
-    return True
+    return may_write_jobs(mesh.broker.redis)

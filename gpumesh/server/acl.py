@@ -6,7 +6,7 @@ allowed, key by key, whatever gpumesh's functions do on its behalf. What the rul
 * from workers and submitters: Lua of their own (``EVAL``, ``EVALSHA``, ``SCRIPT``, ``FUNCTION``: one
   loop would freeze Redis until ``SHUTDOWN NOSAVE``); they call only the library that `serve` loads
   (``FCALL``). And ``PUBLISH`` (RQ's stop and kill commands to a worker), the broker's epoch (a changed
-  epoch stops every worker), the result-signing keys (``gpumesh:resultkeys``);
+  epoch stops every worker), the result-signing keys (``keys.RESULT_KEYS``);
 * from workers also: writing job indexes, scripts and submit bookkeeping (read-only to them), and the
   commands that destroy or replace a key whatever its type (``DEL``, ``RENAME``, ``SET``, ``EXPIRE``,
   ``*STORE``...) except on the few families their flow deletes or replaces (leases, wake lists, the idle
@@ -14,9 +14,14 @@ allowed, key by key, whatever gpumesh's functions do on its behalf. What the rul
 
 SECURITY.md ("What each credential can do") lists, command by command, what each role may do; tests/test_worker_credential.py
 runs that table against a real broker.
+
+Every key pattern here is made from store/keys.py (a family's function called with ``"*"``), so the rules
+follow the layout wherever it is defined.
 """
 
 from __future__ import annotations
+
+from gpumesh.store import keys
 
 # What every non-admin role is denied whatever else it is given (categories, then commands).
 _NEVER = ["-@admin", "-@dangerous", "-@scripting", "-@pubsub", "-acl"]
@@ -37,46 +42,75 @@ _DESTROYERS = [
 # leases, its job's counters, pending sets and streams of ends, worker registrations and the fleet,
 # placement and wake-up state, events and statistics, the reaper's lock.
 _WORKER_WRITES = [
-    "gpumesh:task:*", "gpumesh:lease:*", "gpumesh:leases", "gpumesh:job:*", "gpumesh:worker:*", "gpumesh:workers",
-    "gpumesh:scores", "gpumesh:fleet", "gpumesh:ready", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events",
-    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:reaper",
-]  # fmt: skip
+    keys.task("*"),
+    keys.lease("*"),
+    keys.LEASES,
+    keys.job("*"),
+    keys.worker("*"),
+    keys.WORKERS,
+    keys.SCORES,
+    keys.FLEET,
+    keys.READY,
+    keys.IDLE,
+    keys.wake("*"),
+    keys.EVENTS,
+    keys.STATS,
+    keys.STATS_ALL,
+    keys.REAPER_LOCK,
+]
 
 # Families a worker may delete or expire: one selector, since a multi-key DEL (a worker leaving deletes
 # its registration, wake list and RQ queue at once) must find all its keys in one.
 _WORKER_REPLACES = [
-    "gpumesh:lease:*", "gpumesh:reaper", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:worker:*",
-    "gpumesh:task:*:files:*", "rq:*",
-]  # fmt: skip
+    keys.lease("*"),
+    keys.REAPER_LOCK,
+    keys.IDLE,
+    keys.wake("*"),
+    keys.worker("*"),
+    keys.task_files_staging("*", "*"),
+    "rq:*",
+]
 _DELETERS = ["del", "unlink", "getdel", "expire", "pexpire", "expireat", "pexpireat", "persist"]
 # Of those, the families a worker may also replace whatever they hold (SET and the *STORE commands): the
 # strings it owns. Not the idle set or a registration: SET on them would turn a set or hash into a string
 # and break every function that reads them.
-_WORKER_SETS = ["gpumesh:lease:*", "gpumesh:reaper", "rq:*"]
+_WORKER_SETS = [keys.lease("*"), keys.REAPER_LOCK, "rq:*"]
 
 # Submitters write everything of gpumesh's but the epoch and the result-signing keys (project files too:
 # workers only read them).
 _SUBMITTER_WRITES = [
-    "gpumesh:job:*", "gpumesh:jobs", "gpumesh:staging", "gpumesh:task:*", "gpumesh:script:*", "gpumesh:ready",
-    "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events", "gpumesh:spent:*", "gpumesh:lease:*", "gpumesh:leases",
-    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:project:*",
-]  # fmt: skip
+    keys.job("*"),
+    keys.JOBS,
+    keys.STAGING,
+    keys.task("*"),
+    keys.script("*"),
+    keys.READY,
+    keys.IDLE,
+    keys.wake("*"),
+    keys.EVENTS,
+    keys.spent("*"),
+    keys.lease("*"),
+    keys.LEASES,
+    keys.STATS,
+    keys.STATS_ALL,
+    keys.PROJECT_ALL,
+]
 
 # FCALL asks for read and write access to every key it names, but does nothing with them itself: each
 # command the function runs is checked against the caller's rules on its own. So gpumesh's functions may
 # name any of gpumesh's keys (the heartbeat names the epoch, which workers only read; complete names the
 # job's spent set, which takes only SADD from workers) without widening what the caller may do to them.
-_FCALL = "(~gpumesh:* ~rq:* +fcall +fcall_ro)"
+_FCALL = f"(~{keys.ALL} ~rq:* +fcall +fcall_ro)"
 
 _DATA = ["+@read", "+@write", "+@keyspace", "+@hash", "+@list", "+@set", "+@sortedset", "+@stream", "+@string"]
 
 SUBMITTER = [
-    "resetkeys", "resetchannels", "%R~gpumesh:*", *[f"~{k}" for k in _SUBMITTER_WRITES], "~rq:*",
+    "resetkeys", "resetchannels", f"%R~{keys.ALL}", *[f"~{k}" for k in _SUBMITTER_WRITES], "~rq:*",
     "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", *_NEVER, "-@blocking", "+xread", *_CLIENT, _FCALL,
 ]  # fmt: skip
 
 WORKER = [
-    "resetkeys", "resetchannels", "&rq:pubsub:*", "%R~gpumesh:*", *[f"~{k}" for k in _WORKER_WRITES], "~rq:*",
+    "resetkeys", "resetchannels", "&rq:pubsub:*", f"%R~{keys.ALL}", *[f"~{k}" for k in _WORKER_WRITES], "~rq:*",
     "-@all", *_DATA, "+@transaction", "+@connection", "+@fast", "+@blocking", *_NEVER,
     *[f"-{c}" for c in _DESTROYERS], "+subscribe", "+unsubscribe", "+psubscribe", "+punsubscribe", *_CLIENT,
     # selectors: each allows its commands on its keys only
@@ -85,9 +119,9 @@ WORKER = [
     "(" + " ".join([*[f"~{k}" for k in _WORKER_SETS], *[f"+{c}" for c in _DESTROYERS if "rename" not in c]]) + ")",
     # a winning copy's staged files become the task's (complete): RENAME reads and deletes its source, so
     # the kept files (write only here) can be a destination, never a source (renamed away, then deleted)
-    "(%RW~gpumesh:task:*:files:* %W~gpumesh:task:*:files +rename)",
-    "(~gpumesh:task:*:files +persist)",  # and lose the staged files' TTL
-    "(~gpumesh:spent:* +sadd)",  # a completed signed task's index joins its job's spent set (complete)
+    f"(%RW~{keys.task_files_staging('*', '*')} %W~{keys.task_files('*')} +rename)",
+    f"(~{keys.task_files('*')} +persist)",  # and lose the staged files' TTL
+    f"(~{keys.spent('*')} +sadd)",  # a completed signed task's index joins its job's spent set (complete)
     "(~rq:* +rename +renamenx)",  # RQ's own bookkeeping
 ]  # fmt: skip
 

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
@@ -34,7 +33,8 @@ import redis
 from gpumesh.errors import GpumeshError, UsageError
 from gpumesh.server import acl
 from gpumesh.server.acl import ROLES
-from gpumesh.store import keys, scripts, tlspin
+from gpumesh.store import scripts, tlspin
+from gpumesh.store.broker import make_epoch
 from gpumesh.store.connection import client as redis_client
 from gpumesh.store.connection import command
 
@@ -180,7 +180,7 @@ def prepare(admin: redis.Redis) -> str:
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name.startswith("gpumesh_") and name != lib:
             admin.function_delete(name)
-    admin.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+    make_epoch(admin)
     return lib
 
 

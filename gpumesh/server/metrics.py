@@ -1,19 +1,17 @@
 """Prometheus metrics, read from Redis at scrape time (``gpumesh metrics`` or ``gpumesh serve --metrics-port``).
 
-Counters and the duration histogram are kept by the Lua transitions themselves (``gpumesh:stats*``),
+Counters and the duration histogram are kept by the Lua transitions themselves (``keys.STATS``, ``keys.STATS_DURATION``),
 so every exporter, on any machine, reports the same numbers.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from gpumesh.errors import UsageError
 from gpumesh.models import RECORDED_KINDS
-from gpumesh.store import keys
 from gpumesh.store.broker import Broker
 
 DURATION_BUCKETS = ("0.1", "0.5", "1", "5", "10", "30", "60", "300", "1800", "3600")  # as in lua/_lib.lua
@@ -37,22 +35,9 @@ class MeshCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         b = self.broker
-        t0 = time.perf_counter()
-        b.r.ping()
-        rtt = time.perf_counter() - t0
-        ready = b.r.zrange(keys.READY, 0, -1, withscores=True)
-        with b.r.pipeline(transaction=False) as p:
-            for member, _prio in ready:
-                job_id, klass = member.rsplit("/", 1)
-                p.zcard(keys.pending(job_id, int(klass)))
-            p.hgetall(keys.STATS)
-            p.hgetall(keys.STATS_DURATION)
-            res = p.execute()
-        depths, stats, hist = res[: len(ready)], res[-2], res[-1]
-
-        queued: Counter[str] = Counter()
-        for (_member, prio), depth in zip(ready, depths):
-            queued[str(int(prio))] += depth
+        rtt = b.round_trip_s()
+        counters = b.counters()
+        queued, stats, hist = counters.queued, counters.stats, counters.duration
         g = GaugeMetricFamily(
             "gpumesh_queue_depth", "Queued tasks waiting for a worker, by priority", labels=["priority"]
         )

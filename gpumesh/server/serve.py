@@ -162,13 +162,12 @@ def _lines(
 
 def _signing(server: BrokerServer, broker: Broker, no_sign: bool) -> tuple[str, str]:
     """serve's signing set-up: the job-signing key pair in the data dir (made at first start) and the
-    result key of the `worker` credential, registered in gpumesh:resultkeys (with the admin credential).
+    result key of the `worker` credential, registered in keys.RESULT_KEYS (with the admin credential).
     Returns what the worker line and the submit line add (' --trust ed25519:...', ' --sign-key PATH')."""
     from gpumesh import signing
-    from gpumesh.store import keys
 
     try:
-        broker.r.hset(keys.RESULT_KEYS, "worker", signing.result_public("worker", server.passwords["worker"]))
+        broker.register_result_key("worker", signing.result_public("worker", server.passwords["worker"]))
     except UsageError:  # no cryptography package: results go unsigned
         if not no_sign:
             from gpumesh.extras import pip_command

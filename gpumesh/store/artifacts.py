@@ -4,8 +4,8 @@ its job until the job's retention ends (or it is cancelled), and read back by ``
 Where they live:
 
 * **in the broker** (the default): each attempt copy stages its files as ~1 MiB chunks in one hash,
-  ``gpumesh:task:<id>:files:<copy>`` (field ``<file number>:<chunk number>``), with a TTL. The fenced
-  ``complete`` script renames the winner's hash to ``gpumesh:task:<id>:files`` and drops the TTL in
+  ``keys.task_files_staging(id, copy)`` (field ``<file number>:<chunk number>``), with a TTL. The fenced
+  ``complete`` script renames the winner's hash to ``keys.task_files(id)`` and drops the TTL in
   the same step that records the result, so a losing backup copy, a failed or a lost attempt leaves
   nothing behind once its staging expires (the worker deletes it at once when it can).
 * **in an object store** named by ``GPUMESH_ARTIFACTS`` (any fsspec URL: ``s3://bucket/prefix``,

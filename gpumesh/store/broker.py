@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +27,8 @@ if TYPE_CHECKING:
     from rq import Queue
     from rq.job import Job
 
-    from gpumesh.envs.lock import Lock
-    from gpumesh.project import Packed
-    from gpumesh.signing import Signer
     from gpumesh.store import artifacts, projects
-    from gpumesh.store.submit import Submitter
+    from gpumesh.store.submit import SubmitRequest, Submitter
 
 log = logging.getLogger("gpumesh")
 
@@ -49,6 +47,15 @@ PAYLOAD_LABEL_BYTES = 1 << 20  # a larger payload is not parsed for its cost and
 
 # (broker URL, job id) -> (job name, job-wide requirements), for Broker.deliver's labels
 _JOB_LABELS: dict[tuple[str, str], tuple[str, tuple[requirements.Requirement, ...]]] = {}
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Broker.counters: what the Prometheus endpoint (server/metrics.py) reads."""
+
+    queued: dict[str, int]  # job priority -> queued tasks
+    stats: dict[str, str]  # keys.STATS: done / failed / retried / lease_expired, failed attempts by kind
+    duration: dict[str, str]  # keys.STATS_DURATION: per-bucket counts, sum, count
 
 
 class Broker:
@@ -72,31 +79,26 @@ class Broker:
         self._may_block = True  # false once the broker refused a blocking read (an older serve's submitter user)
 
     def submit(
-        self,
-        source: str,
-        script_name: str,
-        payloads: list[dict[str, Any]],
-        options: JobOptions,
-        idempotency_key: str | None = None,
-        signer: Signer | None = None,
-        expires_in: float = 7 * 86400,
-        project: Packed | None = None,
-        siblings: tuple[str, ...] = (),
-        env: Lock | None = None,
+        self, source: str, script_name: str, payloads: list[dict[str, Any]], options: JobOptions, **more: Any
     ) -> SubmitResult:
-        """Write a job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
+        """Check and send a job in one call (``more``: the keywords of ``SubmitRequest.checked``): the store's
+        own callers' way; the API builds the request itself and calls :meth:`send`."""
+        from gpumesh.store.submit import SubmitRequest
 
-        With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
-        returns the job the first one created instead of a second job. With ``project`` (gpumesh.project.pack)
+        return self.send(SubmitRequest.checked(source, script_name, payloads, options, **more))
+
+    def send(self, request: SubmitRequest) -> SubmitResult:
+        """Write a checked job and its queued tasks so that it appears whole or not at all (see :mod:`.submit`).
+
+        With an idempotency key the job id derives from the key, so a submit retried after a timeout
+        returns the job the first one created instead of a second job. With a project (gpumesh.project.pack)
         the files the mesh lacks are sent first (gpumesh.store.projects)."""
         if self._submitter is None:
             from gpumesh.store.submit import Submitter
 
             self._submitter = Submitter(self.r, self.url, self.settings, self.scripts, self._live)
-        files = self.project_files() if project is not None else None
-        return self._submitter.submit(
-            source, script_name, payloads, options, idempotency_key, signer, expires_in, project, files, siblings, env
-        )
+        files = self.project_files() if request.project is not None else None
+        return self._submitter.submit(request, files)
 
     def project_files(self) -> projects.Files:
         """Where this mesh keeps project files (the broker, or GPUMESH_ARTIFACTS's object store)."""
@@ -163,7 +165,7 @@ class Broker:
         if found:
             return found
         try:
-            self.r.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+            make_epoch(self.redis)
         except redis.exceptions.NoPermissionError:
             raise BrokerError(
                 f"the broker at {self.url_masked} has no epoch key ({keys.EPOCH}: it lost its data, or was never "
@@ -400,6 +402,79 @@ class Broker:
             raise NotFound(f"no task {task_id!r} on this broker")
         return h
 
+    def job_fields(self, job_id: str, *names: str) -> list[str | None]:
+        """These fields of the job's hash, in this order (None for one it lacks, all None for a job that is gone)."""
+        return self.r.hmget(keys.job(job_id), *names)
+
+    def job_statuses(self, job_ids: list[str]) -> list[str | None]:
+        """Each job's status, in one round trip (None for a job that is gone)."""
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in job_ids:
+                p.hget(keys.job(job_id), "status")
+            return list(p.execute())
+
+    def set_preparing(self, worker_id: str, what: str) -> None:
+        """What `workers`, `top` and the dashboard show while a worker prepares a job's environment ('' done)."""
+        self.r.hset(keys.worker(worker_id), "preparing", what)
+
+    def count_handback(self, job_id: str, lost_s: float) -> None:
+        """A task of the job was handed back by a worker pausing (lent): the time its attempt lost, counted."""
+        with self.r.pipeline(transaction=False) as p:
+            p.hincrbyfloat(keys.job(job_id), "paused_lost_s", round(lost_s, 3))
+            p.hincrby(keys.job(job_id), "paused_handbacks", 1)
+            p.execute()
+
+    def script_source(self, sha: str) -> str | None:
+        """The source submit stored under its SHA-256 (None when it is gone; the caller checks the digest)."""
+        return self.r.get(keys.script(sha))
+
+    def task_count(self, job_id: str) -> int:
+        """How many tasks the job has (without reading their ids)."""
+        return self.r.llen(keys.job_tasks(job_id))
+
+    def first_task_ids(self, job_id: str, n: int) -> list[str]:
+        """The job's first ``n`` task ids, in payload order."""
+        return self.r.lrange(keys.job_tasks(job_id), 0, n - 1)
+
+    def task_fields(self, task_id: str, *names: str) -> list[str | None]:
+        """These fields of the task's hash, in this order (None for one it lacks)."""
+        return self.r.hmget(keys.task(task_id), *names)
+
+    def failed_task_ids(self, job_id: str) -> list[str]:
+        """The first tasks of the job to fail for good (keys.job_failed), once each (a retried task that failed
+        again is listed twice there)."""
+        return list(dict.fromkeys(self.r.lrange(keys.job_failed(job_id), 0, -1)))
+
+    def result_keys(self) -> dict[str, str]:
+        """The registry of worker result keys (ACL user -> public key), written by the admin (signing.py)."""
+        return dict(self.r.hgetall(keys.RESULT_KEYS))
+
+    def register_result_key(self, user: str, public: str) -> None:
+        """Record ``user``'s result public key (the admin credential only: others may not write it)."""
+        register_result_key(self.redis, user, public)
+
+    def round_trip_s(self) -> float:
+        """One PING's round trip, in seconds."""
+        t0 = time.perf_counter()
+        self.r.ping()
+        return time.perf_counter() - t0
+
+    def counters(self) -> Counters:
+        """What the metrics endpoint exports of Redis, in one round trip after reading the ready set: queued
+        tasks by job priority, the transitions' counters and the task duration histogram."""
+        ready = self.r.zrange(keys.READY, 0, -1, withscores=True)
+        with self.r.pipeline(transaction=False) as p:
+            for member, _prio in ready:
+                job_id, klass = member.rsplit("/", 1)
+                p.zcard(keys.pending(job_id, int(klass)))
+            p.hgetall(keys.STATS)
+            p.hgetall(keys.STATS_DURATION)
+            res = p.execute()
+        queued: dict[str, int] = {}
+        for (_member, prio), depth in zip(ready, res[: len(ready)]):
+            queued[str(int(prio))] = queued.get(str(int(prio)), 0) + depth
+        return Counters(queued, res[-2], res[-1])
+
     def workers(self) -> list[WorkerInfo]:
         scores = self.live_scores()
         tiers = scheduling.worker_tiers(scores, self.settings.tiers) if scores else {}
@@ -565,6 +640,27 @@ class Broker:
                     scripts.retry(self.scripts, p, tid, cancelled)
                 n += sum(1 for res in p.execute() if int(res[0]) == 1)
         return n, self.job_status(job_id)
+
+
+def make_epoch(client: redis.Redis) -> None:
+    """Give the broker's data its id (keys.EPOCH) unless it has one: a change tells workers the data was lost."""
+    client.set(keys.EPOCH, uuid.uuid4().hex, nx=True)
+
+
+def register_result_key(client: redis.Redis, user: str, public: str) -> None:
+    """Record ``user``'s result public key (signing.result_public) in the registry results are verified with;
+    only the admin credential may."""
+    client.hset(keys.RESULT_KEYS, user, public)
+
+
+def may_write_jobs(client: redis.Redis) -> bool:
+    """Whether the credential may write the job index: ``ZADD XX`` of a member that is not there adds
+    nothing, and a read-only credential is refused it."""
+    try:
+        client.zadd(keys.JOBS, {f"write-probe-{uuid.uuid4().hex}": 0}, xx=True)
+    except redis.exceptions.NoPermissionError:
+        return False
+    return True
 
 
 def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo:

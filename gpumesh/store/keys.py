@@ -1,8 +1,22 @@
-"""Every Redis key name gpumesh uses. No key is built anywhere else."""
+"""Every Redis key name gpumesh uses: the one home of the layout.
+
+Nothing else spells a key. The Functions library gets ``PREFIX`` when scripts.py assembles it (the scripts
+build from it only the names they cannot be passed: the job dispatch picks, the spent set a lease reports,
+the wake lists of idle workers); the ACL rules (server/acl.py) are globs made here (``ALL``, a family's
+function called with ``"*"``). tests/test_layout.py fails on a literal prefix anywhere else in the package.
+
+Redis Cluster: a script may touch only keys of one hash slot, and every transition names keys of several
+families at once (a task, its job, the global LEASES, READY and EVENTS), while dispatch picks its job inside
+the script. So the layout could only live in one slot: ``PREFIX = "{gpumesh}:"`` (a hash tag) would put every
+key there, with no other change here or in the Lua, and RQ's keys (``rq:*``, each worker's deliveries) would
+need a tag of their own, which RQ does not offer. One slot is one node: a cluster would add failover, not
+capacity (Sentinel gives the failover already, store/sentinel.py).
+"""
 
 from __future__ import annotations
 
 PREFIX = "gpumesh:"
+ALL = PREFIX + "*"  # glob: every key of gpumesh's (the ACL rules' read access)
 
 JOBS = PREFIX + "jobs"  # zset: job id -> created_at
 STAGING = (
@@ -18,6 +32,7 @@ EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
 STATS_DURATION = PREFIX + "stats:duration"  # hash: task duration histogram (per-bucket counts, sum, count)
+STATS_ALL = STATS + ":*"  # glob: the statistics under STATS (STATS_DURATION)
 PRUNING = PREFIX + "pruning"  # zset: jobs the reaper deletes in steps (past their retention) -> when it began (ms)
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 # hash: worker ACL user -> its result public key (ed25519:<base64>), written by the admin only (signing.py)
@@ -145,6 +160,7 @@ def rq_job_id(task_id: str, attempt: int, backup: bool = False) -> str:
 PROJECT_REFS = PREFIX + "project:refs"  # hash: file sha256 -> how many stored trees hold it
 PROJECT_TREES = PREFIX + "project:trees"  # zset: tree digest -> when a job last attached to it (ms)
 PROJECT_BLOB_PREFIX = PREFIX + "project:blob:"  # what project_blob names: the Lua scripts add a sha256 to it
+PROJECT_ALL = PREFIX + "project:*"  # glob: every key of the project store
 
 
 def project_tree(digest: str) -> str:

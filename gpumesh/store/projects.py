@@ -1,7 +1,7 @@
 """Project files (DESIGN §10): stored once by content digest, beside the artifacts, kept while a job refers to them.
 
 Where the bytes live is where artifacts live: in the broker by default, one hash of ~1 MiB chunks per
-file (``gpumesh:project:blob:<sha256>``), or under ``<GPUMESH_ARTIFACTS>/_projects/<sha256>`` in an
+file (``keys.project_blob(sha256)``), or under ``<GPUMESH_ARTIFACTS>/_projects/<sha256>`` in an
 object store. The broker always holds the bookkeeping: each tree's manifest (``project:tree:<digest>``),
 the jobs that refer to it (``project:jobs:<digest>``) and, per file, how many trees hold it
 (``project:refs``). Both transitions are Lua functions (project_attach.lua, project_detach.lua), so a

@@ -93,6 +93,10 @@ class Registry:
         """Shown by ``gpumesh workers``; nothing decides by it."""
         self.r.hset(keys.worker(self.worker_id), "tier", tier)
 
+    def wake(self, why: str) -> None:
+        """Put a token on this worker's own wake list: out of its wait for work at once."""
+        self.r.lpush(keys.wake(self.worker_id), why)
+
     def sleep_until_woken(self, timeout: int) -> None:
         """Block on the worker's wake list (a requeue or a submit pushes to it) for at most ``timeout`` s."""
         self.r.blpop([keys.wake(self.worker_id)], timeout=timeout)

@@ -3,10 +3,10 @@ each hold Redis about a millisecond however big the job is.
 
 A job of 1,000,000 tasks is 1,000,000 task hashes: deleted in one MULTI/EXEC they held Redis for seconds,
 and every worker's call with them. Here the job leaves the index it is listed in first (no one lists it from
-then on) and enters ``gpumesh:pruning``; then each step deletes the keys of STEP tasks from the end of its
+then on) and enters ``keys.PRUNING``; then each step deletes the keys of STEP tasks from the end of its
 task list and shortens the list, in one transaction (WATCHed, so two reapers never trim each other's
 tasks away); last, its own keys go with UNLINK, which frees a big stream or set outside Redis's main thread.
-A deletion cut short (a reaper pass's budget, a crash) is resumed from ``gpumesh:pruning``.
+A deletion cut short (a reaper pass's budget, a crash) is resumed from ``keys.PRUNING``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def delete_job(
     its project goes too, if no other job refers to it (``files``). Files in an object store are deleted only
     from ``own_store`` (this machine's GPUMESH_ARTIFACTS), in the background.
     With ``deadline`` (time.monotonic()), stops between steps once it has passed and answers False: the job
-    stays in ``gpumesh:pruning`` for the next call (resuming()) to finish. True once the job is gone."""
+    stays in ``keys.PRUNING`` for the next call (resuming()) to finish. True once the job is gone."""
     begin(r, job_id, index)
     while step(r, job_id) == STEP:  # fewer: the list is empty now
         if deadline is not None and time.monotonic() >= deadline:

@@ -70,10 +70,16 @@ def _lua(name: str) -> str:
     return (resources.files("gpumesh.store") / "lua" / f"{name}.lua").read_text()
 
 
+def _prelude() -> str:
+    """What the library defines before ``_lib.lua`` (library() and _source put it first): the key prefix, from
+    keys.py (the one home of the layout), from which the scripts build the few names they cannot be passed."""
+    return f"local PREFIX = '{keys.PREFIX}'  -- keys.PREFIX"
+
+
 @cache
 def _source(name: str) -> str:
     """A script as one chunk, ``_lib.lua`` first (what EVAL of one transition would take; tests use it)."""
-    return _lua("_lib") + "\n" + _lua(name)
+    return "\n".join([_prelude(), _lua("_lib"), _lua(name)])
 
 
 def new_token() -> str:
@@ -98,7 +104,7 @@ def library() -> tuple[str, str]:
     per script, and ``<library>_version`` (read-only), which answers the library's name. Each function
     reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer names."""
     lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
-    parts = ["#!lua name=" + _NAME, lib_code]
+    parts = ["#!lua name=" + _NAME, _prelude(), lib_code]
     for name, body in zip(NAMES, bodies):
         flags = ", flags={'no-writes'}" if name in READ_ONLY else ""
         parts.append(

@@ -5,7 +5,11 @@ small hash plus one member of its job's pending zset for its requirement class; 
 until a worker takes the task, so a queued task costs a few hundred bytes of broker memory.
 A job of up to STAGE_ABOVE tasks is written in one MULTI/EXEC; a larger one in stages (claim, tasks
 in chunks, one MULTI/EXEC to make it visible), so neither the client nor Redis's MULTI buffer holds
-it whole. :class:`gpumesh.store.broker.Broker` submits through a :class:`Submitter`.
+it whole.
+
+The path runs one way: the API checks its input once, into a :class:`SubmitRequest` (``SubmitRequest.checked``,
+the one place a submit's input is checked); :class:`gpumesh.store.broker.Broker` sends it (``Broker.send``)
+through a :class:`Submitter`, which plans the job (ids, costs, classes) and writes it, trusting the request.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -28,6 +32,7 @@ from gpumesh.envs.lock import Lock, env_requirements
 from gpumesh.errors import BrokerError, UsageError
 from gpumesh.models import (
     JobOptions,
+    Payloads,
     SubmitResult,
     check_payloads,
     check_reusable,
@@ -40,6 +45,9 @@ from gpumesh.settings import Settings
 from gpumesh.store import keys, projects, scripts
 from gpumesh.store.connection import TextClient, translate
 from gpumesh.store.retention import delete_job
+
+if TYPE_CHECKING:
+    from gpumesh.signing import Signer
 
 log = logging.getLogger("gpumesh")
 
@@ -81,24 +89,126 @@ STAGE_BYTES = 32 * 2**20
 STAGING_STALE_MS = 60_000
 
 
-@dataclass(frozen=True)
-class _Job:
-    """What submit writes for one job (ids, costs and requirement classes already decided)."""
+MAX_IDEMPOTENCY_KEY = 200
 
-    id: str
-    sha: str
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """One job to submit, checked: what the API builds once and the broker sends (``Broker.send``).
+
+    Build it with :meth:`checked`, the one place where a submit's input is checked; what comes after
+    (Submitter) trusts it."""
+
     source: str
     script_name: str
-    payloads: list[dict[str, Any]]
+    payloads: Payloads
+    options: JobOptions  # its requirements include the environment's (env_requirements)
+    idempotency_key: str | None = None  # a retried submit with the same key returns the first one's job
+    signer: Signer | None = None  # signs every task (gpumesh.signing)
+    expires_in: float = 7 * 86400  # s a signed job stays valid
+    project: Packed | None = None  # the folder that travels with the job (gpumesh.project.pack)
+    siblings: tuple[str, ...] = ()  # modules beside a lone script where it was submitted (the worker's hint)
+    env: Lock | None = None  # its environment's lock (gpumesh.envs), stored once in the job's hash
+
+    @classmethod
+    def checked(
+        cls,
+        source: str,
+        script_name: str,
+        payloads: list[dict[str, Any]],
+        options: JobOptions,
+        *,
+        idempotency_key: str | None = None,
+        signer: Signer | None = None,
+        expires_in: float = 7 * 86400,
+        project: Packed | None = None,
+        siblings: tuple[str, ...] = (),
+        env: Lock | None = None,
+    ) -> SubmitRequest:
+        """The request, once its input passed every check (a UsageError naming what is wrong otherwise).
+        Payloads that ``check_payloads`` returned already (the CLI's, the API's) are not checked again."""
+        checked = check_payloads(payloads)
+        if idempotency_key is not None:
+            _check_idempotency_key(idempotency_key)
+        check_script(source, script_name)
+        if not isinstance(options, JobOptions):
+            raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")
+        if options.reuse_process:
+            check_reusable(source, script_name)
+        if env is not None:  # only workers that build envs, of a Python the lock allows, may take its tasks
+            options = options.model_copy(update={"requires": (*options.requires, *env_requirements(env))})
+        siblings = siblings if project is None else ()
+        return cls(source, script_name, checked, options, idempotency_key, signer, expires_in, project, siblings, env)
+
+    @property
+    def sha(self) -> str:
+        """The script's SHA-256: its key in the broker (keys.script), and what tasks and signatures name."""
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def job_id(self) -> str:
+        """Derived from the idempotency key (a retry names the same job), else random."""
+        if self.idempotency_key:
+            return hashlib.sha256(f"gpumesh-idempotency:{self.idempotency_key}".encode()).hexdigest()[:12]
+        return uuid.uuid4().hex[:12]
+
+    def fingerprint(self) -> str:
+        """What an idempotent retry must repeat exactly: a digest of script, payloads, options, project and
+        environment ('' without an idempotency key: never compared, so never computed)."""
+        if not self.idempotency_key:
+            return ""
+        project = self.project.digest if self.project else ""
+        what = [self.sha, self.script_name, self.payloads, self.options.model_dump(), project]
+        what += [self.env.digest] if self.env else []
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What submit writes for one job: the request, and what was decided for it (ids, costs and requirement
+    classes, the time it was made, the tier forecast)."""
+
+    request: SubmitRequest
+    id: str
+    sha: str
     costs: list[float]
     classes: list[int]  # requirement class of each task (index into class_reqs)
     class_reqs: list[tuple[requirements.Requirement, ...]]
-    options: JobOptions
     created: float
     per_tier: dict[str, int]
-    project: Packed | None = None
-    siblings: tuple[str, ...] = ()  # modules beside a lone script where it was submitted (the worker's hint)
-    env: Lock | None = None  # its environment's lock (gpumesh.envs), stored once in the job's hash
+    fingerprint: str  # SubmitRequest.fingerprint: '' without an idempotency key
+
+    @property
+    def source(self) -> str:
+        return self.request.source
+
+    @property
+    def script_name(self) -> str:
+        return self.request.script_name
+
+    @property
+    def payloads(self) -> Payloads:
+        return self.request.payloads
+
+    @property
+    def options(self) -> JobOptions:
+        return self.request.options
+
+    @property
+    def project(self) -> Packed | None:
+        return self.request.project
+
+    @property
+    def siblings(self) -> tuple[str, ...]:
+        return self.request.siblings
+
+    @property
+    def env(self) -> Lock | None:
+        return self.request.env
+
+    @property
+    def expires(self) -> float:
+        """When a signed job's signatures expire (server seconds)."""
+        return self.created + self.request.expires_in
 
     @property
     def signed_env(self) -> str:
@@ -109,6 +219,15 @@ class _Job:
     def signed_project(self) -> tuple[str, str]:
         """(tree digest, output globs as JSON) as the signature covers them; ('', '') for neither."""
         return self.project.digest if self.project else "", outputs_json(self.options.outputs)
+
+
+def tier_forecast(costs: list[float], scores: dict[str, float], tiers: int) -> dict[str, int]:
+    """Where the tasks would go on the live fleet as it is now: tasks per worker tier, as ``submit --json``
+    prints it. Only a forecast for the submitter: placement is decided by dispatch.lua when a worker asks."""
+    per_tier: dict[str, int] = {}
+    for t in sorted(scheduling.assign_task_tiers(costs, scheduling.tier_capacity(scores, tiers))):
+        per_tier[str(t)] = per_tier.get(str(t), 0) + 1
+    return per_tier
 
 
 def outputs_json(globs: tuple[str, ...]) -> str:
@@ -135,9 +254,6 @@ def requirement_classes(
             reqs.append(tuple(requirements.parse(e) for e in key))
         classes[i] = index[key]
     return classes, reqs
-
-
-MAX_IDEMPOTENCY_KEY = 200
 
 
 def _check_idempotency_key(key: str) -> None:
@@ -190,83 +306,40 @@ class Submitter:
             pass
         self._epoch_made = True
 
-    def submit(
-        self,
-        source: str,
-        script_name: str,
-        payloads: list[dict[str, Any]],
-        options: JobOptions,
-        idempotency_key: str | None = None,
-        signer: Any = None,
-        expires_in: float = 7 * 86400,
-        project: Packed | None = None,
-        files: projects.Files | None = None,
-        siblings: tuple[str, ...] = (),
-        env: Lock | None = None,
-    ) -> SubmitResult:
-        """Write script, job, tasks and their RQ deliveries in one MULTI/EXEC: the job appears whole or not at all.
+    def submit(self, request: SubmitRequest, files: projects.Files | None = None) -> SubmitResult:
+        """Write script, job and tasks so that the job appears whole or not at all (one MULTI/EXEC, or stages
+        for a large job). With a project, its files the mesh lacks are sent to ``files`` first, and the job
+        attached to its tree (a job that then fails to be written is detached again).
 
-        With ``project`` its files the mesh lacks are sent to ``files`` first, and the job attached to its tree
-        (a job that then fails to be written is detached again).
-
-        With ``idempotency_key`` the job id derives from the key, so a submit retried after a timeout
+        With an idempotency key the job id derives from the key, so a submit retried after a timeout
         returns the job the first one created instead of a second job (WATCH makes the race safe)."""
-        payloads = check_payloads(payloads)  # a no-op on what the CLI already checked
-        if idempotency_key is not None:
-            _check_idempotency_key(idempotency_key)
-        check_script(source, script_name)
-        if not isinstance(options, JobOptions):
-            raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")
-        if options.reuse_process:
-            check_reusable(source, script_name)
-        sha = hashlib.sha256(source.encode()).hexdigest()
-        if env is not None:  # only workers that build envs, of a Python the lock allows, may take its tasks
-            options = options.model_copy(update={"requires": (*options.requires, *env_requirements(env))})
-        request = ""  # what an idempotent retry must repeat exactly; only computed when there is a key
-        if idempotency_key:
-            job_id = hashlib.sha256(f"gpumesh-idempotency:{idempotency_key}".encode()).hexdigest()[:12]
-            request = hashlib.sha256(
-                json.dumps(
-                    [
-                        sha,
-                        script_name,
-                        payloads,
-                        options.model_dump(),
-                        project.digest if project else "",
-                        *([env.digest] if env else []),
-                    ],
-                    sort_keys=True,
-                ).encode()
-            ).hexdigest()
-        else:
-            job_id = uuid.uuid4().hex[:12]
-        costs = [payload_cost(p) for p in payloads]
-        classes, class_reqs = requirement_classes(payloads, options.requires)
         try:
-            now_ms, scores = self._live()
-            # Only a forecast for the submitter (where the tasks would go on the fleet as it is now):
-            # placement itself is decided by dispatch.lua when a worker asks.
-            tiers = scheduling.assign_task_tiers(costs, scheduling.tier_capacity(scores, self.settings.tiers))
-            created = now_ms / 1000
-            per_tier: dict[str, int] = {}
-            for t in sorted(tiers):
-                per_tier[str(t)] = per_tier.get(str(t), 0) + 1
-            job = _Job(
-                job_id, sha, source, script_name, payloads, costs, classes, class_reqs, options, created, per_tier,
-                project, siblings if project is None else (), env,
-            )  # fmt: skip
-            if project is not None:
+            job = self._plan(request)
+            if request.project is not None:
                 assert files is not None
-                return self._with_project(job, files, request, idempotency_key, signer, created + expires_in)
-            return self._write(job, request, idempotency_key, signer, created + expires_in)
+                return self._with_project(job, files)
+            return self._write(job)
         except redis.RedisError as exc:
             raise translate(exc, self.url) from None
 
-    def _write(self, job: _Job, request: str, idempotency_key: str | None, signer: Any, expires: float) -> SubmitResult:
+    def _plan(self, request: SubmitRequest) -> _Job:
+        """What is decided for the job before it is written: its id, each task's cost and requirement class,
+        its creation time (the server's) and the tier forecast."""
+        costs = [payload_cost(p) for p in request.payloads]
+        classes, class_reqs = requirement_classes(request.payloads, request.options.requires)
+        now_ms, scores = self._live()
+        forecast = tier_forecast(costs, scores, self.settings.tiers)
+        created = now_ms / 1000
+        return _Job(
+            request, request.job_id(), request.sha, costs, classes, class_reqs, created, forecast, request.fingerprint()
+        )
+
+    def _write(self, job: _Job) -> SubmitResult:
         """The job, written in one MULTI/EXEC or (a large one) in stages."""
-        job_id = job.id
+        job_id, request, idempotency_key = job.id, job.fingerprint, job.request.idempotency_key
+        signer, expires = job.request.signer, job.expires
         if len(job.payloads) > STAGE_ABOVE:
-            staged = self._submit_staged(job, request, idempotency_key, signer, expires)
+            staged = self._submit_staged(job)
             self._make_epoch()
             return staged
         existing: list[Any]
@@ -290,9 +363,7 @@ class Submitter:
             return self._same_request(job_id, existing, request, idempotency_key or "")
         return SubmitResult(job_id=job_id, tasks=len(job.payloads), tiers=job.per_tier, priority=job.options.priority)
 
-    def _with_project(
-        self, job: _Job, files: projects.Files, request: str, idempotency_key: str | None, signer: Any, expires: float
-    ) -> SubmitResult:
+    def _with_project(self, job: _Job, files: projects.Files) -> SubmitResult:
         """Send the project's missing files and attach the job to its tree, then write the job; a job not
         written (an error, Ctrl-C) is detached again. An idempotent retry of a job that exists is attached
         already (attaching is idempotent) and keeps its tree."""
@@ -300,7 +371,7 @@ class Submitter:
         projects.store(files, self.scripts, self.r, job.project, job.id)
         written = False
         try:
-            res = self._write(job, request, idempotency_key, signer, expires)
+            res = self._write(job)
             written = True
             return res
         finally:
@@ -419,16 +490,16 @@ class Submitter:
                        env_builds=int(job.env.allow_builds))  # fmt: skip
         return out
 
-    def _submit_staged(
-        self, job: _Job, request: str, idempotency_key: str | None, signer: Any, expires: float
-    ) -> SubmitResult:
+    def _submit_staged(self, job: _Job) -> SubmitResult:
         """A large job in bounded steps, so neither this process nor Redis's MULTI buffer holds it all at once.
 
-        1. Claim the job id in ``gpumesh:staging`` (a concurrent submit with the same idempotency key
+        1. Claim the job id in ``keys.STAGING`` (a concurrent submit with the same idempotency key
            waits for ours), then stage the tasks chunk by chunk, invisible; the reaper deletes what a
            submitter that died here left behind.
         2. One MULTI/EXEC makes the whole job visible at once."""
         r, total = self.r, len(job.payloads)
+        request, idempotency_key = job.fingerprint, job.request.idempotency_key
+        signer, expires = job.request.signer, job.expires
         if idempotency_key:
             existing = r.hmget(keys.job(job.id), "request", "total", "tiers")
             if existing[0] is not None:
@@ -438,7 +509,7 @@ class Submitter:
             if other is not None:
                 return other
             # the other submit died: its claim and what it staged are gone; stage the job afresh
-            return self._submit_staged(job, request, idempotency_key, signer, expires)
+            return self._submit_staged(job)
         r.set(keys.script(job.sha), job.source)  # as in _write_job: repairs an overwritten script
         t0 = time.monotonic()
         for start in range(0, total, STAGE_CHUNK):

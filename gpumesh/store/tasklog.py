@@ -52,6 +52,13 @@ def append(pipe: Any, lines: Iterable[Line]) -> int:
     return n
 
 
+def send(r: Any, lines: Iterable[Line]) -> None:
+    """Append these lines to their jobs' logs, in one round trip."""
+    with r.pipeline(transaction=False) as p:
+        append(p, lines)
+        p.execute()
+
+
 def _entries(r: Any, key: str, lo: str, hi: str = "+") -> Iterator[Entry]:
     """The stream's entries from ``lo`` to ``hi`` (XRANGE bounds), a page per round trip."""
     while True:

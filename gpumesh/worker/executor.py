@@ -33,7 +33,7 @@ from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote, ZygoteError
 from gpumesh.signing import PROOF_FIELD, ResultSigner, Verifier, leased_identity
-from gpumesh.store import artifacts, checkpoints, keys, scripts
+from gpumesh.store import artifacts, checkpoints, scripts
 from gpumesh.store.broker import Broker
 from gpumesh.worker import lent
 from gpumesh.worker.classify import bad_result, failure_of, module_hint, next_step, outcome
@@ -157,7 +157,7 @@ class Executor:
         # Where the winning attempts' output files go (the broker, or GPUMESH_ARTIFACTS's object store).
         self.artifacts = artifacts.backend(self.settings, self.broker.rq)
         self.artifact_caps = artifacts.Caps.of(self.settings)
-        # Signs each result with this worker credential's own key (gpumesh:resultkeys), when the URL has one.
+        # Signs each result with this worker credential's own key (keys.RESULT_KEYS), when the URL has one.
         self.result_signer = ResultSigner.of_url(self.broker.url)
         # submit --reuse-process: each such job's tasks run in one long-lived process here, kept between its tasks.
         self.residents = resident.Pool(self.settings.reuse_idle)
@@ -203,7 +203,7 @@ class Executor:
             return got
         if not self.settings.envs:
             raise EnvError("this worker runs no environments (worker --no-envs)")
-        text, python, builds = self.broker.r.hmget(keys.job(lease.job_id), "env_lock", "env_python", "env_builds")
+        text, python, builds = self.broker.job_fields(lease.job_id, "env_lock", "env_python", "env_builds")
         if text is None:
             raise EnvError("the job's lock is missing from the broker")
         preparing = self.envs.ready(digest) is None
@@ -212,13 +212,13 @@ class Executor:
             log.info("%s", said)
             self.w.logs.put(lease.task_id, "gpumesh", said)
             # what `workers`, `top` and the dashboard show meanwhile
-            self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", said.removeprefix("preparing "))
+            self.broker.set_preparing(self.w.worker_id, said.removeprefix("preparing "))
         started = time.monotonic()
         try:
             got = self.envs.ensure(digest, text, python or "", builds == "1")
         finally:
             if preparing:
-                self.broker.r.hset(keys.worker(self.w.worker_id), "preparing", "")
+                self.broker.set_preparing(self.w.worker_id, "")
         log.info("env %s ready in %.2fs", digest[:12], time.monotonic() - started)
         self._env_ready[digest] = got
         return got
@@ -244,8 +244,8 @@ class Executor:
     def extras(self, job_id: str) -> JobExtras:
         got = self._extras.get(job_id)
         if got is None:
-            project, outputs, siblings, reuse, env = self.broker.r.hmget(
-                keys.job(job_id), "project", "outputs", "siblings", "reuse_process", "env"
+            project, outputs, siblings, reuse, env = self.broker.job_fields(
+                job_id, "project", "outputs", "siblings", "reuse_process", "env"
             )
             got = NO_EXTRAS
             if project or outputs or siblings or reuse == "1" or env:
@@ -302,10 +302,7 @@ class Executor:
         def ended(job_ids: list[str]) -> set[str]:
             if not job_ids:
                 return set()
-            with self.broker.r.pipeline(transaction=False) as p:
-                for job_id in job_ids:
-                    p.hget(keys.job(job_id), "status")
-                states = p.execute()
+            states = self.broker.job_statuses(job_ids)
             return {j for j, st in zip(job_ids, states) if st is None or st in TERMINAL}
 
         self.residents.prune(ended)
@@ -325,7 +322,7 @@ class Executor:
     def _script(self, sha: str) -> str:
         src = self._scripts_cache.get(sha)
         if src is None:
-            src = self.broker.r.get(keys.script(sha))
+            src = self.broker.script_source(sha)
             if src is None:
                 raise LookupError(f"script {sha[:12]} is missing from the broker")
             if hashlib.sha256(src.encode()).hexdigest() != sha:
@@ -444,7 +441,7 @@ class Executor:
         job = self._jobs_seen.get(job_id)
         if job is None and self.w.lent_path is not None:
             try:
-                got = self.broker.r.hmget(keys.job(job_id), "name", "submitter", "project", "env", "reuse_process")
+                got = self.broker.job_fields(job_id, "name", "submitter", "project", "env", "reuse_process")
             except redis.RedisError:
                 return {"name": "", "submitter": "", "project": "", "env": "", "reused": ""}
             job = {k: str(v or "") for k, v in zip(("name", "submitter", "project", "env", "reused"), got)}
@@ -590,7 +587,7 @@ class Executor:
         try:
             staged = artifacts.stage(
                 self.artifacts, lease.task_id, lease.job_id, lease.index, copy, entries, self.artifact_caps,
-                lambda: int(self.broker.r.hget(keys.job(lease.job_id), "artifact_bytes") or 0),
+                lambda: int(self.broker.job_fields(lease.job_id, "artifact_bytes")[0] or 0),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - an object store's errors are its own; each is the attempt's failure
             for entry in entries:  # close what the walk has not yielded yet
@@ -672,10 +669,7 @@ class Executor:
         log.info("%s: handed back (%s) after %.1fs", lease.task_id, why, out.duration)
         if res.accepted:
             try:
-                with self.broker.r.pipeline(transaction=False) as p:
-                    p.hincrbyfloat(keys.job(lease.job_id), "paused_lost_s", round(out.duration, 3))
-                    p.hincrby(keys.job(lease.job_id), "paused_handbacks", 1)
-                    p.execute()
+                self.broker.count_handback(lease.job_id, out.duration)
             except redis.RedisError as exc:
                 log.debug("could not count the pause in its job (%s)", exc)
         return "lost"

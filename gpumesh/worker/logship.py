@@ -60,9 +60,7 @@ class LogShipper(threading.Thread):
                 batch = self._next_batch()
                 self._sending = True
             try:
-                with self.r.pipeline(transaction=False) as p:
-                    tasklog.append(p, batch)
-                    p.execute()
+                tasklog.send(self.r, batch)
             except redis.RedisError as exc:
                 self.lost(len(batch), exc)
             finally:

@@ -48,10 +48,10 @@ from gpumesh.models import Capability
 from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
 from gpumesh.sandbox.taskdir import sweep_dead_workers_dirs
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, reaper, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 from gpumesh.store.registry import Registry
-from gpumesh.worker import executor, lending, reaper
+from gpumesh.worker import executor, lending
 from gpumesh.worker.heartbeat import Heartbeat
 from gpumesh.worker.logship import LogShipper
 from gpumesh.worker.rqworker import BAD_DATA, REFUSED, LeanRQWorker
@@ -783,7 +783,7 @@ class MeshWorker(LeanRQWorker):
                 self.registry.set_paused(reason or "", int(self.settings.worker_ttl * 1000))
             if not reason:
                 with contextlib.suppress(redis.RedisError):
-                    self.broker.rq.lpush(keys.wake(self.worker_id), "resumed")  # out of its wait for work at once
+                    self.registry.wake("resumed")  # out of its wait for work at once
             self._lend_changed.set()
         if self.max_vram_gb and running is not None and reason is None:
             self._vram_check(running)

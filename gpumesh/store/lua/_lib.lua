@@ -91,8 +91,8 @@ local function maybe_finish(job_key, events_key, job_id, ms)
 end
 
 -- Names built here, not in KEYS: the dispatcher cannot know which job's queue it will take from before
--- it looks (as dramatiq's dispatch.lua builds its queue keys). They mirror gpumesh/store/keys.py exactly.
-local PREFIX = 'gpumesh:'
+-- it looks (as dramatiq's dispatch.lua builds its queue keys). They mirror gpumesh/store/keys.py exactly;
+-- PREFIX is keys.PREFIX, defined above this file by scripts.py when it assembles the library.
 
 local function job_of(task_id)
   return string.match(task_id, '^(.*)%-%d+$')
@@ -100,6 +100,11 @@ end
 
 local function pending_key(job_id, klass)
   return PREFIX .. 'job:' .. job_id .. ':pending:' .. klass
+end
+
+-- keys.spent: the spent set of a task's job (signing.py).
+local function spent_key_of(task_id)
+  return PREFIX .. 'spent:' .. (job_of(task_id) or '')
 end
 
 local function pad(index)
@@ -177,7 +182,7 @@ local function lease_reply(l)
     -- Whether its job's spent set (signing.py) is there and holds it, read with the lease: a trusting worker
     -- refuses a task that ended for good (executor._refusal) without another round trip.
     local index = string.match(l.task_id, '%-(%d+)$') or ''
-    local got = redis.pcall('SMISMEMBER', PREFIX .. 'spent:' .. (job_of(l.task_id) or ''), '*', index)
+    local got = redis.pcall('SMISMEMBER', spent_key_of(l.task_id), '*', index)
     local state = 'missing'
     if type(got) == 'table' and not got.err and got[1] == 1 then
       state = got[2] == 1 and 'ended' or 'open'

@@ -15,7 +15,7 @@ local leases_key = KEYS[3]
 local job_key = KEYS[4]
 local events_key = KEYS[5]
 local ready_key = KEYS[6]
-local spent_key = KEYS[7]  -- declared; the name used is made from the task id (below)
+local spent_key = KEYS[7]
 
 local task_id = ARGV[1]
 local spent = ARGV[2] or ''
@@ -38,8 +38,8 @@ clear_backup(task_key)
 redis.call('DEL', lease_key)
 redis.call('ZREM', leases_key, task_id)
 move(job_key, status, 'cancelled')
-if spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
-  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- only a signed job has one (made at submit, with its TTL)
+if spent ~= '' and redis.call('SISMEMBER', spent_key, '*') == 1 then
+  redis.call('SADD', spent_key, spent)  -- only a signed job has one (made at submit, with its TTL)
 end
 emit(events_key, 'task', task_id, 'cancelled')
 ended(job_key, task_id, 'cancelled')

@@ -33,7 +33,7 @@ local worker_key = KEYS[6]
 local ready_key = KEYS[7]
 local stats_key = KEYS[8]
 local idle_key = KEYS[9]
-local spent_key = KEYS[10]  -- declared; the name used is made from the task id (below)
+local spent_key = KEYS[10]
 local scores_key = KEYS[11]
 
 local task_id = ARGV[1]
@@ -138,7 +138,7 @@ end
 if r[2] == 'queued' and mode == 'fail' and avoid_ms > 0 and type(failed_on) == 'string' then
   redis.call('HSET', task_key, 'avoid', failed_on, 'avoid_until', ms + avoid_ms)
 end
-if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
-  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)
+if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', spent_key, '*') == 1 then
+  redis.call('SADD', spent_key, spent)  -- ended for good (only a signed job has the set)
 end
 return r

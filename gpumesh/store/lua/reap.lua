@@ -19,7 +19,7 @@ local events_key = KEYS[5]
 local ready_key = KEYS[6]
 local stats_key = KEYS[7]
 local idle_key = KEYS[8]
-local spent_key = KEYS[9]  -- declared; the name used is made from the task id (below)
+local spent_key = KEYS[9]
 
 local task_id = ARGV[1]
 local spent = ARGV[2] or ''
@@ -53,7 +53,7 @@ local r = end_attempt({
   task_key = task_key, job_key = job_key, events_key = events_key, ready_key = ready_key, idle_key = idle_key,
   stats_key = stats_key, task_id = task_id, error = err, duration = '', ms = ms, kind = 'lost', free = true,
 })
-if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', PREFIX .. 'spent:' .. (job_of(task_id) or ''), '*') == 1 then
-  redis.call('SADD', PREFIX .. 'spent:' .. job_of(task_id), spent)  -- ended for good (only a signed job has the set)
+if r[2] == 'failed' and spent ~= '' and redis.call('SISMEMBER', spent_key, '*') == 1 then
+  redis.call('SADD', spent_key, spent)  -- ended for good (only a signed job has the set)
 end
 return r

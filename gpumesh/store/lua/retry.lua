@@ -15,7 +15,7 @@ local job_key = KEYS[2]
 local events_key = KEYS[3]
 local ready_key = KEYS[4]
 local idle_key = KEYS[5]
-local spent_key = KEYS[6]  -- declared; the script uses the name it makes itself (below)
+local spent_key = KEYS[6]  -- declared, for ACLs and Redis Cluster; the name used is the task's own (below)
 
 local task_id = ARGV[1]
 local cancelled_too = ARGV[2] == '1'
@@ -27,7 +27,7 @@ if status ~= 'failed' and not (cancelled_too and status == 'cancelled') then
 end
 -- First: see above (a no-op for an unsigned job). The set's name is made here from the task id, not taken
 -- from KEYS, so a caller cannot skip this step by naming another key.
-redis.call('SREM', PREFIX .. 'spent:' .. (job_of(task_id) or ''), spent)
+redis.call('SREM', spent_key_of(task_id), spent)
 local job_id = job_of(task_id)
 local kind = status == 'failed' and redis.call('HGET', task_key, 'error_kind')
 if type(kind) == 'string' and (tonumber(redis.pcall('HGET', job_key, 'failed:' .. kind)) or 0) > 0 then
