@@ -159,6 +159,7 @@ def load_library(client: redis.Redis, replace: bool = False) -> str:
 
 
 ENSURE_EVERY = 30.0
+FALLBACK_CHECK_EVERY = 2.0
 
 
 class Function:
@@ -216,11 +217,14 @@ class Scripts:
     def ensure(self, force: bool = False) -> None:
         """Make sure the broker has the library this client calls (once every ENSURE_EVERY s unless ``force``);
         when it is missing, pick again (see the class)."""
-        if not force and time.monotonic() - self._ensured < ENSURE_EVERY:
+        # on the previous protocol's functions, look sooner for this one's (an upgraded broker serves it)
+        every = ENSURE_EVERY if self.foreign or self.protocol == PROTOCOL else FALLBACK_CHECK_EVERY
+        if not force and time.monotonic() - self._ensured < every:
             return
-        if not self._has(self.lib):
-            if self.foreign:
+        if self.foreign:
+            if not self._has(self.lib):
                 raise BrokerError(f"the broker lacks the Redis functions of library {self.lib}")
+        elif self.protocol != PROTOCOL or not self._has(self.lib):
             self._pick()
         self._ensured = time.monotonic()
 

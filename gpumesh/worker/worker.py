@@ -862,6 +862,7 @@ class MeshWorker(LeanRQWorker):
                 running.stop("cancelled")
             elif beat.lease == "lost":
                 running.stop("lease lost: the task was leased again elsewhere")
+        self.broker.scripts.ensure()  # one FCALL_RO now and then: the protocol to call may have changed
         if beat.registered and self.broker.scripts.lib != self._registered_lib:  # the broker changed protocol
             log.info("now calling %s (gpumesh protocol %s)", self.broker.scripts.lib, self.broker.scripts.protocol)
             self._register()

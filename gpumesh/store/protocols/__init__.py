@@ -125,6 +125,14 @@ def unserved_message(client: Any, lib: str) -> str:
     )
 
 
+def of_registration(protocol: str | None, version: str | None) -> int | None:
+    """The protocol a worker's registration says it speaks; for one that predates the field, its release's
+    (FROZEN_FROM), else None."""
+    if protocol and protocol.isdigit():
+        return int(protocol)
+    return next((p for p, (_, v) in FROZEN_FROM.items() if v == version), None)
+
+
 def in_use(client: Any) -> dict[str, list[str]]:
     """The gpumesh libraries live workers registered that they call (library -> worker ids). A registration
     without one is protocol 28's (it predates the field): it calls that frozen library."""
