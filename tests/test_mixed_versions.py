@@ -224,8 +224,10 @@ def test_the_previous_release_and_this_one_share_a_broker_either_serves_and_an_u
                 ran_by[side].add(str(Path(row["result"]["gpumesh"]).parent.parent))
         assert ran_by == {"old": {str(old_site)}, "new": {str(ROOT)}}, ran_by
         doctor = sides["new"].run("doctor", "--json", "--url", sub)
-        said = json.dumps(json.loads(doctor.stdout))
-        assert f"{OLD_VERSION} (protocol {PROTOCOL - 1})" in said and f"{__version__} (protocol {PROTOCOL})" in said
+        (line,) = [line for line in json.loads(doctor.stdout) if line["check"] == "versions"]
+        assert line["status"] == "warn" and f"serves protocol {PROTOCOL - 1}-{PROTOCOL}" in line["detail"], line
+        assert f"{OLD_VERSION} (protocol {PROTOCOL - 1}) on 1" in line["detail"], line
+        assert f"{__version__} (protocol {PROTOCOL}) on 1" in line["detail"], line
         assert libraries(admin) == sorted([scripts.library()[0], previous.name])
     finally:
         for side in sides.values():

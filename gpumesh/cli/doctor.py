@@ -701,10 +701,15 @@ def versions_line(settings: Settings, r: redis.Redis) -> Line:
     for w in found:
         counts[w.release] = counts.get(w.release, 0) + 1
     runs = ", ".join(f"{release} on {n} worker{'s' * (n > 1)}" for release, n in sorted(counts.items(), reverse=True))
-    broker_said = (
-        f"the broker serves protocol {protocols.span(served)} (loaded by gpumesh {loaded_by or '?'})"
-        if served else "the broker keeps no record of its protocols (served by gpumesh 0.2.0 or older)"
-    )  # fmt: skip
+    if served:
+        broker_said = f"the broker serves protocol {protocols.span(served)} (loaded by gpumesh {loaded_by or '?'})"
+    else:  # no record: not prepared by serve or access load-functions (of 0.3.0 or later); ask the functions
+        served = protocols.present(r)
+        broker_said = (f"the broker has functions of protocol {protocols.span(served)}" if served
+                       else "the broker has no gpumesh functions this version knows") + (
+            " (and no record of what it serves: not prepared by `gpumesh serve` or `access load-functions` of "
+            "gpumesh 0.3.0 or later)"
+        )  # fmt: skip
     upgrade = "Upgrading a mesh: docs/how-to/upgrade.md (the broker first, then workers in any order)."
     if served and PROTOCOL not in served and not (PROTOCOL - 1 in served and protocols.fallback()):
         return warn("versions", f"{broker_said}; this gpumesh {__version__} speaks protocol {PROTOCOL}", upgrade)

@@ -24,6 +24,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+import redis
+
 from gpumesh._version import OLDEST_PROTOCOL, PROTOCOL, __version__
 from gpumesh.store import keys
 
@@ -94,6 +96,20 @@ def served_by(client: Any) -> tuple[list[int], str]:
         (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in got.items()
     }
     return sorted(int(k) for k in got if k.isdigit()), str(got.get("version", ""))
+
+
+def present(client: Any) -> list[int]:
+    """Which of the protocols this release knows (its own and the frozen ones) the broker has functions for,
+    asked of the functions themselves (any credential may: FCALL_RO of each library's ``_version``)."""
+    names = {PROTOCOL: f"gpumesh_p{PROTOCOL}", **{lib.protocol: lib.name for lib in served_before()}}
+    found = []
+    for protocol, name in sorted(names.items()):
+        try:
+            client.fcall_ro(f"{name}_version", 0)
+        except redis.ResponseError:
+            continue
+        found.append(protocol)
+    return found
 
 
 def span(protocols: list[int]) -> str:
