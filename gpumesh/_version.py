@@ -11,8 +11,8 @@ A leaf module: the package's ``__init__`` and the sandbox launcher import it, so
 
 __version__ = "0.3.0"
 
-# The broker-side contract this release speaks (numbered from the first release's; docs/explanation/protocol.md
-# lists the changes). A change to a function's KEYS or ARGV, a key's name or type, or a field's meaning is a new one.
+# The broker-side contract this release speaks (counted from the start of gpumesh's history;
+# docs/explanation/protocol.md lists the changes). A change to a function's KEYS or ARGV, a key's name or type, or a field's meaning is a new one.
 PROTOCOL = 29
 
 # The oldest protocol this release still serves (`gpumesh serve` loads its library beside this one's) and calls
