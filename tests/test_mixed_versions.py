@@ -245,7 +245,8 @@ def test_two_protocols_apart_either_way_exits_at_start_in_one_line_naming_both_a
     env: dict[str, str], tmp_path: Path
 ):
     """A later release, two protocols on (this package with its protocol moved), against this release's broker,
-    and this release against the later one's broker."""
+    and this release against the later one's broker; then this release's load-functions on the later broker
+    keeps the later library while a later worker calls it."""
     later = tmp_path / "later"
     shutil.copytree(ROOT / "gpumesh", later, ignore=shutil.ignore_patterns("__pycache__"))
     version = later / "_version.py"
@@ -255,13 +256,17 @@ def test_two_protocols_apart_either_way_exits_at_start_in_one_line_naming_both_a
     python, _ = release_venv(tmp_path / "venv", later)
     sides = {"later": Side(python, env, tmp_path, "later"), "this": Side((sys.executable,), env, tmp_path, "this")}
     data, port = tmp_path / "broker", free_port()
-    for serving, client, fix in (("this", "later", "upgrade the broker's gpumesh"), ("later", "this", "upgrade gpumesh on this machine")):  # fmt: skip
-        serve = Serve(env, data, port, python=sides[serving].python)
-        admin = admin_of(data, port)
-        try:
+    (tmp_path / "task.py").write_text(TASK)
+    (tmp_path / "payloads.json").write_text("[{}]")
+    serves: list[Serve] = []
+    try:
+        for serving, client, fix in (("this", "later", "upgrade the broker's gpumesh"),
+                                     ("later", "this", "upgrade gpumesh on this machine")):  # fmt: skip
+            if serves:
+                serves[-1].stop()
+            serves.append(Serve(env, data, port, python=sides[serving].python))
+            serve, admin = serves[-1], admin_of(data, port)
             before = admin.dbsize()
-            (tmp_path / "task.py").write_text(TASK)
-            (tmp_path / "payloads.json").write_text("[{}]")
             for args in (("worker", serve.url, "--score", "5"), ("submit", "task.py", "--payloads", "payloads.json",
                                                                  "--url", submit_url(serve))):  # fmt: skip
                 p = sides[client].run(*args)
@@ -270,6 +275,22 @@ def test_two_protocols_apart_either_way_exits_at_start_in_one_line_naming_both_a
                 served = f"{PROTOCOL - 1}-{PROTOCOL}" if serving == "this" else f"{PROTOCOL + 2}"
                 assert f"serves gpumesh protocol {served}" in said[0] and "speaks protocol" in said[0], said
             assert admin.dbsize() == before and admin.zcard(keys.WORKERS) == 0, "nothing written"
-        finally:
-            serve.stop()
-            admin.close()
+
+        # The later broker downgraded while a later worker runs: this release's load-functions serves its own two
+        # protocols again, and keeps the later one's library for as long as a live worker calls it.
+        later_worker = sides["later"].worker(serve.url, admin)
+        later_lib = f"gpumesh_p{PROTOCOL + 2}"
+        p = sides["this"].run("access", "load-functions", "--data-dir", str(data))
+        assert p.returncode == 0 and f"kept {later_lib} (still called by live worker later-" in p.stderr, p.stderr
+        previous = protocols.frozen(PROTOCOL - 1)
+        assert previous is not None
+        assert libraries(admin) == sorted([later_lib, scripts.library()[0], previous.name])
+        sides["later"].stop()
+        assert later_worker.returncode == 0
+        p = sides["this"].run("access", "load-functions", "--data-dir", str(data))
+        assert p.returncode == 0 and "kept" not in p.stderr, p.stderr
+        assert libraries(admin) == sorted([scripts.library()[0], previous.name])
+    finally:
+        sides["later"].stop()
+        if serves:
+            serves[-1].stop()
