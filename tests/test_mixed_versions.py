@@ -294,3 +294,36 @@ def test_two_protocols_apart_either_way_exits_at_start_in_one_line_naming_both_a
         sides["later"].stop()
         if serves:
             serves[-1].stop()
+
+
+def test_a_release_that_changes_a_script_but_not_the_protocol_works_beside_this_one(
+    env: dict[str, str], tmp_path: Path
+):
+    """Another build of this protocol (a comment added to a script: other bytes, the same contract) runs its
+    worker and submitter against this release's serve, which loaded its own code of the same functions."""
+    patched = tmp_path / "patched"
+    shutil.copytree(ROOT / "gpumesh", patched, ignore=shutil.ignore_patterns("__pycache__"))
+    dispatch = patched / "store" / "lua" / "dispatch.lua"
+    dispatch.write_text("-- a comment a later build added\n" + dispatch.read_text())
+    python, _ = release_venv(tmp_path / "venv", patched)
+    theirs = json.loads(subprocess.run([*python, "-c", "import json; from gpumesh.store import scripts; "
+                                        "print(json.dumps(scripts.library()))"], capture_output=True, text=True,
+                                       check=True, cwd=tmp_path).stdout)  # fmt: skip
+    assert theirs[0] == scripts.library()[0] and theirs[1] != scripts.library()[1], "same name, other code"
+    side = Side(python, env, tmp_path, "patched")
+    data, port = tmp_path / "broker", free_port()
+    serve = Serve(env, data, port)
+    admin = admin_of(data, port)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    try:
+        side.worker(serve.url, admin)
+        job = side.submit(submit_url(serve), [{"runs": str(runs)}] * 3)
+        ended(admin, job)
+        done_once(results(side, submit_url(serve), job), runs, job, 3)
+        loaded = admin.fcall_ro(f"{scripts.library()[0]}_version", 0)
+        assert loaded.split()[1] in scripts.library()[1], "the broker runs the code its serve loaded"
+    finally:
+        side.stop()
+        serve.stop()
+        admin.close()
