@@ -127,10 +127,6 @@ _NAME = "__gpumesh_library__"  # where library() writes the library's name once 
 _DIGEST = "__gpumesh_digest__"  # and the digest of its code
 
 
-def missing_functions_message(lib: str) -> str:
-    return protocols.unserved_message(None, lib)
-
-
 def _function_missing(exc: redis.ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
@@ -224,7 +220,10 @@ class Scripts:
         if self.foreign:
             if not self._has(self.lib):
                 raise BrokerError(f"the broker lacks the Redis functions of library {self.lib}")
-        elif self.protocol != PROTOCOL or not self._has(self.lib):
+        elif self.protocol != PROTOCOL and self._has(library()[0]):  # the broker serves this protocol now
+            self.lib, self.protocol = library()[0], PROTOCOL
+            log.info("the broker serves gpumesh protocol %d now: calling its functions", PROTOCOL)
+        elif not self._has(self.lib):
             self._pick()
         self._ensured = time.monotonic()
 
@@ -238,6 +237,8 @@ class Scripts:
         return True
 
     def _pick(self) -> None:
+        """The library this client calls lacks: this protocol's, loaded if this credential may, else the previous
+        protocol's if the broker serves it, else the BrokerError that says which side to upgrade."""
         lib, code = library()
         if (self.lib != lib and self._has(lib)) or _load(self.client, code):
             self.lib, self.protocol = lib, PROTOCOL

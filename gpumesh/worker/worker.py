@@ -44,6 +44,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
 from gpumesh.envs.lock import python_resource
+from gpumesh.errors import BrokerError
 from gpumesh.models import Capability
 from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
@@ -862,7 +863,11 @@ class MeshWorker(LeanRQWorker):
                 running.stop("cancelled")
             elif beat.lease == "lost":
                 running.stop("lease lost: the task was leased again elsewhere")
-        self.broker.scripts.ensure()  # one FCALL_RO now and then: the protocol to call may have changed
+        try:
+            self.broker.scripts.ensure()  # one FCALL_RO now and then: the protocol to call may have changed
+        except BrokerError as exc:  # the broker no longer serves this gpumesh's protocols (downgraded, or flushed)
+            self._stop_for_good(str(exc))
+            return
         if beat.registered and self.broker.scripts.lib != self._registered_lib:  # the broker changed protocol
             log.info("now calling %s (gpumesh protocol %s)", self.broker.scripts.lib, self.broker.scripts.protocol)
             self._register()

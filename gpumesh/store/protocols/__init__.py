@@ -151,20 +151,20 @@ def of_registration(protocol: str | None, version: str | None) -> int | None:
 
 def in_use(client: Any) -> dict[str, list[str]]:
     """The gpumesh libraries live workers registered that they call (library -> worker ids). A registration
-    without one is protocol 28's (it predates the field): it calls that frozen library."""
+    that names none calls its protocol's (``gpumesh_p<N>``), or, naming no protocol either, predates both
+    fields: protocol 28's frozen library."""
     ids = [w.decode() if isinstance(w, bytes) else w for w in client.zrange(keys.WORKERS, 0, -1)]
     with client.pipeline(transaction=False) as p:
         for w in ids:
-            p.hmget(keys.worker(w), "library", "version")
+            p.hmget(keys.worker(w), "library", "protocol", "version")
         rows = p.execute()
     older = frozen(28)
     out: dict[str, list[str]] = {}
-    for w, (library, version) in zip(ids, rows):
+    for w, row in zip(ids, rows):
+        library, protocol, version = (v.decode() if isinstance(v, bytes) else v for v in row)
         if version is None:  # expired: not live
             continue
-        name = library.decode() if isinstance(library, bytes) else library
-        if not name and older is not None:
-            name = older.name
+        name = library or (f"gpumesh_p{protocol}" if protocol else older.name if older else "")
         if name:
             out.setdefault(name, []).append(w)
     return out
