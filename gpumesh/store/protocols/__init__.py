@@ -133,10 +133,15 @@ def unserved_message(client: Any, lib: str) -> str:
             f"the broker serves gpumesh protocol {span(served)}{by}; {mine}, too new for it: upgrade the broker's "
             "gpumesh and restart `gpumesh serve` (it serves one protocol back, so the older machines keep working)"
         )
-    older = "" if served else f" (or it runs a gpumesh older than {FROZEN_FROM.get(min(ours), ('', 'this one'))[1]})"
+    also = f", and protocol {fb.protocol}'s {fb.name}" if fb else ""
+    why = (
+        ""
+        if served
+        else f" (its functions were lost, or it runs gpumesh older than {FROZEN_FROM.get(min(ours), ('', __version__))[1]})"
+    )
     return (
-        f"the broker lacks gpumesh's Redis functions (library {lib}) and this credential may not load them{older}: "
-        "restart `gpumesh serve` with this gpumesh or newer (it loads them at every start), or run "
+        f"the broker lacks gpumesh's Redis functions (library {lib}{also}) and this credential may not load "
+        f"them{why}: restart `gpumesh serve` with this gpumesh or newer (it loads them at every start), or run "
         "`gpumesh access load-functions --url ADMIN_URL`"
     )
 
