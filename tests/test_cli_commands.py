@@ -86,6 +86,12 @@ def test_top_once_shows_workers_and_jobs(env, mesh_worker: MeshWorkers):
     assert re.search(rf"{re.escape(__version__)}\s.*\(protocol\s+{PROTOCOL}\)", p.stdout, re.S), p.stdout
 
 
+@pytest.mark.core
+def test_version_names_the_package_and_the_broker_protocol():
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"gpumesh {__version__} (broker protocol {PROTOCOL})"
+
+
 @pytest.mark.processes
 def test_bench_json_shape(env):
     p = gpumesh("bench", "--json", env=env, timeout=120)
