@@ -438,7 +438,9 @@ def measure(
     ids = [f"sim-{i}" for i in range(args.workers)]
     register(broker.r, [*ids, "probe"])
     dl = Delivery(broker, guarded=guarded) if delivered else None
-    broker.scripts.ensure(force=True)  # the simulation sends FCALL only: the library must be there
+    # The simulation sends FCALL only: the library this run calls is loaded over what the last run loaded (two
+    # revisions of one protocol name their libraries alike, gpumesh_p<N>; FLUSHALL keeps functions).
+    broker.redis.function_load(scripts.library()[1], replace=True)
     run_with = broker.scripts
     if lib:
         broker.redis.function_load(lib[1], replace=True)

@@ -16,10 +16,10 @@ from __future__ import annotations
 # read this constant as typing's).
 TYPE_CHECKING = False
 
-__version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "__version__": "gpumesh._version",  # with the protocol it speaks, in a module of its own
     "connect": "gpumesh.api",
     "checkpoint": "gpumesh.checkpointing",
     "Mesh": "gpumesh.api",
@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from gpumesh._version import __version__
     from gpumesh.api import Job, Mesh, connect
     from gpumesh.checkpointing import checkpoint
     from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, TaskFailed, UsageError

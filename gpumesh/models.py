@@ -427,6 +427,15 @@ class WorkerInfo(Model):
     resources: dict[str, Any] = Field(default_factory=dict)
     paused: str | None = None  # why its lender's probes let it take no work now (``gpumesh worker --lend``)
     preparing: str | None = None  # "env DIGEST for JOB" while it builds a job's environment (gpumesh.envs)
+    version: str | None = None  # the gpumesh package it runs
+    protocol: int | None = None  # the broker-side protocol it speaks (gpumesh._version.PROTOCOL); None: unknown
+
+    @property
+    def release(self) -> str:
+        """``0.3.0 (protocol 29)``: what ``workers``, ``top``, the dashboard and ``doctor`` show of its version."""
+        if not self.version:
+            return "unknown version"
+        return f"{self.version} (protocol {self.protocol})" if self.protocol is not None else self.version
 
     @model_serializer(mode="wrap")
     def _without_absent_preparing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -140,10 +140,13 @@ def broker(r: redis.Redis, env: dict[str, str]) -> Iterator[Broker]:
 class Serve:
     """`gpumesh serve` in the background, with the worker and submit lines it printed (``url``: the worker's)."""
 
-    def __init__(self, env: dict[str, str], data_dir: Path, port: int, *args: str) -> None:
+    def __init__(
+        self, env: dict[str, str], data_dir: Path, port: int, *args: str, python: tuple[str, ...] = (sys.executable,)
+    ) -> None:
+        """``python``: the interpreter (and its flags) that runs it: another release's, in tests of mixed versions."""
         self.data_dir = data_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
+            [*python, "-m", "gpumesh", "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         assert self.proc.stdout

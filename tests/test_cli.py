@@ -10,6 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from gpumesh._version import PROTOCOL, __version__
 from gpumesh.cli import main
 from gpumesh.store import keys
 
@@ -137,7 +138,8 @@ def test_workers_json_shape(env, mesh_worker: MeshWorkers):
     assert len(rows) == 1
     row = rows[0]
     assert set(row) == {"id", "name", "hostname", "device", "device_name", "score_gflops", "tier", "state",
-                        "current_task", "last_heartbeat", "resources"}  # fmt: skip
+                        "current_task", "last_heartbeat", "resources", "version", "protocol"}  # fmt: skip
+    assert (row["version"], row["protocol"]) == (__version__, PROTOCOL)
     assert row["resources"]["device"] == "cpu" and row["resources"]["cpu_cores"] >= 1
     assert row["name"] == "gpu-box" and row["score_gflops"] == 12.5 and row["device"] in ("cpu", "cuda", "mps")
     assert row["state"] == "idle" and row["tier"] == 2

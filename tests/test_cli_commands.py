@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import redis
 from rich.console import Console
 
+from gpumesh._version import PROTOCOL, __version__
 from gpumesh.cli import render
 from gpumesh.errors import UsageError
 from gpumesh.models import JobStatus, TaskCounts
@@ -81,6 +83,13 @@ def test_top_once_shows_workers_and_jobs(env, mesh_worker: MeshWorkers):
     p = cli("top", "--once")
     assert p.returncode == 0
     assert "workers" in p.stdout and "box-" in p.stdout and "jobs" in p.stdout and job in p.stdout
+    assert re.search(rf"{re.escape(__version__)}\s.*\(protocol\s+{PROTOCOL}\)", p.stdout, re.S), p.stdout
+
+
+@pytest.mark.core
+def test_version_names_the_package_and_the_broker_protocol():
+    p = cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"gpumesh {__version__} (broker protocol {PROTOCOL})"
 
 
 @pytest.mark.processes

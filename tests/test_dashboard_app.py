@@ -22,6 +22,7 @@ import redis
 from starlette.testclient import TestClient
 
 import gpumesh
+from gpumesh._version import PROTOCOL
 from gpumesh.dashboard import timeline
 from gpumesh.dashboard.app import create_app
 from gpumesh.extras import install_hint
@@ -86,6 +87,7 @@ def test_pages_show_the_mesh_and_escape_what_tasks_and_submitters_set(ran: gpume
         and 'data-live="/live/workers"' in page.text
     )
     assert worker.device == "cpu" and '<td class="gpu">—</td>' in page.text, "a processor is not shown as a GPU"
+    assert f'<td class="release">{gpumesh.__version__} (protocol {PROTOCOL})</td>' in page.text
     no_raw_markup(page.text)
 
     jobs = client.get("/jobs").text

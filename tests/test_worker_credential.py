@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import redis
 
+from gpumesh._version import PROTOCOL
 from gpumesh.settings import Settings
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, protocols, scripts
 from gpumesh.store.broker import Broker
 
 from .conftest import ROOT, free_port, gpumesh, wait_until
@@ -462,7 +463,11 @@ def test_kept_output_files_cannot_be_renamed_away_and_deleted(mesh: Mesh, tmp_pa
 
 
 def test_serve_s_functions_replace_every_other_gpumesh_library(mesh: Mesh, env: dict[str, str]):
+    """Every gpumesh library but this protocol's and the previous one's (which serve keeps for workers one
+    version behind) goes, when no live worker calls it."""
     admin, attacker = mesh.client("admin"), mesh.client("worker")
+    previous = protocols.frozen(PROTOCOL - 1)
+    assert previous is not None
     lib = scripts.library()[0]
     old = "#!lua name=gpumesh_0ld\nredis.register_function('gpumesh_0ld_dispatch', function() return 'old' end)"
     admin.function_load(old)
@@ -470,12 +475,12 @@ def test_serve_s_functions_replace_every_other_gpumesh_library(mesh: Mesh, env: 
     assert attacker.fcall("gpumesh_0ld_dispatch", 0) == "old", "an old library is anyone's to call"
     p = gpumesh("access", "load-functions", "--data-dir", str(mesh.data), env=env)
     assert p.returncode == 0, p.stderr
-    assert sorted(libraries(admin)) == sorted([lib, "theirs"]), "only gpumesh's older libraries go"
+    assert sorted(libraries(admin)) == sorted([lib, previous.name, "theirs"]), "only gpumesh's older libraries go"
     with pytest.raises(redis.ResponseError, match="(?i)function not found"):
         attacker.fcall("gpumesh_0ld_dispatch", 0)
     admin.function_load(old)
     assert mesh.serve.stop()[0] == 0
     mesh.serve = Serve(env, mesh.data, mesh.port)  # serve does the same at its start
-    assert sorted(libraries(admin)) == sorted([lib, "theirs"])
+    assert sorted(libraries(admin)) == sorted([lib, previous.name, "theirs"])
     w = mesh.run_burst()
     assert w.returncode == 0, w.stderr

@@ -151,18 +151,20 @@ def access_list(data_dir: Path | None, url: str | None) -> None:
 @access.command("load-functions")
 @_access_opts
 def access_load_functions(data_dir: Path | None, url: str | None) -> None:
-    """Load this gpumesh version's Redis functions and make the broker's epoch key, as the admin.
+    """Load this gpumesh version's Redis functions (its protocol's and the one before) and make the broker's
+    epoch key, as the admin.
 
     `gpumesh serve` does it at every start; run this for a broker that serve does not run (a managed
-    Redis with your own ACLs), where workers and submitters may not load functions themselves."""
+    Redis with your own ACLs), where workers and submitters may not load functions themselves. Other
+    gpumesh libraries are deleted unless a live worker still calls them."""
     from gpumesh.server.broker_server import prepare
 
     admin = _admin(data_dir, url)
     try:
-        lib = prepare(admin)
+        served = prepare(admin)
     except redis.RedisError as exc:
         raise translate(exc, url or "the admin URL") from None
-    err.print(f"the broker has gpumesh's functions ({lib}) and an epoch")
+    err.print(f"the broker has gpumesh's functions, {served}, and an epoch")
 
 
 @click.command()

@@ -649,6 +649,45 @@ def workers_line(settings: Settings) -> Line:
     return ok("workers", f"{len(found)} live: {shown}{more}")
 
 
+def versions_line(settings: Settings, r: redis.Redis) -> Line:
+    """Which gpumesh protocols the broker serves, and which gpumesh versions its live workers run: a warning
+    when they run more than one, or when this machine's protocol is not served."""
+    from gpumesh._version import PROTOCOL, __version__
+    from gpumesh.store import protocols
+    from gpumesh.store.broker import Broker
+
+    served, loaded_by = protocols.served_by(r)
+    broker = Broker(settings, retries=1, health_check=False)
+    try:
+        found = broker.workers()
+    finally:
+        broker.close()
+    counts: dict[str, int] = {}
+    for w in found:
+        counts[w.release] = counts.get(w.release, 0) + 1
+    runs = ", ".join(f"{release} on {n} worker{'s' * (n > 1)}" for release, n in sorted(counts.items(), reverse=True))
+    if served:
+        broker_said = f"the broker serves protocol {protocols.span(served)} (loaded by gpumesh {loaded_by or '?'})"
+    else:  # no record: not prepared by serve or access load-functions (of 0.3.0 or later); ask the functions
+        served = protocols.present(r)
+        broker_said = (f"the broker has functions of protocol {protocols.span(served)}" if served
+                       else "the broker has no gpumesh functions this version knows") + (
+            " (and no record of what it serves: not prepared by `gpumesh serve` or `access load-functions` of "
+            "gpumesh 0.3.0 or later)"
+        )  # fmt: skip
+    upgrade = "Upgrading a mesh: docs/how-to/upgrade.md (the broker first, then workers in any order)."
+    if served and PROTOCOL not in served and not (PROTOCOL - 1 in served and protocols.fallback()):
+        return warn("versions", f"{broker_said}; this gpumesh {__version__} speaks protocol {PROTOCOL}", upgrade)
+    if len(counts) > 1:
+        return warn(
+            "versions",
+            f"{broker_said}; the mesh runs {len(counts)} gpumesh versions: {runs}. Workers one protocol behind "
+            "keep working; two behind stop at start",
+            "Upgrade the older workers when you can. " + upgrade,
+        )
+    return ok("versions", f"{broker_said}" + (f"; every live worker runs {runs.split(' on ')[0]}" if runs else ""))
+
+
 def broker_lines(settings: Settings) -> list[Line]:
     url = settings.url
     try:
@@ -665,6 +704,7 @@ def broker_lines(settings: Settings) -> list[Line]:
             ("acl", lambda: acl_line(r, url)),
             ("clock", lambda: clock_line(r)),
             ("workers", lambda: workers_line(settings)),
+            ("versions", lambda: versions_line(settings, r)),
         ]
         return [first, *_broker_checks(checks, url)]
     finally:

@@ -11,7 +11,7 @@ import inspect
 
 import click
 
-from gpumesh import __version__
+from gpumesh._version import PROTOCOL, __version__
 from gpumesh.cli.group import Group
 
 # Every command: the module that defines it, and the line `gpumesh --help` shows for it. A command's module
@@ -76,7 +76,7 @@ class LazyGroup(Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="gpumesh")
+@click.version_option(__version__, prog_name="gpumesh", message=f"%(prog)s %(version)s (broker protocol {PROTOCOL})")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:

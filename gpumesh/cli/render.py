@@ -314,10 +314,10 @@ def signed_mark(r: TaskResult) -> Any:
 
 
 def workers_table(rows: Iterable[WorkerInfo]) -> Table:
-    table = _table("worker", "host", "device", "GFLOP/s", "tier", "state", "task", title="workers")
+    table = _table("worker", "host", "device", "GFLOP/s", "tier", "gpumesh", "state", "task", title="workers")
     for r in rows:
         table.add_row(
-            *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier),
+            *map(cell, (r.id, r.hostname, f"{r.device} {r.device_name}", f"{r.score_gflops:.1f}", str(r.tier), r.release,
                         f"paused: {r.paused}" if r.paused else r.state,
                         f"preparing {r.preparing}" if r.preparing else r.current_task or ""))
         )  # fmt: skip

@@ -30,10 +30,11 @@ from urllib.parse import quote
 import psutil
 import redis
 
+from gpumesh._version import PROTOCOL
 from gpumesh.errors import GpumeshError, UsageError
 from gpumesh.server import acl
 from gpumesh.server.acl import ROLES
-from gpumesh.store import scripts, tlspin
+from gpumesh.store import protocols, scripts, tlspin
 from gpumesh.store.broker import make_epoch
 from gpumesh.store.connection import client as redis_client
 from gpumesh.store.connection import command
@@ -167,21 +168,32 @@ def add_worker(admin: redis.Redis, person: str) -> str:
 
 def prepare(admin: redis.Redis) -> str:
     """What a broker needs before workers and submitters can use it, done with an admin credential (they
-    may do neither): this gpumesh version's Redis functions, and the epoch key (the id of the broker's
-    data). Idempotent; returns the functions library's name.
+    may do neither): the Redis functions of this gpumesh's protocol and of the one before it (loaded with
+    REPLACE: the code of the release that serves the broker), a record of what it serves (keys.PROTOCOLS),
+    and the epoch key (the id of the broker's data). Idempotent; says what it serves, in words.
 
-    Every other gpumesh library (an older version's) is deleted: a fix to a function must not be
-    bypassed by calling the old one, which any worker or submitter may FCALL. Workers of an older
-    gpumesh then stop, saying the broker lacks their functions."""
-    lib = scripts.load_library(admin)
+    Every other gpumesh library (an older protocol's, or a newer one's) is deleted unless a live worker's
+    registration says it calls it: a fix to a function must not be bypassed by calling an old one, which any
+    worker or submitter may FCALL, and a worker that is running must not lose its functions mid-task."""
+    served = [protocols.Library(PROTOCOL, *scripts.library()), *protocols.served_before()]
+    for lib in served:
+        admin.function_load(lib.code, replace=True)
+    in_use = protocols.in_use(admin)
+    kept = []
     for entry in admin.function_list(library="gpumesh_*"):
         info = dict(zip(entry[::2], entry[1::2])) if isinstance(entry, list) else dict(entry)
         name = info.get("library_name", info.get(b"library_name", ""))
         name = name.decode() if isinstance(name, bytes) else str(name)
-        if name.startswith("gpumesh_") and name != lib:
+        if not name.startswith("gpumesh_") or any(lib.name == name for lib in served):
+            continue
+        if name in in_use:
+            kept.append(f"{name} (still called by live worker {', '.join(sorted(in_use[name])[:3])})")
+        else:
             admin.function_delete(name)
+    protocols.record(admin, served)
     make_epoch(admin)
-    return lib
+    said = ", ".join(f"protocol {lib.protocol} ({lib.name})" for lib in served)
+    return said + (f"; kept {', '.join(kept)}" if kept else "")
 
 
 def revoke_worker(admin: redis.Redis, person: str) -> bool:
@@ -478,7 +490,7 @@ class BrokerServer:
         """Load this version's Redis functions and make the epoch (see :func:`prepare`), as the admin."""
         admin = redis_client(self.url, decode=True, socket_timeout=10, retries=0, health_check=False)
         try:
-            prepare(admin)
+            log.info("serving gpumesh %s", prepare(admin))
         finally:
             admin.close()
 

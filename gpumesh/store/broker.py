@@ -20,7 +20,7 @@ from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
 from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
-from gpumesh.store import jobstatus, keys, scripts, sentinel, tasklog
+from gpumesh.store import jobstatus, keys, protocols, scripts, sentinel, tasklog
 from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, translate
 
 if TYPE_CHECKING:
@@ -680,6 +680,8 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         resources=resources if isinstance(resources, dict) else {},
         paused=h.get("paused") or None,
         preparing=h.get("preparing") or None,
+        version=h.get("version") or None,
+        protocol=protocols.of_registration(h.get("protocol"), h.get("version")),
     )
 
 

@@ -37,6 +37,9 @@ PRUNING = PREFIX + "pruning"  # zset: jobs the reaper deletes in steps (past the
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 # hash: worker ACL user -> its result public key (ed25519:<base64>), written by the admin only (signing.py)
 RESULT_KEYS = PREFIX + "resultkeys"
+# hash: what the broker serves (protocol -> library name, "version" -> the gpumesh that loaded them), written
+# by the admin only (serve, access load-functions); a client whose protocol is not served names them (protocols)
+PROTOCOLS = PREFIX + "protocols"
 
 QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names: gpumesh-w-<worker id>, each worker's own deliveries
 

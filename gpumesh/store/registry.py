@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpumesh import __version__
+from gpumesh._version import PROTOCOL, __version__
 from gpumesh.models import Capability
 from gpumesh.store import keys
 from gpumesh.store.connection import TextClient
@@ -43,9 +43,12 @@ class Registry:
         self._queues_set = rq_queues_set  # RQ's set of every queue (rq:queues)
 
     def register(
-        self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int, paused: str = ""
-    ) -> None:
-        """Announce the worker (hash with a TTL, its score) and tell the dispatcher the fleet changed."""
+        self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int, paused: str = "",
+        library: tuple[str, int] = ("", PROTOCOL),
+    ) -> None:  # fmt: skip
+        """Announce the worker (hash with a TTL, its score) and tell the dispatcher the fleet changed.
+        ``library``: the functions library it calls and that library's protocol (``serve`` keeps a library
+        that a live worker calls; ``workers`` shows both beside the package's version)."""
         with self.r.pipeline(transaction=True) as p:
             p.hset(
                 keys.worker(self.worker_id),
@@ -59,6 +62,8 @@ class Registry:
                     "memory": cap.memory_bytes,
                     "score": cap.score_gflops,
                     "version": __version__,
+                    "protocol": library[1],
+                    "library": library[0],
                     "current_task": "",
                     "paused": paused,
                 },

@@ -1,12 +1,13 @@
 """The task state machine: one atomic Lua script per transition, run as a Redis Functions library.
 
 The transition scripts (``lua/_lib.lua`` + ``lua/<name>.lua``) are built into one library,
-``gpumesh_<hash>`` (the hash is of the sources; ``serve`` deletes every other version's), with one
-function per script; clients call them with ``FCALL``, never ``EVAL``: a broker that `gpumesh serve`
-runs refuses ``EVAL``/``EVALSHA``/``SCRIPT``/``FUNCTION`` to workers and submitters (they could freeze
-Redis with a Lua loop of their own). ``serve`` loads the library at every start; elsewhere (a plain
-Redis without ACLs) the first client that finds a function missing loads it. Functions survive a
-restart (AOF/RDB) and ``SCRIPT FLUSH``.
+``gpumesh_p<N>``, named by the protocol it implements (gpumesh._version.PROTOCOL: releases that share it
+call the same functions), with one function per script; clients call them with ``FCALL``, never ``EVAL``:
+a broker that `gpumesh serve` runs refuses ``EVAL``/``EVALSHA``/``SCRIPT``/``FUNCTION`` to workers and
+submitters (they could freeze Redis with a Lua loop of their own). ``serve`` loads the library at every
+start, beside the previous protocol's (gpumesh.store.protocols); elsewhere (a plain Redis without ACLs) the
+first client that finds a function missing loads it. A client facing a broker that serves only the
+previous protocol calls that one's functions. Functions survive a restart (AOF/RDB) and ``SCRIPT FLUSH``.
 
 The contract (also at the top of ``lua/_lib.lua``): each script names its KEYS and ARGV in a block of
 locals at its top, in the order the functions below send them. Every script replies in one shape::
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -39,12 +41,15 @@ from typing import TYPE_CHECKING, Any
 import redis
 import redis.client
 
+from gpumesh._version import PROTOCOL
 from gpumesh.errors import BrokerError
 from gpumesh.signing import leased_identity
-from gpumesh.store import keys, tasklog
+from gpumesh.store import keys, protocols, tasklog
 
 if TYPE_CHECKING:
     from gpumesh.store import artifacts
+
+log = logging.getLogger(__name__)
 
 NAMES = (
     "dispatch",
@@ -101,8 +106,11 @@ def done_token(token: str) -> str:
 def library() -> tuple[str, str]:
     """(library name, the code FUNCTION LOAD takes): ``_lib.lua`` once at the top of the library (its
     helpers are made when the library loads, not at every call), then one function ``<library>_<script>``
-    per script, and ``<library>_version`` (read-only), which answers the library's name. Each function
-    reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer names."""
+    per script, and ``<library>_version`` (read-only), which answers the library's name and a digest of its
+    code. The name is the protocol's, ``gpumesh_p<N>``: a release that changes a script without changing
+    the contract keeps its name (and a broker keeps whichever release's code `serve` loaded last). Each
+    function reaches the helpers as upvalues: Lua 5.1 allows a function 60, and ``_lib.lua`` defines fewer
+    names."""
     lib_code, bodies = _lua("_lib"), [_lua(name) for name in NAMES]
     parts = ["#!lua name=" + _NAME, _prelude(), lib_code]
     for name, body in zip(NAMES, bodies):
@@ -112,46 +120,48 @@ def library() -> tuple[str, str]:
             f"{flags}}}"
         )
     parts.append(
-        f"redis.register_function{{function_name='{_NAME}_version', callback=function() return '{_NAME}' end, "
-        "flags={'no-writes'}}"
+        f"redis.register_function{{function_name='{_NAME}_version', callback=function() return '{_NAME} "
+        f"{_DIGEST}' end, flags={{'no-writes'}}}}"
     )
     template = "\n".join(parts) + "\n"
-    # named by the code FUNCTION LOAD gets, assembly included: a broker keeps a library by its name
-    lib = "gpumesh_" + hashlib.sha256(template.encode()).hexdigest()[:12]
-    return lib, template.replace(_NAME, lib)
+    lib = f"gpumesh_p{PROTOCOL}"
+    digest = hashlib.sha256(template.encode()).hexdigest()[:12]  # of the code, assembly included
+    return lib, template.replace(_NAME, lib).replace(_DIGEST, digest)
 
 
 _NAME = "__gpumesh_library__"  # where library() writes the library's name once it knows it
-
-
-def missing_functions_message(lib: str) -> str:
-    return (
-        f"the broker lacks gpumesh's Redis functions (library {lib}) and this credential may not load them: "
-        "restart `gpumesh serve` (it loads them at every start), or run "
-        "`gpumesh access load-functions --url ADMIN_URL`"
-    )
+_DIGEST = "__gpumesh_digest__"  # and the digest of its code
 
 
 def _function_missing(exc: redis.ResponseError) -> bool:
     return "function not found" in str(exc).lower()
 
 
-def load_library(client: redis.Redis) -> str:
-    """Load this version's library unless the broker has it already; its name. A credential that may not
-    load functions gets one clear BrokerError (exit 3)."""
-    lib, code = library()
+def _load(client: redis.Redis, code: str, replace: bool = False) -> bool:
+    """FUNCTION LOAD ``code``: whether the broker has it now (False: this credential may not load functions)."""
     try:
-        client.function_load(code)
+        client.function_load(code, replace=replace)
     except redis.ResponseError as exc:
         if "already exists" in str(exc):
-            return lib
+            return True
         if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
-            raise BrokerError(missing_functions_message(lib)) from None
+            return False
         raise
+    return True
+
+
+def load_library(client: redis.Redis, replace: bool = False) -> str:
+    """Load this version's library unless the broker has it already (``replace``: load this release's code
+    whatever another release of the same protocol loaded); its name. A credential that may not load
+    functions gets one clear BrokerError (exit 3) naming what the broker serves."""
+    lib, code = library()
+    if not _load(client, code, replace):
+        raise BrokerError(protocols.unserved_message(client, lib))
     return lib
 
 
 ENSURE_EVERY = 30.0
+FALLBACK_CHECK_EVERY = 2.0
 
 
 class Function:
@@ -163,7 +173,12 @@ class Function:
 
     def __init__(self, owner: Scripts, name: str) -> None:
         self.owner = owner
-        self.name = f"{owner.lib}_{name}"
+        self.short = name
+
+    @property
+    def name(self) -> str:
+        """The function's name in the library its ``Scripts`` calls now (this protocol's, or the previous one's)."""
+        return f"{self.owner.lib}_{self.short}"
 
     def __call__(self, keys: list[Any] | tuple[Any, ...] = (), args: list[Any] | tuple[Any, ...] = (),
                  client: Any = None) -> Any:  # fmt: skip
@@ -181,13 +196,20 @@ class Function:
 
 
 class Scripts:
-    """The transition functions bound to one client (a pipeline may run them too)."""
+    """The transition functions bound to one client (a pipeline may run them too).
+
+    Which library they call is found on first use (``ensure``): this protocol's when the broker has it (or
+    this credential may load it), else the previous protocol's when the broker serves that one and this
+    release may call it (gpumesh.store.protocols); else one clear BrokerError naming both sides' versions.
+    ``lib`` and ``protocol`` say what it calls now."""
 
     def __init__(self, client: redis.Redis, lib: str | None = None) -> None:
         """``lib``: the name of the library to call (default: this version's; benchmarks/scale.py's
         --against calls another version's, which it loaded itself)."""
         self.client = client
+        self.foreign = lib is not None  # another version's, which only its caller can load
         self.lib = lib or library()[0]
+        self.protocol = PROTOCOL if lib is None else protocols.protocol_of(lib)
         self._ensured = -ENSURE_EVERY
         self._s: dict[str, Function] = {name: Function(self, name) for name in NAMES}
 
@@ -195,19 +217,49 @@ class Scripts:
         return self._s[name]
 
     def ensure(self, force: bool = False) -> None:
-        """Make sure the broker has the library (once every ENSURE_EVERY s unless ``force``); this version's
-        is loaded when missing."""
-        if not force and time.monotonic() - self._ensured < ENSURE_EVERY:
+        """Make sure the broker has the library this client calls (once every ENSURE_EVERY s unless ``force``);
+        when it is missing, pick again (see the class)."""
+        # on the previous protocol's functions, look sooner for this one's (an upgraded broker serves it)
+        every = ENSURE_EVERY if self.foreign or self.protocol == PROTOCOL else FALLBACK_CHECK_EVERY
+        if not force and time.monotonic() - self._ensured < every:
             return
+        if self.foreign:
+            if not self._has(self.lib):
+                raise BrokerError(f"the broker lacks the Redis functions of library {self.lib}")
+        elif self.protocol != PROTOCOL and self._has(library()[0]):  # the broker serves this protocol now
+            self.lib, self.protocol = library()[0], PROTOCOL
+            log.info("the broker serves gpumesh protocol %d now: calling its functions", PROTOCOL)
+        elif not self._has(self.lib):
+            self._pick()
+        self._ensured = time.monotonic()
+
+    def _has(self, lib: str) -> bool:
         try:
-            self.client.fcall_ro(f"{self.lib}_version", 0)
+            self.client.fcall_ro(f"{lib}_version", 0)
         except redis.ResponseError as exc:
             if not _function_missing(exc):
                 raise
-            if self.lib != library()[0]:  # another version's, which only its caller can load
-                raise BrokerError(f"the broker lacks the Redis functions of library {self.lib}") from None
-            load_library(self.client)
-        self._ensured = time.monotonic()
+            return False
+        return True
+
+    def _pick(self) -> None:
+        """The library this client calls lacks: this protocol's, loaded if this credential may, else the previous
+        protocol's if the broker serves it, else the BrokerError that says which side to upgrade."""
+        lib, code = library()
+        if (self.lib != lib and self._has(lib)) or _load(self.client, code):
+            self.lib, self.protocol = lib, PROTOCOL
+            return
+        older = protocols.fallback()
+        if older is not None and self._has(older.name):
+            if self.lib != older.name:
+                log.warning(
+                    "the broker serves gpumesh protocol %d, not this gpumesh's %d: calling protocol %d's functions "
+                    "(upgrade the broker's gpumesh and restart `gpumesh serve` to use this version's)",
+                    older.protocol, PROTOCOL, older.protocol,
+                )  # fmt: skip
+            self.lib, self.protocol = older.name, older.protocol
+            return
+        raise BrokerError(protocols.unserved_message(self.client, lib))
 
 
 @dataclass(frozen=True)

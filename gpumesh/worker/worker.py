@@ -44,6 +44,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
 from gpumesh.envs.lock import python_resource
+from gpumesh.errors import BrokerError
 from gpumesh.models import Capability
 from gpumesh.sandbox import landlock, namespaces, tree
 from gpumesh.sandbox.runner import Limits
@@ -250,6 +251,7 @@ class MeshWorker(LeanRQWorker):
         self._next: tuple[scripts.Lease, float] | None = None
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
         self._published: int | None = None  # the tier last written to our registration (display only)
+        self._registered_lib = ""  # the functions library the registration names (scripts.Scripts.lib)
         self.beats = Heartbeat(
             self.settings.heartbeat_interval,
             self.settings.lease_ttl,
@@ -672,6 +674,9 @@ class MeshWorker(LeanRQWorker):
         self._work_thread = threading.current_thread()
         executor.bind(self.executor)
         self.epoch = self.broker.epoch()
+        # which functions library to call (this protocol's, or the previous one's on an older broker), before
+        # anything is written: a worker whose protocol the broker does not serve stops here, in one line
+        self.broker.scripts.ensure(force=True)
         warning = self.broker.eviction_warning()
         if warning:
             log.warning(warning)
@@ -753,7 +758,11 @@ class MeshWorker(LeanRQWorker):
 
     def _register(self) -> None:
         ttl_ms = int(self.settings.worker_ttl * 1000)
-        self.registry.register(self.display_name, self.capability, self.resources, ttl_ms, paused=self.paused or "")
+        called = (self.broker.scripts.lib, self.broker.scripts.protocol or 0)
+        self.registry.register(
+            self.display_name, self.capability, self.resources, ttl_ms, paused=self.paused or "", library=called
+        )
+        self._registered_lib = called[0]
 
     # -- the lender's say ----------------------------------------------------------------------------
 
@@ -845,6 +854,14 @@ class MeshWorker(LeanRQWorker):
                 running.stop("cancelled")
             elif beat.lease == "lost":
                 running.stop("lease lost: the task was leased again elsewhere")
+        try:
+            self.broker.scripts.ensure()  # one FCALL_RO now and then: the protocol to call may have changed
+        except BrokerError as exc:  # the broker no longer serves this gpumesh's protocols (downgraded, or flushed)
+            self._stop_for_good(str(exc))
+            return
+        if beat.registered and self.broker.scripts.lib != self._registered_lib:  # the broker changed protocol
+            log.info("now calling %s (gpumesh protocol %s)", self.broker.scripts.lib, self.broker.scripts.protocol)
+            self._register()
         if not beat.registered:
             log.warning("registration had expired (paused or cut off?); registering again")
             self._register()
