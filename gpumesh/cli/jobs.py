@@ -139,6 +139,8 @@ def show_status(ctx: click.Context, job_id: str, watch: bool, url: str | None, a
         click.echo(render.status_line(st) + (f"  [{render.plain(st.name)}]" if st.name else ""))
         for w in st.waiting_for:
             click.echo("  " + render.waiting_line(w))
+        if st.preparing:
+            click.echo(f"  preparing env {(st.env or '')[:12]} for {st.job_id} on {', '.join(st.preparing)}")
     if not as_json:
         explain_failures(mesh, st)
     if watch:

@@ -97,6 +97,18 @@ class EnvCache:
             return None
         return Env(digest, p, str(p / "bin" / "python"), _site_of(p))
 
+    def known(self) -> tuple[list[str], list[str]]:
+        """(ready, failed): the envs of this machine, by the first 32 characters of their digests (folder names),
+        read from the folder's listing alone: what its workers advertise to dispatch."""
+        ready, failed = [], []
+        with contextlib.suppress(OSError):
+            for p in self.root.iterdir():
+                if p.name.endswith(".failed"):
+                    failed.append(p.name.removesuffix(".failed"))
+                elif (p / READY).is_file():
+                    ready.append(p.name)
+        return ready, failed
+
     def failed(self, digest: str) -> str | None:
         try:
             return (self.root / f"{digest[:32]}.failed").read_text()

@@ -584,6 +584,8 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         resources=resources if isinstance(resources, dict) else {},
         paused=h.get("paused") or None,
         preparing=h.get("preparing") or None,
+        envs=[d for d in (h.get("envs") or "").split(",") if d],
+        env_failed=[d for d in (h.get("env_failed") or "").split(",") if d],
     )
 
 

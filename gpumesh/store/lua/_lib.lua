@@ -544,3 +544,29 @@ local function clear_current(worker_key, task_id)
     redis.call('HSET', worker_key, 'current_task', '')
   end
 end
+
+-- Environments (gpumesh/envs): a worker names in its hash the envs its machine holds ready ('envs') and those
+-- whose build failed there ('env_failed'), each a comma-separated list of lock digests cut to ENV_SHORT
+-- characters. A job with an env records in 'env_dead' that a build failed: '0' while some live worker that may
+-- run the job has not failed it, '1' once none has (env_failed.lua).
+local ENV_SHORT = 16
+local function env_listed(list, digest)
+  if type(list) ~= 'string' or type(digest) ~= 'string' or digest == '' then
+    return false
+  end
+  return string.find(',' .. list .. ',', ',' .. string.sub(digest, 1, ENV_SHORT) .. ',', 1, true) ~= nil
+end
+
+-- What a worker may do with a job whose env is ``digest`` ('' or nil: none): 'run' its tasks (no env, or its
+-- machine holds it); 'prepare' it first (it lacks it, or it failed here and this job has not heard so yet:
+-- preparing again fails at once and tells the job); 'wait' for other workers (it failed here, and some other
+-- worker may build it); or 'run' to fail them (it failed everywhere: the task fails with the builder's message).
+local function env_state(held, failed, digest, dead)
+  if type(digest) ~= 'string' or digest == '' or env_listed(held, digest) then
+    return 'run'
+  end
+  if not env_listed(failed, digest) or (dead ~= '0' and dead ~= '1') then
+    return 'prepare'
+  end
+  return dead == '1' and 'run' or 'wait'
+end

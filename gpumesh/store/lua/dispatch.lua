@@ -22,7 +22,9 @@
 --           the lease token to hold what it takes (made by the worker; only its digest is stored)}
 -- )
 -- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
--- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run.
+-- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run; or {0, 'prepare',
+-- 'fleet_version', version, 'env', digest, 'job', job id} when the job it should serve first needs an env this
+-- worker's machine lacks (env_state): it builds the env, leasing nothing meanwhile, and asks again.
 --
 -- Nothing written into a job or task may make this script raise (every worker would fail its dispatch,
 -- and the mesh would stall): any credential that writes jobs and tasks can write garbage there. A ready
@@ -78,7 +80,20 @@ local function go_idle()
   end
   return {0, 'idle', 'fleet_version', version}
 end
-local raw = redis.pcall('HGET', worker_key, 'resources')
+-- A job it may run once it holds the job's env: it prepares the env (not idle), then asks again.
+local function go_prepare(env, job_id)
+  local current = redis.pcall('HGET', worker_key, 'current_task')
+  if type(current) == 'string' and current ~= '' then
+    redis.pcall('HSET', worker_key, 'current_task', '')
+  end
+  return {0, 'prepare', 'fleet_version', version, 'env', env, 'job', job_id}
+end
+-- its resources, and the envs its machine holds and failed to build (env_state)
+local wf = redis.pcall('HMGET', worker_key, 'resources', 'envs', 'env_failed')
+if type(wf) ~= 'table' or wf.err then
+  wf = {}  -- not a hash
+end
+local raw = wf[1]
 if type(raw) ~= 'string' then
   raw = nil  -- none, or not a hash
 end
@@ -107,6 +122,9 @@ local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(T
 local CHOOSE_BY = 4
 JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
 local SUBMITTER = #JOB_FIELDS
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env'  -- its environment's lock digest, and whether its builds failed (env_state)
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env_dead'
+local ENV = #JOB_FIELDS - 1
 local NO_REQUIREMENTS = '[[]]'
 -- Job fields the lease carries as numbers (their position in JOB_FIELDS), as the worker reads them.
 local NUMERIC = {{'timeout', CHOOSE_BY + 5, 'number'}, {'expires_at', CHOOSE_BY + 7, 'number'},
@@ -242,6 +260,9 @@ local function unavoided(job_id, pk)
 end
 
 local skip = {}  -- ready members left to other workers in this dispatch (see avoided)
+-- The first job (by the order below) whose env this worker must prepare before it takes its tasks: prepared
+-- unless a job of at least its priority runs here now (what it holds goes first).
+local prepare, prepare_prio
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or a task is left to others
   local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
   local best, best_prio, best_running, best_left, best_created, best_job, best_class, best_fields
@@ -271,6 +292,13 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
           ok = lender_accepts(resources, job[CHOOSE_BY + 5], job[SUBMITTER])
         end
         if ok then
+          local env = env_state(wf[2], wf[3], job[ENV], job[ENV + 1])
+          if env == 'prepare' and not prepare then
+            prepare, prepare_prio = {job[ENV], job_id}, prio
+          end
+          ok = env == 'run'
+        end
+        if ok then
           local running, left, created = tonumber(job[2]) or 0, tonumber(job[4]) or 0, tonumber(job[3]) or 0
           if not best or running < best_running or (running == best_running and (left < best_left or
               (left == best_left and created < best_created))) then
@@ -280,6 +308,9 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
         end
       end
     end
+  end
+  if prepare and (not best or prepare_prio > best_prio) then
+    return go_prepare(prepare[1], prepare[2])
   end
   if not best then
     return go_idle()
