@@ -167,6 +167,11 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
         workers.env = {**workers.env, "GPUMESH_ENV_CACHE": str(cache), "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}
     marker = tmp_path.parent / f"pth-ran-{uuid.uuid4().hex}"
     _evil_wheel(index, marker)
+    if user:  # the build runs as that user, who must read the owner's package folder
+        links = cache / "wheels"
+        shutil.copytree(index, links)
+        os.chmod(links, 0o755)
+        workers.env["UV_FIND_LINKS"] = str(links)
     script = tmp_path / "meddle.py"
     script.write_text(MEDDLE)
     workers.start(*extra)
@@ -179,7 +184,14 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
                 assert r["value"] == 7
                 assert {r[k] for k in ("change", "create", "remove", "rename")} <= {"PermissionError", "OSError"}, r
         assert not marker.exists(), "a .pth file of the env ran outside the sandbox"
-        assert len(builds(Path(workers.env["GPUMESH_ENV_CACHE"]))) == 1
+        made = builds(Path(workers.env["GPUMESH_ENV_CACHE"]))
+        assert len(made) == 1
+        if user:  # built as the sandbox user, never as root; then root's and read-only, so that user cannot undo it
+            import pwd
+
+            assert made[0]["uid"] == pwd.getpwnam(user).pw_uid
+            site = next(Path(workers.env["GPUMESH_ENV_CACHE"]).glob("*/lib/python3*/site-packages"))
+            assert {(p.stat().st_uid, p.stat().st_mode & 0o222) for p in site.rglob("gmevil*")} == {(0, 0)}
     finally:
         marker.unlink(missing_ok=True)
         if user:

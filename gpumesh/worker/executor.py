@@ -197,7 +197,10 @@ class Executor:
         """This machine's environments (gpumesh.envs), shared by its workers."""
         if self._envs is None:
             s = self.settings
-            self._envs = EnvCache(s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python)
+            self._envs = EnvCache(
+                s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python,
+                user=self.w.limits(1.0).user,  # with --sandbox-user, uv runs as that user, never as root
+            )  # fmt: skip
         return self._envs
 
     def _env(self, lease: scripts.Lease) -> Env | None:
