@@ -78,18 +78,6 @@ class Registry:
                 p.pexpire(key, ttl_ms)
                 p.execute()
 
-    def set_envs(self, held: list[str], failed: list[str], ttl_ms: int) -> None:
-        """The environments this worker's machine holds ready and those whose build failed there (lock digests),
-        as dispatch reads them (_lib.lua env_state): into a live registration only, as set_paused."""
-        key = keys.worker(self.worker_id)
-        if self.r.exists(key):
-            short = 16  # _lib.lua ENV_SHORT
-            with self.r.pipeline(transaction=True) as p:
-                p.hset(key, mapping={"envs": ",".join(sorted({d[:short] for d in held})),
-                                     "env_failed": ",".join(sorted({d[:short] for d in failed}))})  # fmt: skip
-                p.pexpire(key, ttl_ms)
-                p.execute()
-
     def unregister(self) -> None:
         """Remove every trace of the worker: registration, wake list, its queue; the fleet changed."""
         with self.r.pipeline(transaction=True) as p:

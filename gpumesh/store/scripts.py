@@ -62,6 +62,7 @@ NAMES = (
     "project_detach",
     "checkpoint",
     "env_failed",
+    "env_held",
     "read",
 )
 READ_ONLY = frozenset({"read"})  # registered 'no-writes': callable by FCALL_RO, and never a write
@@ -304,6 +305,19 @@ def _dispatched(r: list[Any], token: str) -> Lease | Prepare | str:
             return Prepare(str(f["fleet_version"]), str(f["env"]), str(f["job"]))
         return str(f["fleet_version"])
     return _lease(r, token)
+
+
+def env_held(s: Scripts, client: Any, worker_id: str, held: list[str], failed: list[str], ttl_ms: int) -> bool:
+    """Name in this worker's live registration the envs its machine holds and those it failed to build (lock
+    digests), as dispatch reads them (env_held.lua); False when the registration is gone."""
+    short = 16  # _lib.lua ENV_SHORT
+    r = s["env_held"](
+        keys=[keys.worker(worker_id)],
+        args=[worker_id, ",".join(sorted({d[:short] for d in held})), ",".join(sorted({d[:short] for d in failed})),
+              ttl_ms],
+        client=client,
+    )  # fmt: skip
+    return bool(int(r[0]) == 1)
 
 
 def env_failed(s: Scripts, client: Any, job_id: str, worker_id: str, env: str, message: str) -> bool:

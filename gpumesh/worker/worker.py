@@ -765,7 +765,9 @@ class MeshWorker(LeanRQWorker):
 
     def _advertise_envs(self) -> None:
         """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare)."""
-        self.registry.set_envs(*self.executor.advertised_envs(), int(self.settings.worker_ttl * 1000))
+        held, failed = self.executor.advertised_envs()
+        scripts.env_held(self.broker.scripts, self.broker.r, self.worker_id, held, failed,
+                         int(self.settings.worker_ttl * 1000))  # fmt: skip
 
     def _prepare(self, p: scripts.Prepare) -> None:
         """Build (or wait for, or find) the env the job dispatch chose needs, leasing nothing meanwhile: the workers

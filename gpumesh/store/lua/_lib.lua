@@ -570,3 +570,25 @@ local function env_state(held, failed, digest, dead)
   end
   return dead == '1' and 'run' or 'wait'
 end
+
+-- The zset of the workers whose machines hold env ``digest``, by score (env_held.lua).
+local function env_holders(digest)
+  return PREFIX .. 'envholders:' .. string.sub(digest, 1, ENV_SHORT)
+end
+
+-- The score of the strongest live worker that holds env ``digest``, at most ``fleet_max`` (the fleet's); the
+-- fleet's when none is known. Holders gone since are dropped on the way.
+local function env_strongest(digest, fleet_max)
+  local key = env_holders(digest)
+  for _ = 1, 4 do
+    local top = redis.pcall('ZREVRANGE', key, 0, 0, 'WITHSCORES')
+    if type(top) ~= 'table' or top.err or not top[1] then
+      return fleet_max
+    end
+    if redis.call('EXISTS', PREFIX .. 'worker:' .. top[1]) == 1 then
+      return math.min(tonumber(top[2]) or fleet_max, fleet_max)
+    end
+    redis.call('ZREM', key, top[1])
+  end
+  return fleet_max
+end

@@ -320,6 +320,10 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
   local pk = pending_key(best_job, best_class)
   local pick, heaviest
   if n > 1 then
+    local env = best_fields[ENV]
+    if type(env) == 'string' and env ~= '' then
+      max = env_strongest(env, max)  -- the heaviest task waits for the strongest worker holding the env, not one
+    end                              -- that would build it first
     heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
     local queued_cost = tonumber(best_fields[4] or 0) or 0  -- pending_cost
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
