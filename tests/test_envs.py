@@ -186,11 +186,12 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
         assert not marker.exists(), "a .pth file of the env ran outside the sandbox"
         made = builds(Path(workers.env["GPUMESH_ENV_CACHE"]))
         assert len(made) == 1
+        site = next(Path(workers.env["GPUMESH_ENV_CACHE"]).glob("*/lib/python3*/site-packages"))
+        assert list(site.glob("__pycache__/gmevil.*.pyc")), "its bytecode is compiled at build (running none of it)"
         if user:  # built as the sandbox user, never as root; then root's and read-only, so that user cannot undo it
             import pwd
 
             assert made[0]["uid"] == pwd.getpwnam(user).pw_uid
-            site = next(Path(workers.env["GPUMESH_ENV_CACHE"]).glob("*/lib/python3*/site-packages"))
             assert {(p.stat().st_uid, p.stat().st_mode & 0o222) for p in site.rglob("gmevil*")} == {(0, 0)}
     finally:
         marker.unlink(missing_ok=True)

@@ -211,6 +211,15 @@ class EnvCache:
                     self._record(digest, time.monotonic() - started, False)
                     (self.root / f"{digest[:32]}.failed").write_text(msg)
                     raise EnvError(msg)
+            # The bytecode, compiled here: tasks cannot write into their read-only env, so without it every attempt
+            # would compile each module it imports again (seconds for scipy). Not uv's --compile-bytecode, which
+            # starts the env's interpreter with its site (a wheel's .pth would run here, unconfined): the base
+            # interpreter without site (-I -S) compiles the files and runs none of them. Best effort: a file that
+            # does not compile is compiled (or fails) where a task imports it.
+            site = _site_of(tmp / "v")
+            if site:
+                subprocess.run([python, "-I", "-S", "-m", "compileall", "-q", "-j", "0", site], capture_output=True,
+                               env=env, timeout=3600, cwd=tmp, **as_user)  # type: ignore[call-overload]  # fmt: skip
             final = self.path(digest)
             (tmp / "v" / READY).write_text(
                 json.dumps({"digest": digest, "built": time.time(), "requires_python": requires_python,
