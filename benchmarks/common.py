@@ -128,6 +128,33 @@ def publish(name: str, title: str, body: str, command: str) -> None:
     DOC.write_text(text)
 
 
+def tiny_wheel(folder: Path, name: str, version: str, files: dict[str, str]) -> Path:
+    """A minimal pure-Python wheel (``files``: path in the wheel -> text, with its metadata and RECORD), to serve
+    from a local --find-links folder: envs built without the public index."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    entries = {
+        **files,
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: gpumesh-bench\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},"
+        f"{len(t.encode())}"
+        for path, t in entries.items()
+    ]
+    entries[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, t in entries.items():
+            z.writestr(path, t)
+    return wheel
+
+
 def revision_tree(rev: str, dest: Path) -> Path:
     """The package ``gpumesh/`` as it was at git revision ``rev``, extracted under ``dest`` (returned), to run
     through PYTHONPATH=dest from a working directory outside the checkout (sys.path[0] would otherwise put

@@ -15,6 +15,11 @@ four fleets, each started anew for every run:
   * pausing: settled, the strongest worker lent with `--pause-when` and paused by its owner from 3 s to 6 s
     after the submit (its running task handed back unspent); gpumesh contenders only, in a section of its
     own. Its bound counts the paused worker's capacity lost during the pause.
+  * envs: settled, each worker a machine of its own (an env cache each); two jobs of the same priority, each
+    half the mix (unit ÷ 2) in an env of its own (a tiny wheel from a local folder, built by a real uv), env
+    A held beforehand by the score-8 and score-1 workers, env B by the score-4 and score-2 ones; this gpumesh
+    only, in a section of its own. Its bound also holds each env's work to the workers that hold it from the
+    start and, on the others, from the end of one build (the median build measured beforehand).
 Contenders: this gpumesh (placement at dispatch; backup copies on by default), the same with
 --no-speculate, gpumesh 8c0e58b (git archive of --baseline, through PYTHONPATH, tiers bound
 at submit), and four plain RQ workers on one FIFO queue with the same strengths.
@@ -31,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +46,7 @@ from io import BytesIO
 from pathlib import Path
 
 import redis
-from common import ROOT, PrivateRedis, med, publish, rounds, stop, table
+from common import ROOT, PrivateRedis, med, publish, rounds, stop, table, tiny_wheel
 
 SLEEP = """import json, os, sys, time
 p = json.load(sys.stdin)
@@ -204,6 +210,79 @@ def run(c: Contender, fleet: str, scores: list[float], payloads: list[dict]) -> 
     return makespan, lower_bound(starts, [p["cost"] * p["unit"] for p in payloads], pause)
 
 
+ENV_HOLDERS = {"a": (8.0, 1.0), "b": (4.0, 2.0)}  # the envs fleet: which workers' machines hold each env
+
+
+class Envs:
+    """The envs fleet's two locked envs (tiny wheels in a local folder), built once each into a template cache
+    that a holder's machine copies before a run; ``build_s``: the median seconds one build took."""
+
+    def __init__(self, tmp: Path) -> None:
+        from gpumesh.envs import declare, lock
+        from gpumesh.envs.cache import EnvCache
+
+        self.tmp, links = tmp, tmp / "wheels"
+        self.uv_env = {"UV_FIND_LINKS": str(links), "UV_NO_INDEX": "1", "UV_CACHE_DIR": str(tmp / "uv-cache")}
+        os.environ.update(self.uv_env)  # the submitter's resolution reads the same folder
+        self.locks, self.templates, built = {}, {}, []
+        for name in ENV_HOLDERS:
+            tiny_wheel(links, f"gmbench_{name}", "1.0", {f"gmbench_{name}.py": "VALUE = 1\n"})
+            self.locks[name] = lk = lock(declare(with_=[f"gmbench_{name}"]))
+            for i in range(3):  # the first fills uv's cache, as a lender's machine that built anything before
+                cache = EnvCache(tmp / f"template-{name}-{i}")
+                cache.ensure(lk.digest, lk.text)
+                built.append(float(json.loads((cache.root / "builds.jsonl").read_text())["seconds"]))
+            self.templates[name] = tmp / f"template-{name}-0"
+        self.build_s = med(built[1:])
+
+    def machine(self, score: float, run: int) -> str:
+        """A fresh env cache for the worker of ``score``, holding the envs ENV_HOLDERS gives it."""
+        root = self.tmp / f"machine-{run}-{score:g}"
+        root.mkdir()
+        for name, holders in ENV_HOLDERS.items():
+            if score in holders:
+                folder = self.locks[name].digest[:32]
+                shutil.copytree(self.templates[name] / folder, root / folder, symlinks=True)
+        return str(root)
+
+    def builds(self, run: int) -> int:
+        return sum(len((p / "builds.jsonl").read_text().splitlines()) for p in self.tmp.glob(f"machine-{run}-*")
+                   if (p / "builds.jsonl").exists())  # fmt: skip
+
+
+def run_envs(c: Contender, scores: list[float], payloads: list[dict], envs: Envs, run: int) -> tuple[float, float]:
+    """(makespan, lower bound) of the envs fleet: two jobs, one per env, submitted together."""
+    from gpumesh.models import JobOptions
+    from gpumesh.settings import Settings
+    from gpumesh.store.broker import Broker
+
+    c.r.flushdb()
+    procs = [c.worker(s, GPUMESH_ENV_CACHE=envs.machine(s, run), **envs.uv_env) for s in scores]
+    try:
+        while c.registered() < len(scores):
+            time.sleep(0.05)
+        time.sleep(2.5)
+        b = Broker(Settings(url=c.url))
+        t0 = time.perf_counter()
+        jobs = [
+            b.submit(
+                f"import gmbench_{name}\n" + SLEEP, "sleep.py", payloads, JobOptions(), env=envs.locks[name]
+            ).job_id
+            for name in ENV_HOLDERS
+        ]
+        while not all(c.done(j, len(payloads)) for j in jobs):
+            time.sleep(0.02)
+        makespan = time.perf_counter() - t0
+        b.close()
+    finally:
+        stop(procs)
+    costs = [p["cost"] * p["unit"] for p in payloads]
+    bound = lower_bound([(s, 0.0) for s in scores], costs + costs)
+    for holders in ENV_HOLDERS.values():  # each env's work: its holders from the start, the others after a build
+        bound = max(bound, lower_bound([(s, 0.0 if s in holders else envs.build_s) for s in scores], costs))
+    return makespan, bound
+
+
 def baseline_tree(rev: str, dest: Path) -> Path:
     """The baseline revision's package, from git, to run through PYTHONPATH."""
     data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gpumesh"], capture_output=True, check=True).stdout
@@ -238,6 +317,8 @@ def main() -> None:
         Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True),
     ]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    envs = Envs(server.tmp / "envs") if "envs" in fleets else None
+    runs = 0
     try:
         for seed in range(1, args.repeat + 1):
             order = COSTS[:]
@@ -247,18 +328,32 @@ def main() -> None:
                 for c in contenders:
                     if fleet == "pausing" and (c.v1 is not None or c.fifo):
                         continue  # --pause-when is this version's
-                    t, bound = run(c, fleet, scores, payloads)
+                    if fleet == "envs":
+                        if c is not contenders[0] or envs is None:
+                            continue  # this version's, with its defaults
+                        runs += 1
+                        half = [{**p, "unit": args.unit / 2} for p in payloads]
+                        t, bound = run_envs(c, scores, half, envs, runs)
+                        print(f"round {seed} envs: {envs.builds(runs)} builds (at most one per machine and env it lacked)",
+                              file=sys.stderr)  # fmt: skip
+                    else:
+                        t, bound = run(c, fleet, scores, payloads)
                     results.setdefault((fleet, c.name), []).append((t, bound))
                     print(f"round {seed} {fleet:9s} {c.name:40s} {t:6.2f} s, bound {bound:.2f}", file=sys.stderr)
     finally:
         server.stop()
     for name, title, shown, target in (
         ("makespan", "Makespan on settled, forming, joining and changing fleets",
-         [f for f in fleets if f != "pausing"],
+         [f for f in fleets if f not in ("pausing", "envs")],
          "Targets: settled and forming ≤ 1.15 × the bound, joining ≤ 1.25 ×."),
         ("makespan-pause", "Makespan when a lender pauses its worker mid-job", [f for f in fleets if f == "pausing"],
          f"The score-{max(scores):g} worker is paused (`--pause-when`) from {PAUSE[0]:g} s to {PAUSE[1]:g} s after "
          "the submit; the bound counts its capacity lost meanwhile. Target: ≤ 1.25 × that bound."),
+        ("makespan-envs", "Makespan when two jobs' envs are held by some workers only", [f for f in fleets if f == "envs"],
+         "Two jobs of one priority, each half the mix in an env of its own; env A held beforehand by the score-8 and "
+         "score-1 workers' machines, env B by the score-4 and score-2 ones (a cache each). The bound counts one build "
+         f"per machine that lacks an env ({envs.build_s if envs else 0:.2f} s, the median measured beforehand). "
+         "Target: ≤ 1.15 × that bound."),
     ):  # fmt: skip
         rows = []
         for fleet in shown:

@@ -179,12 +179,16 @@ class JobStatus(Model):
     paused_handbacks: int = 0
     paused_lost_s: float = 0.0
     env: str | None = None  # the digest of the job's environment lock (gpumesh.envs), when it has one
+    # the live workers that prepare its environment now, before they lease its tasks
+    preparing: list[str] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
     def _without_unused_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """A job dumps as it always has: the pause fields only for a job that had an attempt handed back by a
-        pause (as jobstate.fields), ``env`` only for a job with an environment."""
+        pause (as jobstate.fields), ``env`` and ``preparing`` only for a job with an environment."""
         out: dict[str, Any] = handler(self)
+        if not self.preparing:
+            out.pop("preparing", None)
         if not self.paused_handbacks:
             out.pop("paused_handbacks", None)
             out.pop("paused_lost_s", None)
@@ -437,10 +441,17 @@ class WorkerInfo(Model):
             return "unknown version"
         return f"{self.version} (protocol {self.protocol})" if self.protocol is not None else self.version
 
+    # the environments its machine holds ready, and those it could not build (lock digests, cut short)
+    envs: list[str] = Field(default_factory=list)
+    env_failed: list[str] = Field(default_factory=list)
+
     @model_serializer(mode="wrap")
     def _without_absent_preparing(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A worker that prepares nothing dumps as it always has: no ``preparing`` key."""
+        """A worker that prepares nothing and holds no env dumps as it always has: no ``preparing`` or env keys."""
         out: dict[str, Any] = handler(self)
         if out.get("preparing") is None:
             out.pop("preparing", None)
+        for k in ("envs", "env_failed"):
+            if not out.get(k):
+                out.pop(k, None)
         return out

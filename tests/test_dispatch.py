@@ -59,7 +59,7 @@ def register(r: redis.Redis, worker: str, score: float, **resources: object) -> 
     r.hset(keys.FLEET, "dirty", 1)
 
 
-def take(broker: Broker, r: redis.Redis, worker: str, score: float) -> scripts.Lease | str:
+def take(broker: Broker, r: redis.Redis, worker: str, score: float) -> scripts.Lease | scripts.Prepare | str:
     return scripts.dispatch(broker.scripts, r, worker, 60_000, score)
 
 
@@ -487,3 +487,30 @@ def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env)
     assert reap_once(b)["jobs_pruned"] == 1
     assert not r.keys(f"gpumesh:*{job}*"), r.keys(f"gpumesh:*{job}*")
     b.close()
+
+
+@pytest.mark.core
+def test_env_jobs_go_to_workers_holding_the_env_and_others_prepare_it_first(broker: Broker, r: redis.Redis):
+    """A job in an env: a worker whose machine lacks the env is told to prepare it (it leases nothing), unless a
+    job of the same priority runs there now; the job's heaviest task waits for the strongest worker that holds
+    the env, not for a stronger one that would build it first; a failed build leaves the job to the others."""
+    from gpumesh.envs.lock import Lock
+
+    env = Lock("gmtiny==1.0 --hash=sha256:" + "0" * 64 + "\n")
+    costs = [1, 16, 2, 8]
+    job = broker.submit("print(1)", "t.py", [{"cost": c} for c in costs], JobOptions(), env=env).job_id
+    for w, s in (("holder", 2.0), ("strong", 8.0), ("weak", 1.0)):
+        register(r, w, s, envs="yes")
+    assert scripts.env_held(broker.scripts, r, "holder", [env.digest], [], 60_000)
+    told = take(broker, r, "strong", 8.0)
+    assert isinstance(told, scripts.Prepare) and (told.env, told.job_id) == (env.digest, job)
+    assert status_counts(broker, job)["running"] == 0, "preparing is not leasing"
+    held = take(broker, r, "holder", 2.0)
+    assert isinstance(held, scripts.Lease) and costs[held.index] == 16, "the heaviest to the strongest holder"
+    plain = broker.submit("print(1)", "t.py", [{"i": 0}], JobOptions()).job_id
+    other = take(broker, r, "strong", 8.0)
+    assert isinstance(other, scripts.Lease) and other.job_id == plain, "what it can run now goes first"
+    assert isinstance(take(broker, r, "strong", 8.0), scripts.Prepare)
+    assert not scripts.env_failed(broker.scripts, r, job, "strong", env.digest, "no wheel for gmtiny")
+    assert isinstance(take(broker, r, "strong", 8.0), str), "a machine that failed the build leaves it to others"
+    assert not scripts.env_failed(broker.scripts, r, job, "weak", env.digest, "no wheel for gmtiny"), "holder left"

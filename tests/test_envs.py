@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -166,6 +167,11 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
         workers.env = {**workers.env, "GPUMESH_ENV_CACHE": str(cache), "GPUMESH_SANDBOX_PYTHON": SYSTEM_PYTHON}
     marker = tmp_path.parent / f"pth-ran-{uuid.uuid4().hex}"
     _evil_wheel(index, marker)
+    if user:  # the build runs as that user, who must read the owner's package folder
+        links = cache / "wheels"
+        shutil.copytree(index, links)
+        os.chmod(links, 0o755)
+        workers.env["UV_FIND_LINKS"] = str(links)
     script = tmp_path / "meddle.py"
     script.write_text(MEDDLE)
     workers.start(*extra)
@@ -178,7 +184,15 @@ def test_env_code_runs_only_confined_and_tasks_cannot_change_their_env(
                 assert r["value"] == 7
                 assert {r[k] for k in ("change", "create", "remove", "rename")} <= {"PermissionError", "OSError"}, r
         assert not marker.exists(), "a .pth file of the env ran outside the sandbox"
-        assert len(builds(Path(workers.env["GPUMESH_ENV_CACHE"]))) == 1
+        made = builds(Path(workers.env["GPUMESH_ENV_CACHE"]))
+        assert len(made) == 1
+        site = next(Path(workers.env["GPUMESH_ENV_CACHE"]).glob("*/lib/python3*/site-packages"))
+        assert list(site.glob("__pycache__/gmevil.*.pyc")), "its bytecode is compiled at build (running none of it)"
+        if user:  # built as the sandbox user, never as root; then root's and read-only, so that user cannot undo it
+            import pwd
+
+            assert made[0]["uid"] == pwd.getpwnam(user).pw_uid
+            assert {(p.stat().st_uid, p.stat().st_mode & 0o222) for p in site.rglob("gmevil*")} == {(0, 0)}
     finally:
         marker.unlink(missing_ok=True)
         if user:
@@ -269,6 +283,117 @@ def test_one_build_per_machine_and_every_worker_runs(
     assert [b["ok"] for b in builds(tmp_path / "envs")] == [True]
     ran_on = {r.hget(keys.task(keys.task_id(job, i)), "worker") for i in range(16)}
     assert len(ran_on) >= 3, ran_on
+
+
+def _hold_build(cache: Path, digest: str) -> int:
+    """Take the machine's build lock of ``digest`` in ``cache`` (EnvCache._locked), as a worker of that machine
+    building it would: the machine's workers wait for it (preparing) until it is closed."""
+    import fcntl
+
+    cache.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cache / f"{digest[:32]}.build", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _until(what: str, check: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.processes
+def test_workers_prepare_the_env_before_they_lease_and_start_together(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, r: redis.Redis
+) -> None:
+    """Four workers of one machine and a job whose env the machine lacks: each prepares it before leasing any
+    task (`workers` and `status` say "preparing env … for JOB"), exactly one uv build runs, and every worker's
+    first task starts after that build's end (the benchmark measures how soon after: benchmarks/envs.py)."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN.replace("print(", "import time; time.sleep(0.3); print("))
+    payloads = json.dumps([{"x": i} for i in range(16)])
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", env=env, input=payloads)
+    assert ran.returncode == 0, ran.stderr
+    sub = json.loads(ran.stdout)
+    held = _hold_build(tmp_path / "envs", sub["env"])  # the build is slow: the workers wait in plain sight
+    for _ in range(4):
+        workers.start()
+
+    def shown() -> list[dict[str, object]]:
+        return [w for w in json.loads(run_cli("workers", "--json", env=env).stdout) if w.get("preparing")]
+
+    _until("all four workers say they prepare the env", lambda: len(shown()) == 4)
+    assert {w["preparing"] for w in shown()} == {f"env {sub['env'][:12]} for {sub['job_id']}"}
+    st = json.loads(run_cli("status", sub["job_id"], "--json", env=env).stdout)
+    assert len(st["preparing"]) == 4 and st["tasks"]["running"] == 0 and st["tasks"]["done"] == 0, st
+    text = run_cli("status", sub["job_id"], env=env).stdout
+    assert f"preparing env {sub['env'][:12]} for {sub['job_id']} on " in text, text
+    os.close(held)
+    assert finished(sub["job_id"], workers) == [42 + i for i in range(16)]
+    done = builds(tmp_path / "envs")
+    assert [b["ok"] for b in done] == [True]  # one uv venv + uv pip install for the four workers
+    first: dict[str, float] = {}
+    for i in range(16):
+        t = r.hgetall(keys.task(keys.task_id(sub["job_id"], i)))
+        first[t["worker"]] = min(first.get(t["worker"], math.inf), float(t["started_at"]))
+    assert len(first) == 4, first
+    assert all(started >= float(str(done[0]["at"])) - 0.05 for started in first.values()), (first, done)
+    workers_now = json.loads(run_cli("workers", "--json", env=env).stdout)
+    assert all(w["envs"] == [sub["env"][:16]] and "preparing" not in w for w in workers_now), workers_now
+
+
+@pytest.mark.processes
+def test_workers_holding_the_env_keep_taking_tasks_while_another_prepares(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, r: redis.Redis
+) -> None:
+    """Two machines (an env cache each): while machine b prepares the job's env it leases none of its tasks, and
+    machine a, which has the env, runs them meanwhile."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN.replace("print(", "import time; time.sleep(0.2); print("))
+    payloads = json.dumps([{"x": i} for i in range(10)])
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", env=env, input=payloads)
+    sub = json.loads(ran.stdout)
+    held = _hold_build(tmp_path / "envs-b", sub["env"])
+    workers.start(GPUMESH_ENV_CACHE=str(tmp_path / "envs-a"))
+    workers.start(GPUMESH_ENV_CACHE=str(tmp_path / "envs-b"))
+    job = keys.job(sub["job_id"])
+    _until("machine a runs tasks", lambda: int(r.hget(job, "done") or 0) >= 3)
+    preparing = json.loads(run_cli("status", sub["job_id"], "--json", env=env).stdout).get("preparing")
+    assert preparing and len(preparing) == 1, preparing
+    ran_on = {r.hget(keys.task(keys.task_id(sub["job_id"], i)), "worker") for i in range(10)} - {None}
+    assert preparing[0] not in ran_on
+    os.close(held)
+    assert finished(sub["job_id"], workers) == [42 + i for i in range(10)]
+    assert [b["ok"] for b in builds(tmp_path / "envs-a")] == [True]
+
+
+@pytest.mark.faults
+def test_when_every_worker_failed_the_build_the_tasks_fail_with_its_message(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, r: redis.Redis
+) -> None:
+    """Two machines whose indexes both lack the wheel: each tries the build once, before leasing anything; once
+    both failed, the tasks fail (kind environment, uv's message) instead of waiting for ever."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    for m in "ab":
+        workers.start(UV_FIND_LINKS=str(empty), GPUMESH_ENV_CACHE=str(tmp_path / f"envs-{m}"))
+    items = json.dumps([{"x": i} for i in range(4)])
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", "--with", "gmtiny", env=env, input=items)
+    job_id = json.loads(ran.stdout)["job_id"]
+    with gpumesh.connect() as mesh:
+        job = mesh.job(job_id)
+        st = job.wait(timeout=120)
+        res = job.results()
+    assert st.status == "failed" and st.failed_by_kind == {"environment": 4}, st
+    assert all(r_.error and r_.error.startswith("environment:") and "gmtiny" in r_.error for r_ in res), res
+    assert [b["ok"] for b in builds(tmp_path / "envs-a")] == [False]
+    assert [b["ok"] for b in builds(tmp_path / "envs-b")] == [False]
+    assert r.hget(keys.job(job_id), "env_dead") == "1"
+    shown = json.loads(run_cli("workers", "--json", env=env).stdout)
+    assert st.env and [w["env_failed"] for w in shown] == [[st.env[:16]]] * 2, shown
 
 
 @pytest.mark.faults

@@ -25,8 +25,10 @@ def envs(prune: bool, env_cache: str | None, as_json: bool) -> None:
     """Show the environments this machine's workers built, and prune them.
 
     A job's packages (a script's PEP 723 block, submit --with, --requirements) are locked at submit
-    and built once per machine into this cache, which the machine's workers share; the least
-    recently used envs no worker holds go first past the size setting (GPUMESH_ENV_CACHE_MB).
+    and built once per machine into this cache, which the machine's workers share, before they take
+    the job's tasks; the least recently used envs no worker holds go first past the size setting
+    (GPUMESH_ENV_CACHE_MB). A failed build is kept as a mark: this machine does not try that lock
+    again until --prune removes it.
 
     \b
       gpumesh envs                  # digest, size, last use, in use, packages

@@ -83,7 +83,8 @@ def submit(
 
     Packages travel with the job: a script's PEP 723 block, --with, --requirements, the project's
     pyproject.toml (uv.lock honoured) or the job file's [env] are locked here with uv, for every
-    platform, and each worker's machine builds that lock once (docs/environments.md):
+    platform, and each worker's machine builds that lock once, before it takes the job's tasks
+    (`gpumesh status JOB` shows "preparing env … for JOB"; docs/environments.md):
 
     
       gpumesh submit fit.py --payloads p.json --with numpy --with 'scikit-learn>=1.4'
@@ -139,6 +140,8 @@ def show_status(ctx: click.Context, job_id: str, watch: bool, url: str | None, a
         click.echo(render.status_line(st) + (f"  [{render.plain(st.name)}]" if st.name else ""))
         for w in st.waiting_for:
             click.echo("  " + render.waiting_line(w))
+        if st.preparing:
+            click.echo(f"  preparing env {(st.env or '')[:12]} for {st.job_id} on {', '.join(st.preparing)}")
     if not as_json:
         explain_failures(mesh, st)
     if watch:

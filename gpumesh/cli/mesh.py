@@ -292,6 +292,14 @@ def worker(ctx: click.Context, /, broker_url: str | None, url: str | None, **opt
       gpumesh worker URL --pause-when 'pgrep -x steam' --max-task-hours 2 --accept-from alice,bob
 
     `gpumesh lent` then lists what ran here.
+
+    Jobs with packages (docs/environments.md): the worker builds a job's environment with uv before it
+    takes the job's tasks (once per machine; `gpumesh workers` shows "preparing env … for JOB"), from
+    the index its own uv settings name, wheels only, as the --sandbox-user when there is one:
+
+    \b
+      UV_INDEX_URL=https://pypi.internal/simple gpumesh worker URL --env-cache /srv/gpumesh-envs
+      gpumesh worker URL --no-envs             # only jobs without packages, in this Python
     """
     _run_worker(ctx, broker_url or url, opts)
 

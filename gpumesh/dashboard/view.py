@@ -158,6 +158,7 @@ class View:
             "gpu": w.resources.get("gpu") or "—",  # probed on a GPU, or declared; a processor is no GPU
             "vram": f"{vram:g} GiB" if isinstance(vram, int | float) else "—", "score": f"{w.score_gflops:g}",
             "tier": w.tier, "release": w.release, "resources": [f"{k}={v}" for k, v in sorted(w.resources.items())],
+            "envs": [f"{d[:12]} ready" for d in w.envs] + [f"{d[:12]} failed" for d in w.env_failed],
             "task": f"preparing {w.preparing}" if w.preparing
             else w.current_task or (f"paused: {w.paused}" if w.paused else "idle"),
             "busy": w.current_task is not None, "age": _age(now, w.last_heartbeat),

@@ -63,6 +63,28 @@ def _read_only(root: Path) -> None:
         os.chmod(dirpath, 0o555)
 
 
+def _seal(root: Path, owned: bool) -> None:
+    """:func:`_read_only` for an env a sandbox user built: root takes it over (``owned``: that user could chmod
+    its own files back), and the walk goes by file descriptors, never following a symlink the builder left."""
+    for _dirpath, dirnames, filenames, dirfd in os.fwalk(root):
+        for name in filenames + dirnames:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                os.chown(name, 0, 0, dir_fd=dirfd, follow_symlinks=False)
+            elif stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+                try:
+                    mode = os.fstat(fd).st_mode
+                    if owned:
+                        os.fchown(fd, 0, 0)
+                    os.fchmod(fd, 0o555 if mode & 0o111 else 0o444)
+                finally:
+                    os.close(fd)
+        if owned:
+            os.fchown(dirfd, 0, 0)
+        os.fchmod(dirfd, 0o555)
+
+
 def _writable(root: Path) -> None:
     for dirpath, _dirs, _files in os.walk(root):
         with contextlib.suppress(OSError):
@@ -81,8 +103,12 @@ def size_of(path: Path) -> int:
 class EnvCache:
     """The machine's environments under ``root`` (``--env-cache``), at most ``max_mb`` of them kept."""
 
-    def __init__(self, root: str | Path, max_mb: int = 20_000, allow_builds: bool = False, python: str = "") -> None:
+    def __init__(
+        self, root: str | Path, max_mb: int = 20_000, allow_builds: bool = False, python: str = "",
+        user: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.root = Path(root).expanduser()
+        self.user = user  # (uid, gid) the builds run as (worker --sandbox-user): never root when there is one
         self.python = python or sys.executable  # what envs are made on: the tasks' interpreter (a sandbox user's)
         self.max_mb = max_mb
         self.allow_builds = allow_builds
@@ -96,6 +122,18 @@ class EnvCache:
         if not (p / READY).is_file():
             return None
         return Env(digest, p, str(p / "bin" / "python"), _site_of(p))
+
+    def known(self) -> tuple[list[str], list[str]]:
+        """(ready, failed): the envs of this machine, by the first 32 characters of their digests (folder names),
+        read from the folder's listing alone: what its workers advertise to dispatch."""
+        ready, failed = [], []
+        with contextlib.suppress(OSError):
+            for p in self.root.iterdir():
+                if p.name.endswith(".failed"):
+                    failed.append(p.name.removesuffix(".failed"))
+                elif (p / READY).is_file():
+                    ready.append(p.name)
+        return ready, failed
 
     def failed(self, digest: str) -> str | None:
         try:
@@ -142,7 +180,13 @@ class EnvCache:
         started = time.monotonic()
         env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}  # the worker's index settings (UV_*) stay: the owner's
         env.pop("VIRTUAL_ENV", None)
-        lockfile = self.root / f".{digest[:32]}.txt"
+        as_user: dict[str, object] = {}
+        if self.user is not None:  # built as the sandbox user: uv and whatever it reads never run as root
+            uid, gid = self.user
+            os.chown(tmp, uid, gid)
+            env["UV_CACHE_DIR"] = str(self._user_cache(uid, gid))
+            as_user = {"user": uid, "group": gid, "extra_groups": []}
+        lockfile = tmp / "lock.txt"
         lockfile.write_text(text)
         try:
             python = self.python  # the worker advertises its minor version: a job's requires-python chose it
@@ -153,34 +197,69 @@ class EnvCache:
                  "--python", str(tmp / "v" / "bin" / "python"), "-r", str(lockfile)],
             ]  # fmt: skip
             for cmd in steps:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600, cwd=tmp)
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=3600,
+                    cwd=tmp,
+                    **as_user,  # type: ignore[call-overload]
+                )
                 if proc.returncode != 0:
                     msg = (proc.stderr.strip() or proc.stdout.strip() or f"uv exited with {proc.returncode}")[-4000:]
                     self._record(digest, time.monotonic() - started, False)
                     (self.root / f"{digest[:32]}.failed").write_text(msg)
                     raise EnvError(msg)
+            # The bytecode, compiled here: tasks cannot write into their read-only env, so without it every attempt
+            # would compile each module it imports again (seconds for scipy). Not uv's --compile-bytecode, which
+            # starts the env's interpreter with its site (a wheel's .pth would run here, unconfined): the base
+            # interpreter without site (-I -S) compiles the files and runs none of them. Best effort: a file that
+            # does not compile is compiled (or fails) where a task imports it.
+            site = _site_of(tmp / "v")
+            if site:
+                subprocess.run([python, "-I", "-S", "-m", "compileall", "-q", "-j", "0", site], capture_output=True,
+                               env=env, timeout=3600, cwd=tmp, **as_user)  # type: ignore[call-overload]  # fmt: skip
             final = self.path(digest)
             (tmp / "v" / READY).write_text(
                 json.dumps({"digest": digest, "built": time.time(), "requires_python": requires_python,
                             "packages": [ln.split(" ")[0] for ln in text.splitlines() if ln and ln[0] not in " #-"]})
             )  # fmt: skip
-            _read_only(tmp / "v")
+            if self.user is None:
+                _read_only(tmp / "v")
+            else:
+                _seal(tmp / "v", owned=True)
             os.rename(tmp / "v", final)
             self._record(digest, time.monotonic() - started, True)
         except subprocess.TimeoutExpired as exc:
             raise EnvError(f"the build ran past {exc.timeout:.0f} s") from None
         finally:
-            _writable(tmp)
+            if os.geteuid() != 0:  # root removes it whatever its modes (and never chmods what a builder left)
+                _writable(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            lockfile.unlink(missing_ok=True)
         env_ = self.ready(digest)
         assert env_ is not None
         return env_
 
+    def _user_cache(self, uid: int, gid: int) -> Path:
+        """uv's cache for builds as the sandbox user: one of that user's own, beside the envs (the worker owner's
+        is root's, which that user cannot write)."""
+        cache = self.root / f".uv-cache-{uid}"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(cache, 0o700)
+        st = os.lstat(cache)
+        if not stat.S_ISDIR(st.st_mode):
+            raise EnvError(f"{cache} is not a folder; remove it")
+        if st.st_uid != uid:
+            os.chown(cache, uid, gid, follow_symlinks=False)
+        return cache
+
     def _record(self, digest: str, seconds: float, ok: bool) -> None:
+        uid = self.user[0] if self.user else os.geteuid()  # as whom uv ran
         line = json.dumps(
-            {"digest": digest, "seconds": round(seconds, 3), "ok": ok, "at": time.time(), "pid": os.getpid()}
-        )
+            {"digest": digest, "seconds": round(seconds, 3), "ok": ok, "at": time.time(), "pid": os.getpid(),
+             "uid": uid}
+        )  # fmt: skip
         with open(self.root / BUILDS, "a") as f:
             f.write(line + "\n")
 

@@ -682,6 +682,8 @@ def _worker_info(w: str, h: dict[str, str], tiers: dict[str, int]) -> WorkerInfo
         preparing=h.get("preparing") or None,
         version=h.get("version") or None,
         protocol=protocols.of_registration(h.get("protocol"), h.get("version")),
+        envs=[d for d in (h.get("envs") or "").split(",") if d],
+        env_failed=[d for d in (h.get("env_failed") or "").split(",") if d],
     )
 
 

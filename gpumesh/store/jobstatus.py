@@ -64,6 +64,16 @@ def waiting_for(r: Any, job_id: str, h: dict[str, str], fleet: list[dict[str, An
     return out
 
 
+def preparing(r: Any, job_id: str, worker_ttl: float) -> list[str]:
+    """The live workers that prepare the job's environment now (they lease none of its tasks meanwhile)."""
+    ids = sorted(live(r, worker_ttl)[1])
+    with r.pipeline(transaction=False) as p:
+        for w in ids:
+            p.hget(keys.worker(w), "preparing")
+        said = p.execute()
+    return [w for w, text in zip(ids, said) if isinstance(text, str) and text.endswith(f" for {job_id}")]
+
+
 def read(r: Any, job_id: str, worker_ttl: float, waiting: bool = True) -> dict[str, Any]:
     """The job's status fields, ``waiting_for`` included when ``waiting`` and some task is queued. NotFound
     (exit 4) when the broker has no such job."""
@@ -73,4 +83,6 @@ def read(r: Any, job_id: str, worker_ttl: float, waiting: bool = True) -> dict[s
     st = jobstate.fields(job_id, h)
     if waiting and st["tasks"]["queued"]:
         st["waiting_for"] = waiting_for(r, job_id, h, list(live_resources(r, worker_ttl).values()))
+        if h.get("env"):
+            st["preparing"] = preparing(r, job_id, worker_ttl)
     return st

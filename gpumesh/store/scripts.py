@@ -66,6 +66,8 @@ NAMES = (
     "project_attach",
     "project_detach",
     "checkpoint",
+    "env_failed",
+    "env_held",
     "read",
 )
 READ_ONLY = frozenset({"read"})  # registered 'no-writes': callable by FCALL_RO, and never a write
@@ -298,7 +300,7 @@ class Outcome:
     kind: str = ""  # when requeued or failed: the failure kind recorded (models.FAILURE_KINDS)
     not_retried: bool = False  # failed while attempts remained: the job does not retry this kind
     bigger: tuple[str, float] | None = None  # requeued for a worker with more memory: its id and how much
-    next: Lease | str | None = None  # complete with ``then``: the worker's next task, or the fleet version (none)
+    next: Lease | Prepare | str | None = None  # complete with ``then``: the worker's next task, or the fleet version
 
 
 def _task_keys(task_id: str, *extra: str) -> list[str]:
@@ -329,8 +331,9 @@ def _fields(r: list[Any]) -> dict[str, Any]:
     return dict(zip(r[2::2], r[3::2]))
 
 
-def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | str:
-    """The task this worker should run now (dispatch.lua), leased to it; else the fleet version as a string."""
+def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | Prepare | str:
+    """The task this worker should run now (dispatch.lua), leased to it; an env to prepare first (Prepare); else
+    the fleet version as a string."""
     token = new_token()
     return _dispatched(_dispatch_call(s, client, worker_id, lease_ms, score, token), token)
 
@@ -343,10 +346,47 @@ def _dispatch_call(s: Scripts, client: Any, worker_id: str, lease_ms: int, score
     )
 
 
-def _dispatched(r: list[Any], token: str) -> Lease | str:
+@dataclass(frozen=True)
+class Prepare:
+    """dispatch's answer when the job this worker should serve first needs an environment its machine lacks:
+    build it (leasing nothing meanwhile), then ask again."""
+
+    fleet_version: str
+    env: str  # the lock digest
+    job_id: str
+
+
+def _dispatched(r: list[Any], token: str) -> Lease | Prepare | str:
     if int(r[0]) != 1:
-        return str(_fields(r)["fleet_version"])
+        f = _fields(r)
+        if r[1] == "prepare":
+            return Prepare(str(f["fleet_version"]), str(f["env"]), str(f["job"]))
+        return str(f["fleet_version"])
     return _lease(r, token)
+
+
+def env_held(s: Scripts, client: Any, worker_id: str, held: list[str], failed: list[str], ttl_ms: int) -> bool:
+    """Name in this worker's live registration the envs its machine holds and those it failed to build (lock
+    digests), as dispatch reads them (env_held.lua); False when the registration is gone."""
+    short = 16  # _lib.lua ENV_SHORT
+    r = s["env_held"](
+        keys=[keys.worker(worker_id)],
+        args=[worker_id, ",".join(sorted({d[:short] for d in held})), ",".join(sorted({d[:short] for d in failed})),
+              ttl_ms],
+        client=client,
+    )  # fmt: skip
+    return bool(int(r[0]) == 1)
+
+
+def env_failed(s: Scripts, client: Any, job_id: str, worker_id: str, env: str, message: str) -> bool:
+    """Record that this worker's machine cannot build ``env`` for ``job_id`` (env_failed.lua): True when no live
+    worker that may run the job is left to build it (its tasks then fail with ``message``)."""
+    r = s["env_failed"](
+        keys=[keys.job(job_id), keys.worker(worker_id), keys.SCORES, keys.IDLE],
+        args=[worker_id, env, message],
+        client=client,
+    )
+    return bool(int(r[0]) == 1 and r[1] == "dead")
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,7 @@ class Executor:
         self._lent: lent.Record | None = None  # this machine's record of what it ran (`gpumesh lent`)
         self._envs: EnvCache | None = None
         self._env_ready: dict[str, Env] = {}  # lock digest -> its env on this machine, held by this worker
+        self._env_failures: set[str] = set()  # lock digests this worker could not have (EnvError)
         self._zygotes: dict[str, Zygote] = {}  # warm mode: a zygote per env, the least recently used closed first
 
     @property
@@ -189,29 +190,39 @@ class Executor:
         """This machine's environments (gpumesh.envs), shared by its workers."""
         if self._envs is None:
             s = self.settings
-            self._envs = EnvCache(s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python)
+            self._envs = EnvCache(
+                s.env_cache or default_root(), s.env_cache_mb, s.allow_builds, s.sandbox_python,
+                user=self.w.limits(1.0).user,  # with --sandbox-user, uv runs as that user, never as root
+            )  # fmt: skip
         return self._envs
 
     def _env(self, lease: scripts.Lease) -> Env | None:
-        """The job's environment on this machine: found, waited for (another worker of the machine builds it), or
-        built here before the attempt starts. EnvError with the builder's message when it cannot be had."""
+        """The job's environment on this machine, held by this worker: prepared before the lease (dispatch answers
+        Prepare to a worker that lacks it), else found or built here now. EnvError with the builder's message."""
         digest = self.extras(lease.job_id).env
         if not digest:
             return None
+        return self.prepare_env(digest, lease.job_id, lease.task_id)
+
+    def prepare_env(self, digest: str, job_id: str, task_id: str = "") -> Env:
+        """The env ``digest`` of ``job_id`` on this machine: found, waited for (another worker of the machine builds
+        it), or built here; meanwhile the worker says "preparing env … for JOB" (``workers``, ``status``, the
+        dashboard). EnvError with the builder's message when it cannot be had."""
         got = self._env_ready.get(digest)
         if got is not None:
             return got
         if not self.settings.envs:
             raise EnvError("this worker runs no environments (worker --no-envs)")
-        text, python, builds = self.broker.job_fields(lease.job_id, "env_lock", "env_python", "env_builds")
+        text, python, builds = self.broker.job_fields(job_id, "env_lock", "env_python", "env_builds")
         if text is None:
             raise EnvError("the job's lock is missing from the broker")
         preparing = self.envs.ready(digest) is None
         if preparing:
-            said = f"preparing env {digest[:12]} for {lease.job_id}"
+            said = f"preparing env {digest[:12]} for {job_id}"
             log.info("%s", said)
-            self.w.logs.put(lease.task_id, "gpumesh", said)
-            # what `workers`, `top` and the dashboard show meanwhile
+            if task_id:
+                self.w.logs.put(task_id, "gpumesh", said)
+            # what `workers`, `status`, `top` and the dashboard show meanwhile
             self.broker.set_preparing(self.w.worker_id, said.removeprefix("preparing "))
         started = time.monotonic()
         try:
@@ -222,6 +233,19 @@ class Executor:
         log.info("env %s ready in %.2fs", digest[:12], time.monotonic() - started)
         self._env_ready[digest] = got
         return got
+
+    def env_failure(self, job_id: str, digest: str, message: str) -> bool:
+        """Tell dispatch that this machine cannot build ``digest`` for ``job_id`` (it gives this worker the job's
+        tasks no more): True when no live worker that may run the job is left to build it, and its tasks fail."""
+        self._env_failures.add(digest)
+        return scripts.env_failed(self.broker.scripts, self.broker.r, job_id, self.w.worker_id, digest, message)
+
+    def advertised_envs(self) -> tuple[list[str], list[str]]:
+        """(held, failed): the envs this machine holds ready and those it could not build, for dispatch."""
+        if not self.settings.envs:
+            return [], []
+        ready, failed = self.envs.known()
+        return [*ready, *self._env_ready], [*failed, *self._env_failures]
 
     def _zygote_for(self, env: Env) -> Zygote | None:
         """Warm mode: the zygote of ``env`` (its interpreter, started without site: nothing of the env runs in
@@ -507,7 +531,11 @@ class Executor:
             why = f"environment: {exc}"
             log.error("%s: %s", lease.task_id, why)
             self.w.logs.put(lease.task_id, "gpumesh", why)
-            return self._fail(running, why, 0.0, kind="environment")
+            try:  # failed for good once no live worker that may run the job is left to build its env
+                final = self.env_failure(lease.job_id, self.extras(lease.job_id).env, str(exc))
+            except redis.RedisError:
+                final = False
+            return self._fail(running, why, 0.0, kind="environment", reject=final)
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
         out = self._finish_in_sandbox(self._start_in_sandbox(running, source, limits))

@@ -43,6 +43,7 @@ from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from gpumesh import scheduling
+from gpumesh.envs.cache import EnvError
 from gpumesh.envs.lock import python_resource
 from gpumesh.errors import BrokerError
 from gpumesh.models import Capability
@@ -508,10 +509,17 @@ class MeshWorker(LeanRQWorker):
         backup = self._straggler_backup()
         if backup is not None:
             return backup
-        got = scripts.dispatch(
-            self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
-            self.capability.score_gflops,
-        )  # fmt: skip
+        for _ in range(3):  # an env to prepare first: then ask again at once
+            got = scripts.dispatch(
+                self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
+                self.capability.score_gflops,
+            )  # fmt: skip
+            if not isinstance(got, scripts.Prepare) or self._stop_requested or self.fatal:
+                break
+            self._prepare(got)
+        if isinstance(got, scripts.Prepare):
+            self._fleet_now = got.fleet_version
+            return None
         if isinstance(got, scripts.Lease):
             self._fleet_now = got.fleet_version
             return got
@@ -763,6 +771,24 @@ class MeshWorker(LeanRQWorker):
             self.display_name, self.capability, self.resources, ttl_ms, paused=self.paused or "", library=called
         )
         self._registered_lib = called[0]
+        self._advertise_envs()
+
+    def _advertise_envs(self) -> None:
+        """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare)."""
+        held, failed = self.executor.advertised_envs()
+        scripts.env_held(self.broker.scripts, self.broker.r, self.worker_id, held, failed,
+                         int(self.settings.worker_ttl * 1000))  # fmt: skip
+
+    def _prepare(self, p: scripts.Prepare) -> None:
+        """Build (or wait for, or find) the env the job dispatch chose needs, leasing nothing meanwhile: the workers
+        that hold it keep taking the job's tasks. A failure is the job's to hear (env_failed.lua)."""
+        try:
+            self.executor.prepare_env(p.env, p.job_id)
+        except (EnvError, OSError) as exc:
+            log.error("env %s for %s: %s", p.env[:12], p.job_id, str(exc).splitlines()[-1] if str(exc) else exc)
+            if self.executor.env_failure(p.job_id, p.env, str(exc)):
+                log.error("no live worker that may run %s can build its env: its tasks fail", p.job_id)
+        self._advertise_envs()
 
     # -- the lender's say ----------------------------------------------------------------------------
 

@@ -560,3 +560,51 @@ local function clear_current(worker_key, task_id)
     redis.call('HSET', worker_key, 'current_task', '')
   end
 end
+
+-- Environments (gpumesh/envs): a worker names in its hash the envs its machine holds ready ('envs') and those
+-- whose build failed there ('env_failed'), each a comma-separated list of lock digests cut to ENV_SHORT
+-- characters. A job with an env records in 'env_dead' that a build failed: '0' while some live worker that may
+-- run the job has not failed it, '1' once none has (env_failed.lua).
+local ENV_SHORT = 16
+local function env_listed(list, digest)
+  if type(list) ~= 'string' or type(digest) ~= 'string' or digest == '' then
+    return false
+  end
+  return string.find(',' .. list .. ',', ',' .. string.sub(digest, 1, ENV_SHORT) .. ',', 1, true) ~= nil
+end
+
+-- What a worker may do with a job whose env is ``digest`` ('' or nil: none): 'run' its tasks (no env, or its
+-- machine holds it); 'prepare' it first (it lacks it, or it failed here and this job has not heard so yet:
+-- preparing again fails at once and tells the job); 'wait' for other workers (it failed here, and some other
+-- worker may build it); or 'run' to fail them (it failed everywhere: the task fails with the builder's message).
+local function env_state(held, failed, digest, dead)
+  if type(digest) ~= 'string' or digest == '' or env_listed(held, digest) then
+    return 'run'
+  end
+  if not env_listed(failed, digest) or (dead ~= '0' and dead ~= '1') then
+    return 'prepare'
+  end
+  return dead == '1' and 'run' or 'wait'
+end
+
+-- The zset of the workers whose machines hold env ``digest``, by score (env_held.lua).
+local function env_holders(digest)
+  return PREFIX .. 'envholders:' .. string.sub(digest, 1, ENV_SHORT)
+end
+
+-- The score of the strongest live worker that holds env ``digest``, at most ``fleet_max`` (the fleet's); the
+-- fleet's when none is known. Holders gone since are dropped on the way.
+local function env_strongest(digest, fleet_max)
+  local key = env_holders(digest)
+  for _ = 1, 4 do
+    local top = redis.pcall('ZREVRANGE', key, 0, 0, 'WITHSCORES')
+    if type(top) ~= 'table' or top.err or not top[1] then
+      return fleet_max
+    end
+    if redis.call('EXISTS', PREFIX .. 'worker:' .. top[1]) == 1 then
+      return math.min(tonumber(top[2]) or fleet_max, fleet_max)
+    end
+    redis.call('ZREM', key, top[1])
+  end
+  return fleet_max
+end

@@ -22,7 +22,9 @@
 --           the lease token to hold what it takes (made by the worker; only its digest is stored)}
 -- )
 -- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
--- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run.
+-- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run; or {0, 'prepare',
+-- 'fleet_version', version, 'env', digest, 'job', job id} when the job it should serve first needs an env this
+-- worker's machine lacks (env_state): it builds the env, leasing nothing meanwhile, and asks again.
 --
 -- Nothing written into a job or task may make this script raise (every worker would fail its dispatch,
 -- and the mesh would stall): any credential that writes jobs and tasks can write garbage there. A ready
@@ -79,7 +81,20 @@ local function go_idle()
   end
   return {0, 'idle', 'fleet_version', version}
 end
-local raw = redis.pcall('HGET', worker_key, 'resources')
+-- A job it may run once it holds the job's env: it prepares the env (not idle), then asks again.
+local function go_prepare(env, job_id)
+  local current = redis.pcall('HGET', worker_key, 'current_task')
+  if type(current) == 'string' and current ~= '' then
+    redis.pcall('HSET', worker_key, 'current_task', '')
+  end
+  return {0, 'prepare', 'fleet_version', version, 'env', env, 'job', job_id}
+end
+-- its resources, and the envs its machine holds and failed to build (env_state)
+local wf = redis.pcall('HMGET', worker_key, 'resources', 'envs', 'env_failed')
+if type(wf) ~= 'table' or wf.err then
+  wf = {}  -- not a hash
+end
+local raw = wf[1]
 if type(raw) ~= 'string' then
   raw = nil  -- none, or not a hash
 end
@@ -105,6 +120,8 @@ end
 -- what we choose by, then what take() needs, in one read per candidate job; read by name (JOB_AT)
 local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
 JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env'  -- its environment's lock digest, and whether its builds failed (env_state)
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env_dead'
 local JOB_AT = at(JOB_FIELDS)
 local NO_REQUIREMENTS = '[[]]'
 -- Job fields the lease carries as numbers, as the worker reads them.
@@ -240,6 +257,9 @@ local function unavoided(job_id, pk)
 end
 
 local skip = {}  -- ready members left to other workers in this dispatch (see avoided)
+-- The first job (by the order below) whose env this worker must prepare before it takes its tasks: prepared
+-- unless a job of at least its priority runs here now (what it holds goes first).
+local prepare, prepare_prio
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or a task is left to others
   local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
   local best, best_prio, best_running, best_left, best_created, best_job, best_class, best_fields
@@ -269,6 +289,13 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
           ok = lender_accepts(resources, job[JOB_AT.timeout], job[JOB_AT.submitter])
         end
         if ok then
+          local env = env_state(wf[2], wf[3], job[JOB_AT.env], job[JOB_AT.env_dead])
+          if env == 'prepare' and not prepare then
+            prepare, prepare_prio = {job[JOB_AT.env], job_id}, prio
+          end
+          ok = env == 'run'
+        end
+        if ok then
           local running = tonumber(job[JOB_AT.running]) or 0
           local left, created = tonumber(job[JOB_AT.pending_cost]) or 0, tonumber(job[JOB_AT.created_at]) or 0
           if not best or running < best_running or (running == best_running and (left < best_left or
@@ -280,6 +307,9 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       end
     end
   end
+  if prepare and (not best or prepare_prio > best_prio) then
+    return go_prepare(prepare[1], prepare[2])
+  end
   if not best then
     return go_idle()
   end
@@ -288,6 +318,10 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
   local pk = pending_key(best_job, best_class)
   local pick, heaviest
   if n > 1 then
+    local env = best_fields[JOB_AT.env]
+    if type(env) == 'string' and env ~= '' then
+      max = env_strongest(env, max)  -- the heaviest task waits for the strongest worker holding the env, not one
+    end                              -- that would build it first
     heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
     local queued_cost = tonumber(best_fields[JOB_AT.pending_cost] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
