@@ -104,12 +104,13 @@ class Broker:
 
         return projects.Files(self.rq, self.settings.artifacts)
 
-    def queue(self, worker_id: str, job_class: type[Job] | None = None) -> Queue:
-        """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
+    def queue(self, tier: int, job_class: type[Job] | None = None) -> Queue:
+        """The RQ queue of a tier: the deliveries of its workers pass through it (each popped as it is pushed),
+        and the tasks placed for the tier wait in it (a window of them, lua/_lib.lua's refresh_window)."""
         from rq import Queue  # only workers use RQ: the CLI's other commands start without importing it
         from rq.serializers import JSONSerializer
 
-        return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer, job_class=job_class)
+        return Queue(keys.tier_queue(tier), connection=self.rq, serializer=JSONSerializer, job_class=job_class)
 
     @property
     def url_masked(self) -> str:
@@ -206,10 +207,11 @@ class Broker:
         Its description and meta say, for a person reading rq-dashboard, which task of which job it is
         (see :func:`delivery_label`); the job's name and requirements are read once per job and kept.
 
-        ``take``: RQ's pop of that queue rides in the same transaction (the LMOVE to its intermediate queue
-        that RQ's dequeue makes), so a worker delivering to itself saves the pop's two round trips and the
-        read of a job it has just written. Returns the job written (of the queue's job class) and the id
-        that pop took (None without ``take``): the job's own, unless something sat in the queue before it."""
+        ``take``: the delivery goes to the front of the queue and RQ's pop of that queue rides in the same
+        transaction (the LMOVE to its intermediate queue that RQ's dequeue makes), so the worker pops its own
+        delivery, never a task waiting in the tier's queue, and saves the pop's two round trips and the read of a
+        job it has just written. Returns the job written (of the queue's job class) and the id that pop took
+        (None without ``take``): the job's own."""
         # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
         name, job_requires = self._job_label(lease.job_id)
@@ -227,6 +229,7 @@ class Broker:
             ttl=int(self.settings.lease_ttl) + 60,
             description=description,
             meta=meta,
+            at_front=take,
         )
         with self.rq.pipeline() as p:
             # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
