@@ -81,6 +81,7 @@ def test_top_once_shows_workers_and_jobs(env, mesh_worker: MeshWorkers):
     p = cli("top", "--once")
     assert p.returncode == 0
     assert "workers" in p.stdout and "box-" in p.stdout and "jobs" in p.stdout and job in p.stdout
+    assert "tiers" in p.stdout and "gpumesh-tier-2" in p.stdout, "each tier's queue, with who serves it"
 
 
 @pytest.mark.processes

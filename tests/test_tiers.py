@@ -4,11 +4,9 @@ rq-dashboard and `rq info` count and list them. Placement itself is test_dispatc
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from gpumesh.models import JobOptions
 from gpumesh.store import keys, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
 
-from .conftest import Workers, wait_until
+from .conftest import Workers, gpumesh, wait_until
 from .test_dispatch import register, sleep_script, submit, wait_done
 
 
@@ -124,6 +122,28 @@ def test_a_task_only_another_worker_may_run_never_holds_up_a_worker_of_its_tier(
     assert plain.tier == first.tier == 1 and waiting(r, 1)[: len(ahead)] == ahead, "nothing was popped"
 
 
+@pytest.mark.core
+def test_each_tier_s_whole_backlog_is_shown_beside_its_window(broker: Broker, r: redis.Redis):
+    """What `gpumesh workers` and `top` print under the workers: per tier its queue, its workers, the tasks
+    waiting in its queue (20 at most) and its share of every queued task (the whole backlog)."""
+    costs = [8.0] * 10 + [1.0] * 90
+    broker.submit("print(1)", "t.py", [{"cost": c} for c in costs], JobOptions())
+    register(r, "laptop", 1.0)
+    register(r, "server", 8.0)
+    assert isinstance(take(broker, r, "server", 8.0), scripts.Lease)
+    assert isinstance(take(broker, r, "laptop", 1.0), scripts.Lease)
+    tiers = broker.tiers()
+    assert [(t.tier, t.queue, t.workers) for t in tiers] == [
+        (0, "gpumesh-tier-0", ["laptop"]), (1, "gpumesh-tier-1", []), (2, "gpumesh-tier-2", ["server"])
+    ]  # fmt: skip
+    # each served tier's window; the laptop took a light task the server's window listed last: out of it
+    assert [t.waiting for t in tiers] == [20, 0, 19]
+    assert sum(t.queued for t in tiers) == 98 and tiers[2].queued > tiers[0].queued / 10, tiers
+    assert not any(t.estimated for t in tiers)
+    sampled = broker.tiers(sample=10)
+    assert all(t.estimated for t in sampled) and abs(sum(t.queued for t in sampled) - 98) <= 1
+
+
 @pytest.mark.processes
 def test_rq_info_shows_each_tier_s_waiting_tasks_and_which_workers_serve_it(
     env, workers: Workers, r: redis.Redis, tmp_path: Path
@@ -141,6 +161,8 @@ def test_rq_info_shows_each_tier_s_waiting_tasks_and_which_workers_serve_it(
     assert f"gpumesh-tier-0: {ids[0]}" in by_queue and f"gpumesh-tier-2: {ids[1]}" in by_queue, by_queue
     depth = {t: r.llen("rq:queue:" + keys.tier_queue(t)) for t in (0, 2)}
     assert max(depth.values()) > 1, (info, depth)
+    shown = gpumesh("workers", env=env).stdout
+    assert "gpumesh-tier-0" in shown and "waiting in queue" in shown and "queued for it" in shown, shown
     assert wait_done(env, job)["status"] == "done"
     assert wait_until(lambda: all(not waiting(r, t) for t in range(3)), what="the windows to empty")
 
@@ -154,7 +176,3 @@ def rq_info(env: dict[str, str], *args: str) -> str:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     return out.stdout
-
-
-def _unused() -> None:  # pragma: no cover
-    json.dumps(time.time())
