@@ -55,11 +55,17 @@ class PrivateRedis:
 
 
 def start_worker(
-    url: str, score: float, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    url: str,
+    score: float,
+    *args: str,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+    cwd: str | None = None,
 ) -> subprocess.Popen[bytes]:
+    """``cwd``: where it runs; outside the checkout when PYTHONPATH names another revision (revision_tree)."""
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", "gpumesh", "worker", "--score", str(score), "--log-level", "WARNING", *args],
-        env={**os.environ, **(env or {}), "GPUMESH_URL": url}, start_new_session=True,
+        env={**os.environ, **(env or {}), "GPUMESH_URL": url}, start_new_session=True, cwd=cwd,
     )  # fmt: skip
 
 

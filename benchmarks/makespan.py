@@ -2,6 +2,7 @@
 dispatcher against one FIFO queue and against an older revision whose tiers are fixed at submit.
 
     python benchmarks/makespan.py [--scores 1,2,4,8] [--unit 1.0] [--repeat 2] [--baseline 8c0e58b]
+                                  [--baseline-label TEXT] [--contenders dispatch,no-speculate,baseline,fifo]
 
 Real worker processes emulate a fleet whose strengths are 1, 2, 4 and 8 (`--score S`); each task
 sleeps cost × unit ÷ S, so a worker twice as strong finishes twice as fast. The same skewed mix of
@@ -303,6 +304,8 @@ def main() -> None:
         default="8c0e58b",
         help="git revision to compare with (tiers)",
     )
+    ap.add_argument("--baseline-label", default="tiers fixed at submit", help="what the baseline revision is")
+    ap.add_argument("--contenders", default="dispatch,no-speculate,baseline,fifo", help="which contenders run")
     ap.add_argument("--fleets", default="settled,forming,joining,changing,pausing")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
@@ -310,11 +313,21 @@ def main() -> None:
     server = PrivateRedis()
     env = {"XDG_CACHE_HOME": str(server.tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1", "GPUMESH_LEASE_TTL": "5"}
     v1 = baseline_tree(args.first_version, server.tmp / "v1")
+    chosen = args.contenders.split(",")
     contenders = [
-        Contender("gpumesh (dispatch, backups on)", server.db(1), server.tmp, env),
-        Contender("gpumesh --no-speculate", server.db(2), server.tmp, env, speculate=False),
-        Contender(f"gpumesh {args.first_version} (tiers fixed at submit)", server.db(3), server.tmp, env, v1=v1),
-        Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True),
+        c
+        for key, c in (
+            ("dispatch", Contender("gpumesh (dispatch, backups on)", server.db(1), server.tmp, env)),
+            ("no-speculate", Contender("gpumesh --no-speculate", server.db(2), server.tmp, env, speculate=False)),
+            (
+                "baseline",
+                Contender(
+                    f"gpumesh {args.first_version} ({args.baseline_label})", server.db(3), server.tmp, env, v1=v1
+                ),
+            ),  # fmt: skip
+            ("fifo", Contender("one FIFO queue (plain RQ)", server.db(4), server.tmp, env, fifo=True)),
+        )
+        if key in chosen
     ]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     envs = Envs(server.tmp / "envs") if "envs" in fleets else None
@@ -381,10 +394,15 @@ def main() -> None:
                 rows,
             )
         )
+        default = (
+            ap.get_default("first_version") == args.first_version and ap.get_default("contenders") == args.contenders
+        )
         publish(
-            name, title, body,
+            name if default else f"{name}-{args.first_version}",
+            title if default else f"{title}: against {args.first_version} ({args.baseline_label})", body,
             f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
-            f" --baseline {args.first_version} --fleets {','.join(shown)}",
+            f" --baseline {args.first_version} --fleets {','.join(shown)}"
+            + ("" if default else f" --baseline-label '{args.baseline_label}' --contenders {args.contenders}"),
         )  # fmt: skip
 
 

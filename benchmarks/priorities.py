@@ -1,7 +1,7 @@
 """Priorities and requirements: per-job latency of small jobs while a big job keeps the fleet busy.
 
     python benchmarks/priorities.py [--tasks 8] [--sleep 0.1] [--priorities 0,5,10] [--repeat 3]
-                                    [--background-sleep 0.2]
+                                    [--background-sleep 0.2] [--against REV]
 
 A real fleet of three `gpumesh worker --warm` processes (scores 1, 2 and 4; heartbeat 1 s); only the
 score-4 one declares `--resource vram_gb=80 --resource gpu=A100`, the others `--resource vram_gb=16`.
@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
-from common import PrivateRedis, med, publish, rounds, start_worker, stop, table
+from common import PrivateRedis, med, publish, revision_tree, rounds, start_worker, stop, table
 
 from gpumesh.models import JobOptions
 from gpumesh.settings import Settings
@@ -56,30 +57,28 @@ def run_job(b: Broker, name: str, n: int, sleep: float, priority: int, requires:
     return {"job": job, "latency": finished - created, "first": started - created, "workers": workers}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", type=int, default=8, help="tasks of each small job")
-    ap.add_argument("--sleep", type=float, default=0.1, help="seconds each small job's task sleeps")
-    ap.add_argument("--priorities", default="0,5,10")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds over every (priority, shape); medians reported")
-    ap.add_argument("--background-sleep", type=float, default=0.2, help="seconds each background task sleeps")
-    args = ap.parse_args()
-    priorities = [int(p) for p in args.priorities.split(",")]
-    cmd = (
-        f"python benchmarks/priorities.py --tasks {args.tasks} --sleep {args.sleep:g} --priorities {args.priorities}"
-        f" --repeat {args.repeat} --background-sleep {args.background_sleep:g}"
-    )
+def measure(args: argparse.Namespace, priorities: list[int], shapes: dict, tree: Path | None) -> dict:
+    """One fleet, one broker: the small jobs alone, then under the background. ``tree``: another revision's
+    package, which the workers run (through PYTHONPATH); None: this checkout's."""
     server = PrivateRedis()
     env = {"XDG_CACHE_HOME": str(server.tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1", "GPUMESH_LEASE_TTL": "5"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     procs = []
-    shapes = {"plain": (), "requires": REQUIRE}
     alone: dict[str, list[float]] = {s: [] for s in shapes}
     loaded: dict[tuple[int, str], list[dict]] = {}
     try:
         b = Broker(Settings(url=server.url))
         for score, res in FLEET:
             procs.append(
-                start_worker(server.url, score, "--warm", *[a for r in res for a in ("--resource", r)], env=env)
+                start_worker(
+                    server.url,
+                    score,
+                    "--warm",
+                    *[a for r in res for a in ("--resource", r)],
+                    env=env,
+                    cwd=str(server.tmp),
+                )  # fmt: skip
             )
         deadline = time.monotonic() + 60
         while len(b.live_scores()) < len(FLEET):
@@ -117,14 +116,53 @@ def main() -> None:
     finally:
         stop(procs)
         server.stop()
+    return {"alone": alone, "loaded": loaded, "n_bg": n_bg, "bg_done": bg_done}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=8, help="tasks of each small job")
+    ap.add_argument("--sleep", type=float, default=0.1, help="seconds each small job's task sleeps")
+    ap.add_argument("--priorities", default="0,5,10")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds over every (priority, shape); medians reported")
+    ap.add_argument("--background-sleep", type=float, default=0.2, help="seconds each background task sleeps")
+    ap.add_argument("--against", metavar="REV", help="also run another git revision's workers, alternating with "
+                    "this checkout's (one fleet each, --repeat times)")  # fmt: skip
+    args = ap.parse_args()
+    priorities = [int(p) for p in args.priorities.split(",")]
+    cmd = (
+        f"python benchmarks/priorities.py --tasks {args.tasks} --sleep {args.sleep:g} --priorities {args.priorities}"
+        f" --repeat {args.repeat} --background-sleep {args.background_sleep:g}"
+        + (f" --against {args.against}" if args.against else "")
+    )
+    shapes = {"plain": (), "requires": REQUIRE}
+    if not args.against:
+        got = measure(args, priorities, shapes, None)
+        alone, loaded, n_bg, bg_done = got["alone"], got["loaded"], got["n_bg"], got["bg_done"]
+    else:  # alternate the two versions, a fleet of one round each
+        import tempfile
+
+        tree = revision_tree(args.against, Path(tempfile.mkdtemp(prefix="gpumesh-rev-")))
+        once = argparse.Namespace(**{**vars(args), "repeat": 1})
+        alone, loaded, n_bg, bg_done = {}, {}, 0, 0
+        for _ in range(args.repeat):
+            for version, path in (("this checkout", None), (args.against, tree)):
+                got = measure(once, priorities, shapes, path)
+                for shape, v in got["alone"].items():
+                    alone.setdefault(f"{version}|{shape}", []).extend(v)
+                for key, runs in got["loaded"].items():
+                    loaded.setdefault((key[0], f"{version}|{key[1]}"), []).extend(runs)
+                n_bg, bg_done = max(n_bg, got["n_bg"]), bg_done + got["bg_done"]
+        for version in ("this checkout", args.against):  # the shapes' own names, for the table below
+            shapes.update({f"{version}|{s}": r for s, r in (("plain", ()), ("requires", REQUIRE))})
     rows = []
-    for (prio, shape), runs in loaded.items():
+    for (prio, shape), runs in sorted(loaded.items(), key=lambda kv: (kv[0][0], kv[0][1].split("|")[-1], kv[0][1])):
         lat = [r["latency"] for r in runs]
         first = [r["first"] for r in runs]
         base = med(alone[shape])
         used = med([len(set(r["workers"])) for r in runs])
         rows.append((
-            f"p{prio} {shape}", prio, " ".join(shapes[shape]) or "—", args.tasks, f"**{med(lat):.2f}**", rounds(lat),
+            f"p{prio} {shape.replace('|', ': ')}", prio, " ".join(shapes[shape]) or "—", args.tasks, f"**{med(lat):.2f}**", rounds(lat),
             f"{med(first):.2f}", f"{base:.2f}", f"{med(lat) / base:.2f}", f"{used:g}",
         ))  # fmt: skip
     rows.append((
@@ -154,7 +192,11 @@ def main() -> None:
             rows,
         )  # fmt: skip
     )
-    publish("priorities", "Priorities and requirements: per-job latency under load", body, cmd)
+    title = "Priorities and requirements: per-job latency under load"
+    if args.against:
+        publish(f"priorities-{args.against}", f"{title}, beside {args.against}", body, cmd)
+    else:
+        publish("priorities", title, body, cmd)
 
 
 if __name__ == "__main__":

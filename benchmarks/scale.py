@@ -80,7 +80,9 @@ read_back = sys.argv[6] == "1"  # that revision's worker read each delivery back
 b = Broker(Settings(url=url))
 if lib:
     b.scripts = scripts.Scripts(b.redis, lib)
-q = b.queue("probe")
+from rq import Queue
+from rq.serializers import JSONSerializer
+q = Queue(keys.queue_name("probe"), connection=b.rq, serializer=JSONSerializer)  # a list of its own, as the fleet's
 open(ready, "w").close()
 while not os.path.exists(go):
     time.sleep(0.001)
@@ -111,7 +113,9 @@ class Delivery:
 
     def __init__(self, broker: Broker, guarded: bool = True) -> None:
         task = self.TASK.decode()
-        queue = broker.queue(self.WORKER.decode())
+        # one list per simulated worker, whichever version: a tier's shared list costs Redis the same O(1) LPUSH and
+        # LPOP as a worker's own, and the harness pops each worker's own delivery
+        queue = Queue(keys.queue_name(self.WORKER.decode()), connection=broker.rq, serializer=JSONSerializer)
         with broker.rq.pipeline() as p:
             if guarded:  # this checkout's deliver first removes any copy a resent transaction left
                 p.lrem(queue.key, 0, keys.rq_job_id(task, 1))

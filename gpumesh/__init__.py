@@ -36,6 +36,7 @@ _EXPORTS = {
     "TaskResult": "gpumesh.models",
     "Attempt": "gpumesh.models",
     "WorkerInfo": "gpumesh.models",
+    "TierLoad": "gpumesh.models",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "TaskResult",
     "Attempt",
     "WorkerInfo",
+    "TierLoad",
 ]
 
 if TYPE_CHECKING:
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from gpumesh.api import Job, Mesh, connect
     from gpumesh.checkpointing import checkpoint
     from gpumesh.errors import BrokerError, GpumeshError, JobEnded, NotFound, TaskFailed, UsageError
-    from gpumesh.models import Attempt, JobOptions, JobStatus, SubmitResult, TaskResult, WorkerInfo
+    from gpumesh.models import Attempt, JobOptions, JobStatus, SubmitResult, TaskResult, TierLoad, WorkerInfo
 
 
 def load_ipython_extension(ipython: object) -> None:

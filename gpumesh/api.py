@@ -40,6 +40,7 @@ from gpumesh.models import (
     ProjectSent,
     SubmitResult,
     TaskResult,
+    TierLoad,
     WorkerInfo,
     check_payloads,
     check_script,
@@ -450,6 +451,15 @@ class Mesh:
         [('lab-a100', 'cuda', 0), ('laptop', 'cpu', 2)]
         """
         return self.broker.workers()
+
+    def tiers(self) -> list[TierLoad]:
+        """Each tier (score band, 0 the weakest): its RQ queue, the workers in it now, how many tasks wait in its
+        queue (the next ones, 20 at most) and how many of all the queued tasks the fleet as it is gives it.
+
+        >>> [(t.queue, t.workers, t.waiting, t.queued) for t in mesh.tiers()]   # doctest: +SKIP
+        [('gpumesh-tier-0', ['laptop'], 20, 95), ('gpumesh-tier-1', [], 0, 0), ('gpumesh-tier-2', ['lab-a100'], 20, 45)]
+        """
+        return self.broker.tiers()
 
     def jobs(self, limit: int = 50) -> list[JobStatus]:
         """Recent jobs, newest first.

@@ -411,6 +411,20 @@ class Capability(Model):
         return res
 
 
+class TierLoad(Model):
+    """One tier as ``gpumesh workers`` and ``top`` show it (``Mesh.tiers()``): its RQ queue, the workers that
+    serve it now, how many tasks wait in its queue (a window of the next ones, 20 at most) and how many of all
+    the queued tasks the fleet as it is would give it (``queued``: the placement rule's split by score, sampled
+    per job beyond 10,000 queued tasks, ``estimated`` then)."""
+
+    tier: int
+    queue: str
+    workers: list[str]
+    waiting: int
+    queued: int
+    estimated: bool = False
+
+
 class WorkerInfo(Model):
     """A live worker (``Mesh.workers()``, ``gpumesh workers``): device, benchmark score, tier, resources.
 

@@ -1,9 +1,10 @@
 """Scheduling logic that needs no Redis: pure functions, no I/O.
 
 Placement itself happens in Redis (lua/dispatch.lua). Here: which running tasks a worker should back
-up (the worker reads the facts, this decides), and the capability tiers that `gpumesh workers` shows
-and `submit` forecasts: workers ranked by score over K tiers (the weakest tier 0, the strongest K-1),
-a job's tasks, heaviest first, filling the tiers from the top by share of the live score.
+up (the worker reads the facts, this decides), and the capability tiers: workers ranked by score over K
+tiers (the weakest tier 0, the strongest K-1), as the dispatcher ranks the worker that asks; and the
+forecast of where queued tasks go (`submit --json`, `gpumesh workers`): heaviest first, filling the tiers
+from the top by share of the live score.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def backup_candidates(
 
 
 def worker_tiers(scores: Mapping[str, float], k: int) -> dict[str, int]:
-    """Tier of each live worker: rank by score spread over 0..k-1; a lone worker gets the top tier."""
+    """Tier of each live worker: its rank by (score, id) spread over 0..k-1, rounded half up; a lone worker
+    gets the top tier. lua/_lib.lua's tier_of computes the same for the worker that asks for work."""
     ranked = sorted(scores, key=lambda w: (scores[w], w))
     n = len(ranked)
     if n == 1:
         return {ranked[0]: k - 1}
-    return {w: round(r * (k - 1) / (n - 1)) for r, w in enumerate(ranked)}
+    return {w: (2 * r * (k - 1) + (n - 1)) // (2 * (n - 1)) for r, w in enumerate(ranked)}
 
 
 def tier_capacity(scores: Mapping[str, float], k: int) -> list[float]:

@@ -40,7 +40,9 @@ class Settings(BaseModel):
         3,
         ge=1,
         le=16,
-        description="tiers (score bands) that `workers` and submit's forecast show; placement ignores them",
+        description="tiers (score bands; a worker's is its rank in the fleet as it asks): the RQ queues "
+        "gpumesh-tier-0 … that deliveries pass through and the next tasks of each tier wait in (rq-dashboard, "
+        "`rq info`); which task a worker takes does not depend on them",
     )
     cache_dir: Path = Field(
         default_factory=_default_cache_dir,

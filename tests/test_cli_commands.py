@@ -84,6 +84,7 @@ def test_top_once_shows_workers_and_jobs(env, mesh_worker: MeshWorkers):
     assert p.returncode == 0
     assert "workers" in p.stdout and "box-" in p.stdout and "jobs" in p.stdout and job in p.stdout
     assert re.search(rf"{re.escape(__version__)}\s.*\(protocol\s+{PROTOCOL}\)", p.stdout, re.S), p.stdout
+    assert "tiers" in p.stdout and "gpumesh-tier-2" in p.stdout, "each tier's queue, with who serves it"
 
 
 @pytest.mark.core

@@ -51,7 +51,7 @@ def rq_job(broker: Broker, task_id: str, attempt: int = 1) -> Job:
 
 def registries(broker: Broker, worker_id: str) -> dict[str, int]:
     """The counts rq-dashboard shows for a worker's queue."""
-    name, rq = keys.queue_name(worker_id), broker.rq
+    name, rq = keys.tier_queue(2), broker.rq
     return {
         "queued": len(Queue(name, connection=rq, serializer=JSONSerializer)),
         "started": StartedJobRegistry(name, connection=rq, serializer=JSONSerializer).count,
@@ -84,11 +84,14 @@ def dashboard(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Any
 
 
 @pytest.mark.core
-def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broker, mesh_worker, script, dashboard):
+def test_stale_and_duplicate_deliveries_never_run_and_count_nowhere(env, broker, mesh_worker, script, dashboard):
+    """A worker pops only the delivery it has just pushed to the front of its tier's queue: stale entries at the
+    head (deliveries of a cancelled job's tasks, one twice) are never run, and the tier's window, rebuilt as the
+    worker takes work, lists them no more."""
     w = mesh_worker.start(name="dash")
-    queue = broker.queue(w.worker_id)
+    queue = broker.queue(2)
     with gpumesh.connect() as mesh:
-        # A cancelled job whose tasks never ran here: deliveries of them on our queue are stale, and the
+        # A cancelled job whose tasks never ran here: deliveries of them on the tier's queue are stale, and the
         # first is there twice (a duplicate: Broker.deliver lists a delivery once, whatever resends it).
         gone = mesh.submit(script, [{"i": i} for i in range(3)], requires=["nowhere=1"])
         assert gone.cancel().status == "cancelled"
@@ -103,15 +106,15 @@ def test_stale_and_duplicate_deliveries_are_dropped_and_count_nowhere(env, broke
         broker.rq.rpush(queue.key, keys.rq_job_id(stale[0].task_id, 1))
         assert registries(broker, w.worker_id)["queued"] == 4
 
-        job = mesh.submit(script, [{"i": i} for i in range(4)])  # each delivery lands behind the stale ones
+        job = mesh.submit(script, [{"i": i} for i in range(4)])  # the stale ones sit at the head
         assert job.wait(timeout=60).status == "done"
 
     # A delivery's record goes as its run ends (gpumesh keeps the outcome): RQ counts the runs on the worker.
     # The last run's records reach Redis a few ms after its end, which a wait on the job's stream can beat.
     empty = {"queued": 0, "started": 0, "finished": 0, "failed": 0}
     wait_until(lambda: registries(broker, w.worker_id) == empty, what="the queue drained and the last run's records")
-    for lease in stale:  # dropped before RQ started them: no record left to show
-        assert not Job.exists(keys.rq_job_id(lease.task_id, 1), connection=broker.rq)
+    for lease in stale:  # never started: RQ shows no run of them
+        assert Job.fetch(keys.rq_job_id(lease.task_id, 1), connection=broker.rq).get_status() == "queued"
     for i in range(4):
         assert not Job.exists(keys.rq_job_id(keys.task_id(job.id, i), 1), connection=broker.rq)
     (seen,) = [q for q in dashboard("queues.json")["queues"] if q["name"] == queue.name]
@@ -129,7 +132,7 @@ def test_an_unreadable_rq_job_a_credential_planted_is_dropped_and_rq_s_maintenan
     queue (its pop takes it before the worker's next delivery) and in the queue's intermediate list (where
     RQ's maintenance reads). The worker drops the first, maintenance passes over the second, and it works on."""
     w = mesh_worker.start(name="maint")
-    queue, conn = broker.queue(w.worker_id), broker.rq
+    queue, conn = broker.queue(2), broker.rq
     for name in ("planted", "planted-too"):
         conn.hset(f"rq:job:{name}", mapping={"data": "d", "timeout": "zz", "status": "queued"})
     conn.rpush(queue.key, "planted")
@@ -173,7 +176,7 @@ def test_a_delivery_says_its_job_task_cost_and_requirements_while_it_runs_and_go
         page = dashboard(f"job/{running.id}.json")  # rq-dashboard's job page
         assert page["description"] == running.description and page["status"] == "started"
         assert json.loads(page["metadata"])["requires"] == ["pool=a", "zone=x"]
-        listed = dashboard(f"jobs/{keys.queue_name(w.worker_id)}/started/50/asc/1.json")["jobs"]
+        listed = dashboard(f"jobs/{keys.tier_queue(2)}/started/50/asc/1.json")["jobs"]
         assert [j["description"] for j in listed] == [running.description]
         assert job.wait(timeout=60).status == "failed"
     # The last run's records reach Redis a few ms after its end, which a wait on the job's stream can beat.
@@ -289,7 +292,7 @@ def revoke_mid_task(r: redis.Redis, workers: Workers, script: Path, user: str, u
     wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="ana's worker to run the task")
     (wid,) = r.zrange(keys.WORKERS, 0, -1)
     # "running" is set at dispatch; revoke only once RQ has started the delivery too
-    started = StartedJobRegistry(keys.queue_name(wid), connection=r, serializer=JSONSerializer)
+    started = StartedJobRegistry(keys.tier_queue(2), connection=r, serializer=JSONSerializer)
     wait_until(lambda: started.count == 1, what="RQ to start ana's delivery")
     if how == "deleted":
         r.execute_command("ACL", "DELUSER", user)  # what `gpumesh access revoke` does
@@ -366,12 +369,12 @@ def test_rq_dashboard_as_gpumesh_runs_it_reads_busy_workers_and_unpickles_nothin
     web.setup_rq_connection(app)
     client = app.test_client()
 
-    w = mesh_worker.start(name="dash")
+    mesh_worker.start(name="dash")
     with gpumesh.connect() as mesh:
         job = mesh.submit(script, [{"sleep": 60}])
         tid = keys.task_id(job.id, 0)
         wait_until(lambda: r.hget(keys.task(tid), "status") == "running", what="the task to start")
-        wait_until(lambda: StartedJobRegistry(keys.queue_name(w.worker_id), connection=broker.rq).count == 1,
+        wait_until(lambda: StartedJobRegistry(keys.tier_queue(2), connection=broker.rq).count == 1,
                    what="RQ to start the delivery")  # fmt: skip
         resp = client.get("/0/data/workers.json")
         assert resp.status_code == 200, resp.data[:300]  # with RQ's pickle default: a 500 for every busy worker

@@ -372,7 +372,7 @@ def test_a_next_task_started_ahead_of_its_delivery_is_killed_and_handed_back_whe
     started = wait_until(lambda: list(tmp_path.glob("start-*")), what="the first task to start")
     other = 1 - int(started[0].name.split("-")[1])
     (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
-    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    queue = f"rq:queue:{keys.tier_queue(2)}"
     r.set(queue, "not a list")  # every delivery to this worker fails from now on
     ahead = wait_until(
         lambda: list(tmp_path.glob(f"start-{other}-*")), what="the next task to start ahead of its delivery"

@@ -135,9 +135,9 @@ def test_a_delivery_whose_reply_was_lost_runs_once_and_leaves_no_stray_in_rq(env
     assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
     assert r.hget(keys.task(tid), "attempts") == "1" and done_events(r, tid) == 1
     (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
-    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    queue = f"rq:queue:{keys.tier_queue(2)}"
     assert r.lrange(queue, 0, -1) == [] and r.lrange(f"{queue}:intermediate", 0, -1) == []
-    assert r.zcard(f"rq:failed:{keys.queue_name(worker_id)}") == 0
+    assert r.zcard(f"rq:failed:{keys.tier_queue(2)}") == 0
     assert w.poll() is None
 
 
@@ -178,9 +178,9 @@ def test_a_next_task_s_delivery_whose_reply_was_lost_runs_once_started_ahead(env
     assert proxy.lost == 1, "the reply was not lost: the scenario did not happen"
     _each_ran_once(r, tmp_path, tids)
     (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
-    queue = f"rq:queue:{keys.queue_name(worker_id)}"
+    queue = f"rq:queue:{keys.tier_queue(2)}"
     assert r.lrange(queue, 0, -1) == [] and r.lrange(f"{queue}:intermediate", 0, -1) == []
-    assert r.zcard(f"rq:failed:{keys.queue_name(worker_id)}") == 0
+    assert r.zcard(f"rq:failed:{keys.tier_queue(2)}") == 0
     assert w.poll() is None
 
 

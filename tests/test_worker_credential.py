@@ -415,7 +415,7 @@ def test_counters_and_deliveries_a_worker_credential_corrupts_stop_no_worker(
     try:
         wait_until(lambda: admin.zcard(keys.WORKERS) == 1, timeout=30, what="the worker to join")
         (worker_id,) = admin.zrange(keys.WORKERS, 0, -1)
-        queue = keys.queue_name(worker_id)
+        queue = keys.tier_queue(2)
         attacker.hset("rq:job:planted", mapping={"data": "d", "timeout": "zz", "status": "queued"})
         attacker.rpush(f"rq:queue:{queue}", "planted")
         job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))

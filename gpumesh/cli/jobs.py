@@ -253,13 +253,16 @@ class _Verified:
 @json_option
 @click.pass_context
 def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
-    """List live workers with their device, score and tier (score band: 0 the weakest)."""
-    rows = open_mesh(ctx, url).workers()
+    """List live workers with their device, score and tier (score band: 0 the weakest), then each tier: its RQ
+    queue, its workers, the tasks waiting in that queue (the next 20 at most) and all the queued tasks it gets."""
+    mesh = open_mesh(ctx, url)
+    rows = mesh.workers()
     if as_json:
         # ``paused`` only for a worker its lender's probes pause (``worker --lend``)
         emit_json([r.model_dump(mode="json", exclude=None if r.paused else {"paused"}) for r in rows])
     else:
         render.out().print(render.workers_table(rows))
+        render.out().print(render.tiers_table(mesh.tiers()))
 
 
 @click.command()
@@ -270,14 +273,14 @@ def workers(ctx: click.Context, url: str | None, as_json: bool) -> None:
 @url_option
 @click.pass_context
 def top(ctx: click.Context, interval: float, once: bool, url: str | None) -> None:
-    """A live view of the workers (tier, score, current task) and the recent jobs. Ctrl-C quits."""
+    """A live view of the workers (tier, score, current task), the tiers' queues and the recent jobs. Ctrl-C quits."""
     from rich.live import Live
 
     mesh = open_mesh(ctx, url)
     console = render.out()
 
     def snapshot() -> Group:
-        return render.top_view(mesh.workers(), mesh.jobs(15))
+        return render.top_view(mesh.workers(), mesh.jobs(15), mesh.tiers())
 
     view = patient(snapshot, mesh.broker)
 

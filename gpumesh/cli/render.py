@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from gpumesh.models import Capability, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
+from gpumesh.models import Capability, JobStatus, TaskResult, TierLoad, Waiting, WorkerInfo, error_summary
 
 if TYPE_CHECKING:
     from rich.console import Console, Group
@@ -324,6 +324,15 @@ def workers_table(rows: Iterable[WorkerInfo]) -> Table:
     return table
 
 
+def tiers_table(rows: Iterable[TierLoad]) -> Table:
+    """Each tier: the RQ queue rq-dashboard lists, who serves it, what waits in that queue and all it has queued."""
+    table = _table("tier", "RQ queue", "workers", "waiting in queue", "queued for it", title="tiers")
+    for t in rows:
+        queued = f"≈ {t.queued:,}" if t.estimated else f"{t.queued:,}"
+        table.add_row(*map(cell, (str(t.tier), t.queue, ", ".join(t.workers) or "—", f"{t.waiting:,}", queued)))
+    return table
+
+
 def jobs_table(rows: Iterable[JobStatus]) -> Table:
     table = _table(
         "job", "name", "status", "priority", "done", "running", "queued", "failed", "total", "created", title="jobs"
@@ -338,10 +347,10 @@ def jobs_table(rows: Iterable[JobStatus]) -> Table:
     return table
 
 
-def top_view(workers: list[WorkerInfo], jobs: list[JobStatus]) -> Group:
+def top_view(workers: list[WorkerInfo], jobs: list[JobStatus], tiers: list[TierLoad] | None = None) -> Group:
     from rich.console import Group
 
-    return Group(workers_table(workers), jobs_table(jobs))
+    return Group(workers_table(workers), *([tiers_table(tiers)] if tiers is not None else []), jobs_table(jobs))
 
 
 def capability_table(cap: Capability) -> Table:

@@ -18,7 +18,7 @@ import redis
 
 from gpumesh import models, requirements, scheduling
 from gpumesh.errors import BrokerError, NotFound, UsageError
-from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, Waiting, WorkerInfo, ts
+from gpumesh.models import TERMINAL, JobOptions, JobStatus, SubmitResult, TaskResult, TierLoad, Waiting, WorkerInfo, ts
 from gpumesh.settings import Settings
 from gpumesh.store import jobstatus, keys, protocols, scripts, sentinel, tasklog
 from gpumesh.store.connection import SOCKET_TIMEOUT, client, mask_url, text, translate
@@ -106,12 +106,13 @@ class Broker:
 
         return projects.Files(self.rq, self.settings.artifacts)
 
-    def queue(self, worker_id: str, job_class: type[Job] | None = None) -> Queue:
-        """A worker's own RQ queue: the deliveries of the tasks dispatched to it, one at a time."""
+    def queue(self, tier: int, job_class: type[Job] | None = None) -> Queue:
+        """The RQ queue of a tier: the deliveries of its workers pass through it (each popped as it is pushed),
+        and the tasks placed for the tier wait in it (a window of them, lua/_lib.lua's refresh_window)."""
         from rq import Queue  # only workers use RQ: the CLI's other commands start without importing it
         from rq.serializers import JSONSerializer
 
-        return Queue(keys.queue_name(worker_id), connection=self.rq, serializer=JSONSerializer, job_class=job_class)
+        return Queue(keys.tier_queue(tier), connection=self.rq, serializer=JSONSerializer, job_class=job_class)
 
     @property
     def url_masked(self) -> str:
@@ -208,10 +209,11 @@ class Broker:
         Its description and meta say, for a person reading rq-dashboard, which task of which job it is
         (see :func:`delivery_label`); the job's name and requirements are read once per job and kept.
 
-        ``take``: RQ's pop of that queue rides in the same transaction (the LMOVE to its intermediate queue
-        that RQ's dequeue makes), so a worker delivering to itself saves the pop's two round trips and the
-        read of a job it has just written. Returns the job written (of the queue's job class) and the id
-        that pop took (None without ``take``): the job's own, unless something sat in the queue before it."""
+        ``take``: the delivery goes to the front of the queue and RQ's pop of that queue rides in the same
+        transaction (the LMOVE to its intermediate queue that RQ's dequeue makes), so the worker pops its own
+        delivery, never a task waiting in the tier's queue, and saves the pop's two round trips and the read of a
+        job it has just written. Returns the job written (of the queue's job class) and the id that pop took
+        (None without ``take``): the job's own."""
         # RQ's own timeout is only a backstop: the executor enforces the task's timeout itself.
         backstop = int(lease.timeout + self.settings.lease_ttl + 60)
         name, job_requires = self._job_label(lease.job_id)
@@ -229,6 +231,7 @@ class Broker:
             ttl=int(self.settings.lease_ttl) + 60,
             description=description,
             meta=meta,
+            at_front=take,
         )
         with self.rq.pipeline() as p:
             # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
@@ -492,6 +495,52 @@ class Broker:
             except Exception as exc:  # noqa: BLE001 - a registration some credential wrote garbage into
                 _unreadable("worker", w, exc)
         return out
+
+    def tiers(self, sample: int = 10_000) -> list[TierLoad]:
+        """Each tier: its queue, the live workers in it, the tasks waiting in its queue (the window) and its share of
+        every queued task, split as submit's forecast splits a job (by the live tiers' scores, heaviest first). A
+        class of a job with more than ``sample`` queued tasks is sampled (ZRANDMEMBER) and scaled."""
+        k = self.settings.tiers
+        live = self.workers()
+        scores = {w.id: w.score_gflops for w in live}
+        capacity = scheduling.tier_capacity(scores, k) if scores else [0.0] * k
+        ready = [m.rsplit("/", 1) for m in self.r.zrange(keys.READY, 0, -1)]
+        pending = [keys.pending(job, int(klass)) for job, klass in ready if klass.isdigit()]
+        with self.r.pipeline(transaction=False) as p:
+            for key in pending:
+                p.zcard(key)
+            for tier in range(k):
+                p.llen("rq:queue:" + keys.tier_queue(tier))
+            (*cards,) = p.execute(raise_on_error=False)
+        waiting, cards = cards[len(pending) :], cards[: len(pending)]
+        with self.r.pipeline(transaction=False) as p:
+            for key, card in zip(pending, cards):
+                if isinstance(card, int) and card > sample:
+                    p.zrandmember(key, sample, withscores=True)
+                else:
+                    p.zrange(key, 0, -1, withscores=True)
+            rows = p.execute(raise_on_error=False)
+        counts, estimated = [0.0] * k, False
+        for card, got in zip(cards, rows):
+            if not isinstance(card, int) or not isinstance(got, list) or not got:
+                continue
+            pairs = got if isinstance(got[0], (list, tuple)) else list(zip(got[::2], got[1::2]))
+            costs = [float(cost) for _member, cost in pairs]
+            scale = card / len(costs)
+            estimated = estimated or scale > 1
+            for tier in scheduling.assign_task_tiers(costs, capacity):
+                counts[tier] += scale
+        return [
+            TierLoad(
+                tier=t,
+                queue=keys.tier_queue(t),
+                workers=[w.name for w in live if w.tier == t],
+                waiting=n if isinstance(n, int) else 0,
+                queued=round(counts[t]),
+                estimated=estimated,
+            )  # fmt: skip
+            for t, n in zip(range(k), waiting)
+        ]
 
     def jobs(self, limit: int = 50) -> list[JobStatus]:
         """The newest jobs; one whose hash does not decode (written by some credential) is left out."""

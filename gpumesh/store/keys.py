@@ -41,7 +41,10 @@ RESULT_KEYS = PREFIX + "resultkeys"
 # by the admin only (serve, access load-functions); a client whose protocol is not served names them (protocols)
 PROTOCOLS = PREFIX + "protocols"
 
-QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names: gpumesh-w-<worker id>, each worker's own deliveries
+TIERS = PREFIX + "tiers"  # hash: at:<tier> -> when that tier's window of waiting tasks was last refreshed (ms)
+
+QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names of earlier versions, one per worker: only tidied away by the reaper
+TIER_QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>, the deliveries and waiting tasks of tier k
 
 
 def job(job_id: str) -> str:
@@ -138,7 +141,19 @@ def wake(worker_id: str) -> str:
 
 
 def queue_name(worker_id: str) -> str:
+    """An earlier version's queue of one worker's deliveries (the reaper removes those of dead workers)."""
     return f"{QUEUE_PREFIX}{worker_id}"
+
+
+def tier_queue(tier: int) -> str:
+    """The RQ queue of tier ``tier``: its workers' deliveries pass through it, and the tasks placed for the tier
+    wait in it (a window; see lua/_lib.lua's refresh_window, which builds the same name)."""
+    return f"{TIER_QUEUE_PREFIX}{tier}"
+
+
+def rq_waiting_id(task_id: str) -> str:
+    """The RQ job that shows a queued task waiting in its tier's queue (written by lua/_lib.lua's refresh_window)."""
+    return f"{task_id}_waiting"
 
 
 def pending_member(index: int) -> str:

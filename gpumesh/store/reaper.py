@@ -104,7 +104,8 @@ def reap_once(
 
 
 def _drop_rq_records(b: Broker, dead: list[str]) -> None:
-    """What RQ keeps of dead workers' queues, which no RQ worker cleans (each cleans only its own queues).
+    """What RQ keeps of dead workers (and of the queues of their own that workers of earlier versions had), which
+    no RQ worker cleans.
     A delivery still shown as started (its worker was killed, cut off or revoked mid-run) is failed as
     abandoned, by RQ's own cleanup; the queue's other bookkeeping goes or expires. gpumesh requeues the
     task itself when its lease lapses."""
@@ -124,7 +125,23 @@ def _drop_rq_records(b: Broker, dead: list[str]) -> None:
             )
             p.srem(REDIS_WORKER_KEYS, Worker.redis_worker_namespace_prefix + w)
             p.expire(FailedJobRegistry(name, connection=b.rq).key, FAILURE_TTL)
+            for tier in range(b.settings.tiers):  # the tier queue it served lists it no more
+                p.srem(WORKERS_BY_QUEUE_KEY % keys.tier_queue(tier), Worker.redis_worker_namespace_prefix + w)
             p.execute()
+    gone = set(dead)
+    for tier in range(b.settings.tiers):
+        # A tier's queue is every worker's of the tier: the deliveries the dead workers left started there (RQ's
+        # record of each run names its worker) are marked expired, and RQ's own cleanup fails them as abandoned.
+        started = StartedJobRegistry(keys.tier_queue(tier), connection=b.rq, serializer=JSONSerializer)
+        runs = [m.decode() if isinstance(m, bytes) else str(m) for m in b.rq.zrange(started.key, 0, -1)]
+        with b.rq.pipeline(transaction=False) as p:
+            for run in runs:
+                p.hget(f"rq:execution:{run}", "worker_name")
+            owners = p.execute()
+        left = {run: 0 for run, owner in zip(runs, owners) if owner and owner.decode() in gone}
+        if left:
+            b.rq.zadd(started.key, left, xx=True)
+            started.cleanup()
 
 
 def _prune(b: Broker, now_ms: int, deadline: float, batch: int = 50) -> int:

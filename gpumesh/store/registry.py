@@ -36,11 +36,9 @@ class RunningRow:
 class Registry:
     """The registration of one worker (``worker_id``) through the broker's text client ``r``."""
 
-    def __init__(self, r: TextClient, worker_id: str, rq_queue_key: str, rq_queues_set: str) -> None:
+    def __init__(self, r: TextClient, worker_id: str) -> None:
         self.r = r
         self.worker_id = worker_id
-        self._queue_key = rq_queue_key  # the worker's own RQ queue
-        self._queues_set = rq_queues_set  # RQ's set of every queue (rq:queues)
 
     def register(
         self, name: str, cap: Capability, resources: Mapping[str, object], ttl_ms: int, paused: str = "",
@@ -84,18 +82,18 @@ class Registry:
                 p.execute()
 
     def unregister(self) -> None:
-        """Remove every trace of the worker: registration, wake list, its queue; the fleet changed."""
+        """Remove every trace of the worker: registration, wake list; the fleet changed. (The tier queues it
+        served are every tier worker's: they stay.)"""
         with self.r.pipeline(transaction=True) as p:
-            p.delete(keys.worker(self.worker_id), keys.wake(self.worker_id), self._queue_key)
+            p.delete(keys.worker(self.worker_id), keys.wake(self.worker_id))
             p.zrem(keys.WORKERS, self.worker_id)
             p.zrem(keys.SCORES, self.worker_id)
             p.srem(keys.IDLE, self.worker_id)
-            p.srem(self._queues_set, self._queue_key)
             fleet_changed(p)
             p.execute()
 
     def publish_tier(self, tier: int) -> None:
-        """Shown by ``gpumesh workers``; nothing decides by it."""
+        """The tier the worker's last heartbeat computed (the dispatcher computes its own as the worker asks)."""
         self.r.hset(keys.worker(self.worker_id), "tier", tier)
 
     def wake(self, why: str) -> None:

@@ -284,6 +284,7 @@ class Lease:
     server_ms: int = 0
     backup: bool = False  # a speculative copy of a task another worker runs (speculate.lua)
     fleet_version: str = ""  # dispatch: the registered fleet's version when this task was placed
+    tier: int = -1  # dispatch: the worker's tier among the registered workers as it asked (-1: not dispatched)
     backup_mode: str = ""  # a backup copy: 'idle' (end of its job) or 'straggler' (a stronger worker joined)
     # a signed task: its job's spent set as the lease found it: 'open', 'ended' (the task ended for good: a
     # replay) or 'missing' (the set is gone); '' for an unsigned task
@@ -331,17 +332,21 @@ def _fields(r: list[Any]) -> dict[str, Any]:
     return dict(zip(r[2::2], r[3::2]))
 
 
-def dispatch(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float) -> Lease | Prepare | str:
+def dispatch(
+    s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float, tiers: int = 3
+) -> Lease | Prepare | str:
     """The task this worker should run now (dispatch.lua), leased to it; an env to prepare first (Prepare); else
-    the fleet version as a string."""
+    the fleet version as a string. ``tiers``: how many tiers the fleet is ranked in (the lease's ``tier``)."""
     token = new_token()
-    return _dispatched(_dispatch_call(s, client, worker_id, lease_ms, score, token), token)
+    return _dispatched(_dispatch_call(s, client, worker_id, lease_ms, score, token, tiers), token)
 
 
-def _dispatch_call(s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float, token: str) -> Any:
+def _dispatch_call(
+    s: Scripts, client: Any, worker_id: str, lease_ms: int, score: float, token: str, tiers: int = 3
+) -> Any:
     return s["dispatch"](
         keys=[keys.READY, keys.SCORES, keys.FLEET, keys.worker(worker_id), keys.LEASES, keys.EVENTS, keys.IDLE],
-        args=[worker_id, lease_ms, score, token],
+        args=[worker_id, lease_ms, score, token, tiers],
         client=client,
     )
 
@@ -397,6 +402,7 @@ class Next:
     lease_ms: int
     score: float
     token: str
+    tiers: int = 3
 
 
 def acquire(s: Scripts, client: Any, task_id: str, worker_id: str, lease_ms: int) -> Lease | str:
@@ -467,6 +473,7 @@ def _read_lease(f: dict[str, Any], token: str) -> Lease:
         server_ms=int(f["server_ms"]),
         backup=bool(int(f.get("backup", 0))),
         fleet_version=str(f.get("fleet_version", "")),
+        tier=int(f.get("tier", -1)),
         backup_mode=f.get("backup_mode", ""),
         spent=str(f.get("spent", "")),
     )
@@ -573,7 +580,7 @@ def complete(
         logged = tasklog.append(p, lines or ())
         s["complete"](keys=call_keys, args=call_args, client=p)
         if then is not None:
-            _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token)
+            _dispatch_call(s, p, worker_id, then.lease_ms, then.score, then.token, then.tiers)
         replies = p.execute(raise_on_error=False)[logged:]
     if lines:
         lines.clear()  # sent

@@ -1,8 +1,10 @@
 """``gpumesh worker``: an RQ SimpleWorker that runs only gpumesh's executor, under leases.
 
 Work is placed when the worker asks for it: ``dispatch.lua`` picks, against the live fleet, the task
-this worker should run now and leases it in the same step; the worker then delivers that task to its
-own RQ queue and RQ runs it (so rq-dashboard and ``rq info`` see every delivery). A worker that finds
+this worker should run now and leases it in the same step, with the worker's tier in that fleet; the
+worker then delivers that task through its tier's RQ queue ``gpumesh-tier-<k>`` (to the front, popped in
+the same transaction) and RQ runs it, so rq-dashboard and ``rq info`` see every delivery, and list the
+worker under the tier queue it serves now. A worker that finds
 nothing waits on its wake list, which every submit, retry and requeue fills. A much stronger worker
 also backs up stragglers (speculate.lua): when a stronger worker joins after a weak one took a heavy
 task, and at the end of a job.
@@ -41,6 +43,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
 from rq.worker import SimpleWorker, WorkerStatus
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from gpumesh import scheduling
 from gpumesh.envs.cache import EnvError
@@ -245,8 +248,11 @@ class MeshWorker(LeanRQWorker):
         # task id -> (lease delivered to our own queue, when it was leased): nothing renews it before it runs
         self.dispatched: dict[str, tuple[scripts.Lease, float]] = {}
         self.executor = executor.Executor(self._host(verifier, lent_path, task_env))
-        self.my_queue = broker.queue(self.worker_id, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads them
-        self.registry = Registry(broker.r, self.worker_id, self.my_queue.key, self.queue_class.redis_queues_keys)
+        # the RQ queue of the tier this worker serves: the top one until the fleet says otherwise (_serve)
+        self.my_queue = broker.queue(self.settings.tiers - 1, MeshJob)  # deliver() makes MeshJobs, as RQ's pop reads
+        self._serving = threading.Lock()
+        self._born = False  # RQ's record of this worker is written (register_birth)
+        self.registry = Registry(broker.r, self.worker_id)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
         # the next task, leased in the round trip of the last one's completion, and when: delivered next
         self._next: tuple[scripts.Lease, float] | None = None
@@ -373,11 +379,8 @@ class MeshWorker(LeanRQWorker):
                     self._hand_back_next("no heartbeat gets through: its lease would lapse here")
                     self._sleep_after_error(1)  # no new work until a heartbeat gets through again
                     continue
-                if self.dispatched:  # delivered to our own queue: RQ pops it (or whatever else sits there)
-                    result = self._pop_delivery()
-                    if result is not None:
-                        return result
-                    self._hand_back_all("its delivery vanished from the worker's queue")
+                if self.dispatched:  # delivered, not run: never pop the head of a tier queue (a waiting task)
+                    self._hand_back_all("its delivery was not run")
                 lease, leased_at = self._take_next() or (self._next_lease(), None)
                 if lease is not None:
                     result = self._deliver(lease, leased_at)
@@ -463,7 +466,9 @@ class MeshWorker(LeanRQWorker):
             return None
         if self._fleet_seen != self._fleet_now or self.beats.out_of_touch():
             return None
-        return scripts.Next(int(self.settings.lease_ttl * 1000), self.capability.score_gflops, scripts.new_token())
+        return scripts.Next(
+            int(self.settings.lease_ttl * 1000), self.capability.score_gflops, scripts.new_token(), self.settings.tiers
+        )
 
     def _got_next(self, lease: scripts.Lease, leased_at: float) -> None:
         self._fleet_now = lease.fleet_version
@@ -512,7 +517,7 @@ class MeshWorker(LeanRQWorker):
         for _ in range(3):  # an env to prepare first: then ask again at once
             got = scripts.dispatch(
                 self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
-                self.capability.score_gflops,
+                self.capability.score_gflops, self.settings.tiers,
             )  # fmt: skip
             if not isinstance(got, scripts.Prepare) or self._stop_requested or self.fatal:
                 break
@@ -532,8 +537,9 @@ class MeshWorker(LeanRQWorker):
         None to pop again. What the pop took is our delivery, written by us a moment ago and not read back;
         or whatever sat in the queue before it, read and run (or dropped) as RQ's pop would, ours behind it."""
         self.dispatched[lease.task_id] = (lease, time.monotonic() if leased_at is None else leased_at)
+        queue = self._serve(lease.tier)
         try:
-            job, popped = self.broker.deliver(self.my_queue, lease, take=True)
+            job, popped = self.broker.deliver(queue, lease, take=True)
         except redis.RedisError as exc:
             self.dispatched.pop(lease.task_id, None)
             # If the transaction ran and only its reply was lost (or one of its writes failed), its pop did too.
@@ -552,8 +558,30 @@ class MeshWorker(LeanRQWorker):
         if popped is None:  # cannot be, as it was just pushed in the same transaction: pop again
             return None
         if popped == job.id:
-            return job, self.my_queue
+            return job, queue
         return self._pop_delivery(popped)
+
+    def _serve(self, tier: int) -> Any:
+        """The RQ queue of ``tier`` (-1: keep the tier served now), which this worker serves from now on: RQ's
+        record of the worker names it, so `rq info` and rq-dashboard list the worker under its tier's queue."""
+        with self._serving:
+            old = self.my_queue
+            if tier < 0 or old.name == keys.tier_queue(tier):
+                return old
+            queue = self.broker.queue(tier, MeshJob)
+            self.my_queue, self.queues, self._ordered_queues = queue, [queue], [queue]
+            if self._born and not self.revoked:
+                with contextlib.suppress(redis.RedisError), self.connection.pipeline() as p:
+                    p.srem(WORKERS_BY_QUEUE_KEY % old.name, self.key)
+                    p.sadd(WORKERS_BY_QUEUE_KEY % queue.name, self.key)
+                    p.hset(self.key, "queues", queue.name)
+                    p.sadd(self.queue_class.redis_queues_keys, queue.key)
+                    p.execute()
+            return queue
+
+    def register_birth(self, *args: Any, **kwargs: Any) -> None:
+        super().register_birth(*args, **kwargs)  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+        self._born = True  # RQ's record of the worker exists: _serve keeps its queue up to date
 
     def _hand_back_next(self, why: str) -> None:
         """The task leased with the last completion (if any) goes back to queued, attempts unspent."""
@@ -689,8 +717,9 @@ class MeshWorker(LeanRQWorker):
         if warning:
             log.warning(warning)
         self.logs.start()
-        # List our queue in RQ's registry so `rq info` and rq-dashboard show it while it is empty too.
-        self.connection.sadd(self.queue_class.redis_queues_keys, self.my_queue.key)
+        # List every tier's queue in RQ's registry so `rq info` and rq-dashboard show it while it is empty too.
+        self.connection.sadd(self.queue_class.redis_queues_keys,
+                             *[self.broker.queue(k).key for k in range(self.settings.tiers)])  # fmt: skip
         # Everything a task starts is ours to kill when its attempt ends, even what escapes its supervisor.
         tree.become_subreaper()
         if self.isolation is None:
@@ -893,7 +922,7 @@ class MeshWorker(LeanRQWorker):
             self._register()
             # RQ's record of this worker too, which the reaper dropped as dead (ValueError: it is back already)
             with contextlib.suppress(ValueError, redis.RedisError):
-                self.register_birth()  # type: ignore[no-untyped-call]  # RQ leaves it untyped
+                self.register_birth()
                 self._state_written = None  # its record starts without a state: the next one is written
             scripts.heartbeat(
                 self.broker.scripts, self.broker.r, self.worker_id, int(s.worker_ttl * 1000), None, 0, self.epoch
@@ -904,6 +933,7 @@ class MeshWorker(LeanRQWorker):
         if running is not None and running.lease.backup_mode == "idle" and self._woken_with_work():
             running.stop("the backup copy yielded to queued work")
         tier = scheduling.worker_tiers(scores, s.tiers)[self.worker_id]
+        self._serve(tier)  # between dispatches too: an idle worker is listed under its tier as the fleet is
         if tier != self._published or not beat.registered:
             self._published = tier
             self.registry.publish_tier(tier)

@@ -140,14 +140,42 @@ local function make_pending(a)
   wake_idle(a.idle_key)
 end
 
+-- Tiers. A worker's tier is its rank among the registered workers' scores (gpumesh:scores, ordered by score,
+-- then id), spread over 0 (weakest) .. tiers - 1, rounded half up; a lone worker is in the top tier.
+-- gpumesh/scheduling.py's worker_tiers computes the same. Each tier has an RQ queue, gpumesh-tier-<k>: the
+-- deliveries of the workers of that tier go through it, and a window of the tasks placed for that tier
+-- waits in it (refresh_window, in dispatch.lua's section below). They mirror gpumesh/store/keys.py.
+local TIER_QUEUE = 'rq:queue:gpumesh-tier-'
+
+local function tier_of(scores_key, worker_id, n, tiers)
+  local rank = redis.call('ZRANK', scores_key, worker_id)
+  if n <= 1 or not rank then
+    return tiers - 1
+  end
+  return math.floor((2 * rank * (tiers - 1) + (n - 1)) / (2 * (n - 1)))
+end
+
+-- A queued task that waits in a tier's window leaves it (it was taken, or cancelled): its RQ entry
+-- '<task>_waiting' goes from the queue, and its RQ job with it.
+local function unplace(task_key, task_id, tier)
+  local id = task_id .. '_waiting'
+  redis.pcall('LREM', TIER_QUEUE .. tier, 0, id)  -- pcall: any credential may write RQ's keys
+  redis.call('DEL', 'rq:job:' .. id)
+  redis.pcall('HDEL', task_key, 'tier')
+end
+
 -- A queued task leaves its pending zset (taken, or cancelled); the ready index drops a drained class.
--- a: {task_key, job_key, ready_key, job_id, and optionally index, cost, klass: the task's fields when
--- the caller has them already (else read here); remains: the caller saw another member in the set}
+-- a: {task_key, job_key, ready_key, job_id, and optionally index, cost, klass, tier: the task's fields when
+-- the caller has them already (else read here; tier false or '' when it waits in no tier's window);
+-- remains: the caller saw another member in the set}
 local function unpend(a)
-  local index, cost, klass = a.index, a.cost, a.klass
+  local index, cost, klass, tier = a.index, a.cost, a.klass, a.tier
   if index == nil then
-    local t = redis.call('HMGET', a.task_key, 'index', 'cost', 'class')
-    index, cost, klass = t[1], tonumber(t[2] or 1) or 1, t[3] or '0'
+    local t = redis.call('HMGET', a.task_key, 'index', 'cost', 'class', 'tier')
+    index, cost, klass, tier = t[1], tonumber(t[2] or 1) or 1, t[3] or '0', t[4]
+  end
+  if type(tier) == 'string' and tier ~= '' then
+    unplace(a.task_key, a.job_id .. '-' .. index, tier)
   end
   local pk = pending_key(a.job_id, klass)
   if redis.call('ZREM', pk, pad(index)) == 1 then
@@ -194,6 +222,10 @@ local function lease_reply(l)
     r[n + 1], r[n + 2] = 'fleet_version', l.fleet_version
     n = n + 2
   end
+  if l.tier then  -- dispatch: the worker's tier as the fleet was when it asked
+    r[n + 1], r[n + 2] = 'tier', l.tier
+    n = n + 2
+  end
   if l.backup then
     r[n + 1], r[n + 2], r[n + 3], r[n + 4] = 'backup', 1, 'backup_mode', l.backup_mode
   end
@@ -201,7 +233,7 @@ local function lease_reply(l)
 end
 
 -- The task fields take() needs, read in one call (status first, so callers can check it).
-local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig'}
+local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig', 'tier'}  -- tier: unpend's
 -- Where each of ``fields`` sits in an HMGET reply of them, by name: reply[at(fields).name] is that field's value.
 local function at(fields)
   local pos = {}
@@ -222,7 +254,7 @@ local TAKE_JOB_AT = at(TAKE_JOB)
 --     job: an HMGET reply holding TAKE_JOB of its job, with job_at its fields' positions (at()), or nil to
 --          read it here,
 --     worker_known: the worker hash exists (else checked here),
---     fleet_version: passed on to lease_reply}
+--     fleet_version, tier: passed on to lease_reply}
 local function take(a)
   local ms, ttl_ms, task_id, worker_id = a.ms, a.ttl_ms, a.task_id, a.worker_id
   local t = a.task
@@ -254,7 +286,7 @@ local function take(a)
     script_sha = job[J.script_sha], script_name = job[J.script_name], timeout = job[J.timeout],
     key_id = job[J.key_id], expires_at = job[J.expires_at], max_attempts = job[J.max_attempts],
     signature = signature, server_ms = ms,
-    fleet_version = a.fleet_version,
+    fleet_version = a.fleet_version, tier = a.tier,
   })
 end
 
@@ -607,4 +639,128 @@ local function env_strongest(digest, fleet_max)
     redis.call('ZREM', key, top[1])
   end
   return fleet_max
+end
+
+-- A tier's window: the tasks placed for a tier wait in its RQ queue, gpumesh-tier-<k>, as RQ jobs
+-- '<task>_waiting' (what rq-dashboard and `rq info` count and list), at most TIER_WINDOW of them. The
+-- dispatcher refreshes a tier's window as one of its workers takes a task, at most once every
+-- TIER_REFRESH_MS per tier: the next tasks the placement rule gives that worker from the same job, in the
+-- order it takes them (within its horizon heaviest first; a lone worker's, lightest first). A task in
+-- another tier's window stays there; the entries no longer among the next ones leave. An entry is only
+-- shown: no worker pops it. A worker's delivery goes to the front of its tier's queue and is popped in
+-- the same transaction, so nothing waits behind an entry that a worker of the tier cannot run, and a
+-- task leaving its pending set (taken, cancelled) leaves its window (unpend, unplace). An entry's RQ job
+-- expires after TIER_ENTRY_TTL unless a refresh keeps it.
+local TIER_WINDOW, TIER_REFRESH_MS, TIER_ENTRY_TTL = 20, 1000, 3600
+local refresh_window
+do
+  local EXECUTOR = 'gpumesh.executor.run_task'  -- gpumesh/store/broker.py's EXECUTOR: the RQ function named
+
+  -- Epoch ms as RQ writes its times (utcformat): 2026-12-07T10:40:00.123000Z
+  local function rq_time(ms)
+    local s = math.floor(ms / 1000)
+    local days = math.floor(s / 86400)
+    local rem = s - days * 86400
+    local z = days + 719468  -- days from 0000-03-01 (H. Hinnant's civil_from_days)
+    local era = math.floor(z / 146097)
+    local doe = z - era * 146097
+    local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+    local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+    local mp = math.floor((5 * doy + 2) / 153)
+    local d = doy - math.floor((153 * mp + 2) / 5) + 1
+    local m = mp < 10 and mp + 3 or mp - 9
+    local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+    return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%06dZ', y, m, d, math.floor(rem / 3600),
+      math.floor(rem % 3600 / 60), rem % 60, (ms % 1000) * 1000)
+  end
+
+  -- Write one entry's RQ job (as RQ's Job.save writes a queued job; its data uncompressed JSON, which RQ
+  -- reads too), and mark its task placed for the tier.
+  local function enter(a, index, cost)
+    local task_id = a.job_id .. '-' .. index
+    local id = task_id .. '_waiting'
+    local key = 'rq:job:' .. id
+    local label = a.name ~= '' and ('job "' .. a.name .. '" (' .. a.job_id .. ')') or ('job ' .. a.job_id)
+    local when = rq_time(a.ms)
+    redis.call('HSET', key, 'data', cjson.encode({EXECUTOR, cjson.null, {task_id}, {}}), 'created_at', when,
+      'enqueued_at', when, 'origin', 'gpumesh-tier-' .. a.tier, 'status', 'queued', 'ttl', TIER_ENTRY_TTL,
+      'description', 'task ' .. index .. ' of ' .. label .. ': placed for tier ' .. a.tier .. ', cost ' ..
+        cost .. '; waiting (this queue lists the next ' .. TIER_WINDOW .. ' at most: `gpumesh workers` ' ..
+        'shows every queued task by tier)',
+      'meta', cjson.encode({job = a.name, job_id = a.job_id, task_id = task_id, task_index = tonumber(index),
+        cost = tonumber(cost), tier = tonumber(a.tier), waiting = true}))
+    redis.call('EXPIRE', key, TIER_ENTRY_TTL)
+    redis.pcall('HSET', PREFIX .. 'task:' .. task_id, 'tier', a.tier)
+  end
+
+  -- a: {tier, job_id, job_key, pk: the pending zset the worker took from, limit: its horizon's cost limit
+  --     (nil: a lone worker, lightest first), ms: the time now}
+  refresh_window = function(a)
+    local field, tiers_key = 'at:' .. a.tier, PREFIX .. 'tiers'  -- keys.TIERS: when each window was refreshed
+    local at = redis.pcall('HGET', tiers_key, field)
+    if type(at) == 'table' or a.ms - (tonumber(at) or 0) < TIER_REFRESH_MS then
+      return  -- refreshed a moment ago (or the hash is not one: no window)
+    end
+    redis.call('HSET', tiers_key, field, a.ms)
+    local next = {}
+    if a.limit then
+      next = redis.call('ZREVRANGEBYSCORE', a.pk, a.limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 2 * TIER_WINDOW)
+    end
+    if #next == 0 then
+      next = redis.call('ZRANGE', a.pk, 0, 2 * TIER_WINDOW - 1, 'WITHSCORES')
+    end
+    local qkey = TIER_QUEUE .. a.tier
+    local listed = redis.pcall('LRANGE', qkey, 0, -1)
+    if type(listed) ~= 'table' or listed.err then
+      return  -- not a list (some credential wrote it): no window, and dispatch goes on
+    end
+    local kept, has = {}, {}
+    for _, id in ipairs(listed) do
+      has[id] = true
+    end
+    local add, order = {}, {}  -- entries to write; every entry of the window, in the order the tier takes them
+    for i = 1, #next, 2 do
+      if #order >= TIER_WINDOW then
+        break
+      end
+      local index = tonumber(next[i])
+      if index then
+        local task_id = a.job_id .. '-' .. index
+        local id = task_id .. '_waiting'
+        local placed = redis.pcall('HGET', PREFIX .. 'task:' .. task_id, 'tier')
+        if type(placed) ~= 'string' then
+          placed = false  -- none, or not a hash
+        end
+        if has[id] and placed == tostring(a.tier) and redis.call('EXPIRE', 'rq:job:' .. id, TIER_ENTRY_TTL) == 1 then
+          kept[id] = true
+          order[#order + 1] = id
+        elseif not placed or placed == '' or placed == tostring(a.tier) then
+          add[#add + 1] = {index, next[i + 1]}
+          order[#order + 1] = id
+        end
+      end
+    end
+    for id in pairs(has) do
+      if not kept[id] then  -- no longer among the next: out of the window
+        local task_id = string.match(id, '^(.*)_waiting$')
+        if task_id then
+          unplace(PREFIX .. 'task:' .. task_id, task_id, a.tier)
+        else
+          redis.call('LREM', qkey, 0, id)  -- not an entry of ours
+        end
+      end
+    end
+    if #add > 0 then
+      local name = redis.pcall('HGET', a.job_key, 'name')
+      a.name = type(name) == 'string' and string.sub(name, 1, 200) or ''
+      for _, e in ipairs(add) do
+        enter(a, tonumber(e[1]), e[2])
+      end
+    end
+    redis.call('DEL', qkey)
+    if #order > 0 then
+      redis.call('RPUSH', qkey, unpack(order))
+      redis.call('SADD', 'rq:queues', qkey)
+    end
+  end
 end

@@ -12,6 +12,9 @@
 --     while a lighter task is there); when even the lightest is beyond its horizon it takes the lightest
 --     (no worker idles while work it may run waits; a backup copy can rescue a straggler);
 --  3. lease it (as acquire.lua). Finding nothing, the worker joins the idle set, woken when work arrives.
+-- The worker's tier is computed here too, from the registered scores (tier_of in _lib.lua): its delivery goes
+-- through that tier's RQ queue, and as it takes a task the tier's window of waiting tasks is refreshed
+-- (refresh_window). Neither changes which task it takes.
 -- A task whose last attempt failed on this worker (fail.lua's 'avoid', until 'avoid_until'), or that ran
 -- out of memory and waits for a live worker with more ('bigger'), is left to the other live workers meanwhile: the next task of its job instead, or another job, or nothing (this
 -- worker asks again within a heartbeat interval, and takes it once the time is up).
@@ -19,12 +22,13 @@
 -- dispatch(
 --   keys = {ready zset, scores zset, fleet hash, worker hash, leases zset, events stream, idle set},
 --   args = {worker id, lease TTL (ms), this worker's score,
---           the lease token to hold what it takes (made by the worker; only its digest is stored)}
+--           the lease token to hold what it takes (made by the worker; only its digest is stored),
+--           the number of tiers (GPUMESH_TIERS; 3 when absent)}
 -- )
--- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version,
--- appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run; or {0, 'prepare',
--- 'fleet_version', version, 'env', digest, 'job', job id} when the job it should serve first needs an env this
--- worker's machine lacks (env_state): it builds the env, leasing nothing meanwhile, and asks again.
+-- Reply (see _lib.lua): the lease (lease_reply) with 'fleet_version', the registered fleet's version, and
+-- 'tier', the worker's tier, appended; or {0, 'idle', 'fleet_version', version} when there is nothing it may run;
+-- or {0, 'prepare', 'fleet_version', version, 'env', digest, 'job', job id} when the job it should serve first
+-- needs an env this worker's machine lacks (env_state): it builds the env, leasing nothing meanwhile, and asks again.
 --
 -- Nothing written into a job or task may make this script raise (every worker would fail its dispatch,
 -- and the mesh would stall): any credential that writes jobs and tasks can write garbage there. A ready
@@ -45,8 +49,10 @@ local worker_id = ARGV[1]
 local ttl_ms = tonumber(ARGV[2])
 local score = tonumber(ARGV[3])
 local token = ARGV[4]
+local tiers = math.max(1, math.min(tonumber(ARGV[5]) or 3, 100))
 
 local n, sum, max, version = fleet(scores_key, fleet_key)
+local my_tier = tier_of(scores_key, worker_id, n, tiers)
 
 -- The same call again (redis-py sends a command again when the link failed before its reply came, though
 -- this script may have run): the task this worker holds under this very token, made for this call, is the
@@ -63,7 +69,7 @@ do
           task_id = held, attempt = tonumber(t[4]) or 1, job_id = job[J.id], index = t[5], payload = t[6],
           script_sha = job[J.script_sha], script_name = job[J.script_name], timeout = job[J.timeout],
           key_id = job[J.key_id], expires_at = job[J.expires_at], max_attempts = job[J.max_attempts],
-          signature = t[7], server_ms = now_ms(), fleet_version = version,
+          signature = t[7], server_ms = now_ms(), fleet_version = version, tier = my_tier,
         })
       end
     end
@@ -316,7 +322,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
 
   local job_key = PREFIX .. 'job:' .. best_job
   local pk = pending_key(best_job, best_class)
-  local pick, heaviest
+  local pick, heaviest, limit
   if n > 1 then
     local env = best_fields[JOB_AT.env]
     if type(env) == 'string' and env ~= '' then
@@ -325,7 +331,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
     local queued_cost = tonumber(best_fields[JOB_AT.pending_cost] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
-    local limit = score * horizon * (1 + 1e-9)
+    limit = score * horizon * (1 + 1e-9)
     pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
     if pick[1] and score < max and tonumber(pick[2]) >= tonumber(heaviest[2]) then
       -- the heaviest cost is the strongest worker's, while a lighter task is there for this one
@@ -376,7 +382,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     local remains = heaviest ~= nil and heaviest[1] ~= nil and heaviest[1] ~= pick[1] and index >= 0 and
       heaviest[1] ~= pad(index)
     local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
-      cost = cost, klass = best_class, remains = remains}
+      cost = cost, klass = best_class, tier = task[#TAKE_TASK], remains = remains}
     local why = task[1] == 'queued' and malformed(task, best_fields, index)
     if why then
       unpend(taken)
@@ -385,11 +391,13 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     elseif task[1] == 'queued' then  -- its status
       unpend(taken)
       redis.call('SREM', idle_key, worker_id)
+      local ms = now_ms()
+      refresh_window({tier = my_tier, job_id = best_job, job_key = job_key, pk = pk, limit = limit, ms = ms})
       return take({
         task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
         events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
-        ms = now_ms(), task = task, job = best_fields, job_at = JOB_AT, worker_known = raw ~= nil,
-        fleet_version = version, token = token,
+        ms = ms, task = task, job = best_fields, job_at = JOB_AT, worker_known = raw ~= nil,
+        fleet_version = version, token = token, tier = my_tier,
       })
     end
     if not why then
