@@ -140,7 +140,7 @@ local function make_pending(a)
   wake_idle(a.idle_key)
 end
 
--- Tiers. A worker's tier is its rank among the registered workers' scores (gpumesh:scores, ordered by score,
+-- Tiers. A worker's tier is its rank among the registered workers' scores (keys.SCORES, ordered by score,
 -- then id), spread over 0 (weakest) .. tiers - 1, rounded half up; a lone worker is in the top tier.
 -- gpumesh/scheduling.py's worker_tiers computes the same. Each tier has an RQ queue, gpumesh-tier-<k>: the
 -- deliveries of the workers of that tier go through it, and a window of the tasks placed for that tier
