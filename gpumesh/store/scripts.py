@@ -71,6 +71,9 @@ NAMES = (
     "read",
 )
 READ_ONLY = frozenset({"read"})  # registered 'no-writes': callable by FCALL_RO, and never a write
+# Functions this protocol added: a client calling the previous protocol's library (an older broker) has none of
+# them, and does without (Scripts.offers): workers then build a job's env inside its first lease, as they did.
+ADDED = frozenset({"env_held", "env_failed"})
 
 
 def _lua(name: str) -> str:
@@ -217,6 +220,10 @@ class Scripts:
 
     def __getitem__(self, name: str) -> Function:
         return self._s[name]
+
+    def offers(self, name: str) -> bool:
+        """Whether the library called now has function ``name``: the previous protocol's lacks those in ADDED."""
+        return self.protocol == PROTOCOL or name not in ADDED
 
     def ensure(self, force: bool = False) -> None:
         """Make sure the broker has the library this client calls (once every ENSURE_EVERY s unless ``force``);
