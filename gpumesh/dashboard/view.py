@@ -19,7 +19,6 @@ from gpumesh.dashboard import timeline
 from gpumesh.errors import NotFound, UsageError
 from gpumesh.models import TERMINAL, JobStatus, TaskResult, Waiting, WorkerInfo, error_summary
 from gpumesh.store import artifacts, keys
-from gpumesh.store.broker import may_write_jobs
 
 TASKS_SHOWN = 500  # rows of the job page's task table
 JOBS_SHOWN = 100  # rows of the jobs page
@@ -298,4 +297,4 @@ def first_checked(chunks: Iterator[bytes]) -> Iterator[bytes]:
 def probe_may_write(mesh: api.Mesh) -> bool:
     """Whether the credential may write the job index: ``ZADD XX`` of a member that is not there adds
     nothing, and a read-only credential is refused it."""
-    return may_write_jobs(mesh.broker.redis)
+    return mesh.broker.may_write_jobs()

@@ -456,6 +456,10 @@ class Broker:
         """Record ``user``'s result public key (the admin credential only: others may not write it)."""
         register_result_key(self.redis, user, public)
 
+    def may_write_jobs(self) -> bool:
+        """Whether this credential may write the job index (a read-only one may not): see may_write_jobs."""
+        return may_write_jobs(self.redis)
+
     def round_trip_s(self) -> float:
         """One PING's round trip, in seconds."""
         t0 = time.perf_counter()
