@@ -329,6 +329,11 @@ def test_workers_prepare_the_env_before_they_lease_and_start_together(
     assert len(st["preparing"]) == 4 and st["tasks"]["running"] == 0 and st["tasks"]["done"] == 0, st
     text = run_cli("status", sub["job_id"], env=env).stdout
     assert f"preparing env {sub['env'][:12]} for {sub['job_id']} on " in text, text
+    from gpumesh.dashboard.view import View
+
+    with gpumesh.connect() as mesh:  # the dashboard's workers table, as its page shows it
+        shown_rows = View(mesh, may_write=False).workers()["workers"]
+    assert [w["task"] for w in shown_rows] == [f"preparing env {sub['env'][:12]} for {sub['job_id']}"] * 4
     os.close(held)
     assert finished(sub["job_id"], workers) == [42 + i for i in range(16)]
     done = builds(tmp_path / "envs")
@@ -341,6 +346,10 @@ def test_workers_prepare_the_env_before_they_lease_and_start_together(
     assert all(started >= float(str(done[0]["at"])) - 0.05 for started in first.values()), (first, done)
     workers_now = json.loads(run_cli("workers", "--json", env=env).stdout)
     assert all(w["envs"] == [sub["env"][:16]] and "preparing" not in w for w in workers_now), workers_now
+    with gpumesh.connect() as mesh:
+        assert [w["envs"] for w in View(mesh, may_write=False).workers()["workers"]] == [
+            [f"{sub['env'][:12]} ready"]
+        ] * 4
 
 
 @pytest.mark.processes
