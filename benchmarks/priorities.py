@@ -143,10 +143,13 @@ def main() -> None:
         import tempfile
 
         tree = revision_tree(args.against, Path(tempfile.mkdtemp(prefix="gpumesh-rev-")))
+        # this checkout's committed code through PYTHONPATH too: a worker run from the editable install starts and
+        # runs slower than the same code through PYTHONPATH (benchmarks/makespan.py --committed)
+        head = revision_tree("HEAD", Path(tempfile.mkdtemp(prefix="gpumesh-head-")))
         once = argparse.Namespace(**{**vars(args), "repeat": 1})
         alone, loaded, n_bg, bg_done = {}, {}, 0, 0
         for _ in range(args.repeat):
-            for version, path in (("this checkout", None), (args.against, tree)):
+            for version, path in (("this checkout", head), (args.against, tree)):
                 got = measure(once, priorities, shapes, path)
                 for shape, v in got["alone"].items():
                     alone.setdefault(f"{version}|{shape}", []).extend(v)
