@@ -306,6 +306,11 @@ def main() -> None:
     )
     ap.add_argument("--baseline-label", default="tiers fixed at submit", help="what the baseline revision is")
     ap.add_argument("--contenders", default="dispatch,no-speculate,baseline,fifo", help="which contenders run")
+    ap.add_argument(
+        "--committed", action="store_true",
+        help="run this checkout's committed code (git archive HEAD) through PYTHONPATH too, as the baseline runs: "
+        "a worker run from an editable install started and ran slower here (9.07 against 8.95 s settled, same code)",
+    )  # fmt: skip
     ap.add_argument("--fleets", default="settled,forming,joining,changing,pausing")
     args = ap.parse_args()
     scores = [float(s) for s in args.scores.split(",")]
@@ -314,10 +319,21 @@ def main() -> None:
     env = {"XDG_CACHE_HOME": str(server.tmp / "cache"), "GPUMESH_HEARTBEAT_INTERVAL": "1", "GPUMESH_LEASE_TTL": "5"}
     v1 = baseline_tree(args.first_version, server.tmp / "v1")
     chosen = args.contenders.split(",")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    this = baseline_tree("HEAD", server.tmp / "this") if args.committed else None
     contenders = [
         c
         for key, c in (
-            ("dispatch", Contender("gpumesh (dispatch, backups on)", server.db(1), server.tmp, env)),
+            (
+                "dispatch",
+                Contender(
+                    "gpumesh (dispatch, backups on)" if this is None else f"gpumesh {head} (dispatch, backups on)",
+                    server.db(1),
+                    server.tmp,
+                    env,
+                    v1=this,
+                ),
+            ),
             ("no-speculate", Contender("gpumesh --no-speculate", server.db(2), server.tmp, env, speculate=False)),
             (
                 "baseline",
@@ -402,7 +418,8 @@ def main() -> None:
             title if default else f"{title}: against {args.first_version} ({args.baseline_label})", body,
             f"python benchmarks/makespan.py --scores {args.scores} --unit {args.unit} --repeat {args.repeat}"
             f" --baseline {args.first_version} --fleets {','.join(shown)}"
-            + ("" if default else f" --baseline-label '{args.baseline_label}' --contenders {args.contenders}"),
+            + ("" if default else f" --baseline-label '{args.baseline_label}' --contenders {args.contenders}")
+            + (" --committed" if args.committed else ""),
         )  # fmt: skip
 
 

@@ -143,10 +143,13 @@ def main() -> None:
         import tempfile
 
         tree = revision_tree(args.against, Path(tempfile.mkdtemp(prefix="gpumesh-rev-")))
+        # this checkout's committed code through PYTHONPATH too: a worker run from the editable install starts and
+        # runs slower than the same code through PYTHONPATH (benchmarks/makespan.py --committed)
+        head = revision_tree("HEAD", Path(tempfile.mkdtemp(prefix="gpumesh-head-")))
         once = argparse.Namespace(**{**vars(args), "repeat": 1})
         alone, loaded, n_bg, bg_done = {}, {}, 0, 0
         for _ in range(args.repeat):
-            for version, path in (("this checkout", None), (args.against, tree)):
+            for version, path in (("this checkout", head), (args.against, tree)):
                 got = measure(once, priorities, shapes, path)
                 for shape, v in got["alone"].items():
                     alone.setdefault(f"{version}|{shape}", []).extend(v)
@@ -166,7 +169,8 @@ def main() -> None:
             f"{med(first):.2f}", f"{base:.2f}", f"{med(lat) / base:.2f}", f"{used:g}",
         ))  # fmt: skip
     rows.append((
-        "background", 0, "—", f"{n_bg:,} ({bg_done:,} done, then cancelled)", "", "", "", "", "", len(FLEET),
+        "background", 0, "—", f"{n_bg:,} ({bg_done:,} done, then cancelled)" if not args.against
+        else f"up to {n_bg:,} a fleet ({bg_done:,} done in all, then cancelled)", "", "", "", "", "", len(FLEET),
     ))  # fmt: skip
     body = (
         f"`{cmd}`\n\n"
@@ -174,7 +178,7 @@ def main() -> None:
         f"{args.tasks} tasks × {args.sleep:g} s, submitted one at a time while a priority-0 background job of "
         f"{args.background_sleep:g}-s tasks keeps every worker busy. Latency: submit to the job's last result (server "
         "time); first start: submit to its first task's start; alone: the same job on the idle fleet "
-        f"(rounds: {', '.join(f'{s} ' + rounds(v) for s, v in alone.items())}). Every task of a requires job ran on "
+        f"(rounds: {', '.join(s.replace('|', ': ') + ' ' + rounds(v) for s, v in alone.items())}). Every task of a requires job ran on "
         "the A100 worker.\n\n"
         + table(
             [

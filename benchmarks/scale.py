@@ -9,7 +9,9 @@ dirty), heartbeats (heartbeat.lua, lease renewal included) every --heartbeat sec
 task does what `gpumesh worker` does around it:
   1. dispatch.lua: pick a task against the live fleet and lease it, in one step (the KEYS and ARGV
      scripts.dispatch sends);
-  2. the delivery to its own RQ queue `gpumesh-w-<id>` (Broker.deliver): RQ's own commands (SADD
+  2. the delivery through an RQ queue (Broker.deliver; a tier's queue `gpumesh-tier-<k>` in this checkout, a queue
+     per worker in earlier ones), replayed on one list per simulated worker for every version (an LPUSH or
+     LPOP costs Redis the same on a shared list, and the harness pops each worker's own): RQ's own commands (SADD
      rq:queues, HSET of the RQ job hash, RPUSH), recorded once from a real `Queue.enqueue_many`
      and replayed with each task's id, after the two LREMs with which this checkout's deliver clears
      what a resent transaction would have left (for an --against revision, only if its deliver had them);
@@ -551,7 +553,8 @@ def main() -> None:
     body += (
         f"\n\nRounds of up to {args.workers:,} workers' next step each ({any_sim['rounds']:,} rounds), {args.groups} groups "
         "of workers in flight at once so that Redis waits as little as may be for the harness: dispatch.lua; "
-        + (f"the delivery to the worker's own RQ queue ({', '.join(names)}: RQ's enqueue, replayed) and RQ's pop "
+        + (f"the delivery through an RQ queue, replayed on a list per worker for every version ({', '.join(names)}: "
+           "RQ's enqueue, replayed) and RQ's pop "
            "(an LMOVE the worker sends in the delivery's transaction; replayed here as an LPOP in the next round, "
            "without the intermediate list or the LREM of the run's start)"
            + (f"; for {args.against}, whose worker read the RQ job back, HGETALL as well"

@@ -137,7 +137,8 @@ def main() -> None:
     body += (
         f"\n\nA queued task is a slim hash (its index, payload and status; a cost or requirement class only when not "
         f"the default) plus one member of its job's pending zset; the job hash holds what all its tasks share. No RQ "
-        f"job is written at submit: a worker enqueues one to its own queue when dispatch.lua gives it a task. A job "
+        f"job is written at submit: a worker enqueues one to its tier's queue when dispatch.lua gives it a task, "
+        f"and each tier's queue shows at most 20 waiting tasks (a window), whatever the backlog. A job "
         f"above {STAGE_ABOVE:,} tasks is written in stages ({STAGE_CHUNK:,} tasks per round trip, invisible), then "
         "one MULTI/EXEC makes it visible at once, so neither the client nor Redis's MULTI buffer holds it whole. "
         "The RQ contender writes one RQ job per task, as 8c0e58b's submit did (placement fixed at submit)."

@@ -88,6 +88,8 @@ def test_pages_show_the_mesh_and_escape_what_tasks_and_submitters_set(ran: gpume
     )
     assert worker.device == "cpu" and '<td class="gpu">—</td>' in page.text, "a processor is not shown as a GPU"
     assert f'<td class="release">{gpumesh.__version__} (protocol {PROTOCOL})</td>' in page.text
+    # each tier's RQ queue, and the one the lone worker serves (the top tier) names it
+    assert 'id="tiers"' in page.text and f"<code>gpumesh-tier-2</code></td><td>{html.escape(worker.name)}" in page.text
     no_raw_markup(page.text)
 
     jobs = client.get("/jobs").text

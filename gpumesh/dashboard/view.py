@@ -144,10 +144,13 @@ class View:
         now = self.now()
         online: list[dict[str, Any]] = []
         silent: list[dict[str, Any]] = []
-        for w in sorted(self.mesh.workers(), key=lambda w: (-w.score_gflops, w.name, w.id)):
+        live = self.mesh.workers()
+        for w in sorted(live, key=lambda w: (-w.score_gflops, w.name, w.id)):
             row = self._worker_row(w, now)
             (online if row["age"] is not None and row["age"] <= self.silent_after_s else silent).append(row)
-        return {"workers": online, "silent": silent}
+        # each tier's RQ queue (what rq-dashboard lists), who serves it, its window and its whole backlog
+        tiers = self.mesh.broker.tiers(live=live) if live else []
+        return {"workers": online, "silent": silent, "tiers": tiers}
 
     @staticmethod
     def _worker_row(w: WorkerInfo, now: float) -> dict[str, Any]:

@@ -500,12 +500,13 @@ class Broker:
                 _unreadable("worker", w, exc)
         return out
 
-    def tiers(self, sample: int = 10_000) -> list[TierLoad]:
+    def tiers(self, sample: int = 10_000, live: list[WorkerInfo] | None = None) -> list[TierLoad]:
         """Each tier: its queue, the live workers in it, the tasks waiting in its queue (the window) and its share of
         every queued task, split as submit's forecast splits a job (by the live tiers' scores, heaviest first). A
-        class of a job with more than ``sample`` queued tasks is sampled (ZRANDMEMBER) and scaled."""
+        class of a job with more than ``sample`` queued tasks is sampled (ZRANDMEMBER) and scaled. ``live``: the
+        workers as :meth:`workers` just read them (else read here)."""
         k = self.settings.tiers
-        live = self.workers()
+        live = self.workers() if live is None else live
         scores = {w.id: w.score_gflops for w in live}
         capacity = scheduling.tier_capacity(scores, k) if scores else [0.0] * k
         ready = [m.rsplit("/", 1) for m in self.r.zrange(keys.READY, 0, -1)]
