@@ -415,7 +415,11 @@ class TierLoad(Model):
     """One tier as ``gpumesh workers`` and ``top`` show it (``Mesh.tiers()``): its RQ queue, the workers that
     serve it now, how many tasks wait in its queue (a window of the next ones, 20 at most) and how many of all
     the queued tasks the fleet as it is would give it (``queued``: the placement rule's split by score, sampled
-    per job beyond 10,000 queued tasks, ``estimated`` then)."""
+    per job beyond 10,000 queued tasks, ``estimated`` then).
+
+    >>> [(t.queue, t.workers, t.waiting, t.queued) for t in mesh.tiers()]   # doctest: +SKIP
+    [('gpumesh-tier-0', ['laptop'], 20, 95), ('gpumesh-tier-1', [], 0, 0), ('gpumesh-tier-2', ['lab-a100'], 20, 45)]
+    """
 
     tier: int
     queue: str

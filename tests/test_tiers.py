@@ -90,6 +90,10 @@ def test_the_tasks_placed_for_a_tier_wait_in_its_rq_queue_and_leave_it_when_take
     weak = take(broker, r, "weak", 1.0)
     assert isinstance(weak, scripts.Lease) and weak.tier == 0
     assert keys.rq_waiting_id(weak.task_id) not in waiting(r, 0) + waiting(r, 2), "taken: out of every window"
+    weak_next = [int(e.split("_")[0].rsplit("-", 1)[1]) for e in waiting(r, 0)]
+    assert weak_next and max(costs[i] for i in weak_next) < 8, (
+        "the heaviest cost left to the strongest, as dispatch does"
+    )
     assert not r.exists("rq:job:" + keys.rq_waiting_id(weak.task_id))
     listed = {e for t in range(3) for e in waiting(r, t)}
     marked = {

@@ -694,7 +694,8 @@ do
   end
 
   -- a: {tier, job_id, job_key, pk: the pending zset the worker took from, limit: its horizon's cost limit
-  --     (nil: a lone worker, lightest first), ms: the time now}
+  --     (nil: a lone worker, lightest first), below: the heaviest cost when a stronger worker is registered
+  --     (left to it while lighter tasks are there, as dispatch.lua picks), ms: the time now}
   refresh_window = function(a)
     local field, tiers_key = 'at:' .. a.tier, PREFIX .. 'tiers'  -- keys.TIERS: when each window was refreshed
     local at = redis.pcall('HGET', tiers_key, field)
@@ -703,7 +704,10 @@ do
     end
     redis.call('HSET', tiers_key, field, a.ms)
     local next = {}
-    if a.limit then
+    if a.limit and a.below and tonumber(a.below) <= a.limit then  -- the heaviest cost is the strongest's
+      next = redis.call('ZREVRANGEBYSCORE', a.pk, '(' .. a.below, '-inf', 'WITHSCORES', 'LIMIT', 0, 2 * TIER_WINDOW)
+    end
+    if a.limit and #next == 0 then
       next = redis.call('ZREVRANGEBYSCORE', a.pk, a.limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 2 * TIER_WINDOW)
     end
     if #next == 0 then

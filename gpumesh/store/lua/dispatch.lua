@@ -392,7 +392,8 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       unpend(taken)
       redis.call('SREM', idle_key, worker_id)
       local ms = now_ms()
-      refresh_window({tier = my_tier, job_id = best_job, job_key = job_key, pk = pk, limit = limit, ms = ms})
+      refresh_window({tier = my_tier, job_id = best_job, job_key = job_key, pk = pk, limit = limit, ms = ms,
+        below = score < max and heaviest and heaviest[2] or nil})
       return take({
         task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
         events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
