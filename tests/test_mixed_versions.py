@@ -22,6 +22,7 @@ import redis
 
 from gpumesh._version import PROTOCOL, __version__
 from gpumesh.store import keys, protocols, scripts
+from gpumesh.store.protocols import freeze
 
 from .conftest import ROOT, Serve, free_port, wait_until
 
@@ -51,8 +52,8 @@ def release_venv(where: Path, package: Path | bytes) -> tuple[tuple[str, ...], P
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(where), "platbase": str(where)}))
     if isinstance(package, bytes):
-        with tarfile.open(fileobj=io.BytesIO(package)) as tar:
-            tar.extractall(site, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(package)) as tar:  # git's archive of this repository
+            tar.extractall(site, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(site)
     else:
         shutil.copytree(package, site / "gpumesh", ignore=shutil.ignore_patterns("__pycache__"))
     ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}  # a plain path: its .pth files stay unread
@@ -166,6 +167,7 @@ def test_the_previous_release_and_this_one_share_a_broker_either_serves_and_an_u
                              capture_output=True, text=True, check=True, cwd=tmp_path).stdout  # fmt: skip
     previous = protocols.frozen(PROTOCOL - 1)
     assert previous is not None and library == previous.code, "the frozen library is what that release loads"
+    assert freeze.built(OLD_REV, ROOT) == (None, previous.name, previous.code), "and what freeze.py makes of it"
 
     # 1. A broker the previous release serves: its worker and this one's (which calls the previous protocol's
     # functions, the only ones there), jobs from both sides' submitters.

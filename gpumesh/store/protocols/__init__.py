@@ -126,7 +126,7 @@ def unserved_message(client: Any, lib: str) -> str:
     if served and min(served) > PROTOCOL:
         return (
             f"the broker serves gpumesh protocol {span(served)}{by}; {mine}, too old for it: upgrade gpumesh on this "
-            "machine (pip install -U gpumesh-pool), then start again"
+            "machine (the way it was installed), then start again"
         )
     if served and max(served) < min(ours):
         return (

@@ -40,7 +40,7 @@ def built(rev: str, repo: Path) -> tuple[int | None, str, str]:
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "gpumesh"], capture_output=True, check=True)
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+            tar.extractall(tmp, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(tmp)
         out = subprocess.run(
             [sys.executable, "-P", "-c", _BUILD, tmp], capture_output=True, text=True, check=True, cwd=tmp
         )
