@@ -39,7 +39,7 @@ _DESTROYERS = [
 _WORKER_WRITES = [
     "gpumesh:task:*", "gpumesh:lease:*", "gpumesh:leases", "gpumesh:job:*", "gpumesh:worker:*", "gpumesh:workers",
     "gpumesh:scores", "gpumesh:fleet", "gpumesh:ready", "gpumesh:idle", "gpumesh:wake:*", "gpumesh:events",
-    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:reaper", "gpumesh:tiers",
+    "gpumesh:stats", "gpumesh:stats:*", "gpumesh:reaper",
 ]  # fmt: skip
 
 # Families a worker may delete or expire: one selector, since a multi-key DEL (a worker leaving deletes

@@ -13,7 +13,9 @@ SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
 READY = PREFIX + "ready"  # zset: "<job>/<class>" with queued tasks -> the job's priority (what dispatch scans)
 IDLE = PREFIX + "idle"  # set: workers whose last dispatch found nothing they may run (woken when work arrives)
-FLEET = PREFIX + "fleet"  # hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted
+# hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted; at:<tier>, when that
+# tier's window of waiting tasks was last refreshed (ms)
+FLEET = PREFIX + "fleet"
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
@@ -22,8 +24,6 @@ PRUNING = PREFIX + "pruning"  # zset: jobs the reaper deletes in steps (past the
 EPOCH = PREFIX + "epoch"  # string: random id of this broker's data; a change means the data was lost
 # hash: worker ACL user -> its result public key (ed25519:<base64>), written by the admin only (signing.py)
 RESULT_KEYS = PREFIX + "resultkeys"
-
-TIERS = PREFIX + "tiers"  # hash: at:<tier> -> when that tier's window of waiting tasks was last refreshed (ms)
 
 QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names of earlier versions, one per worker: only tidied away by the reaper
 TIER_QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>, the deliveries and waiting tasks of tier k
