@@ -33,7 +33,7 @@ def waiting(r: redis.Redis, tier: int) -> list[str]:
 
 def next_window(r: redis.Redis) -> None:
     """Let the next dispatch of any tier refresh its window (at most one refresh a second per tier)."""
-    r.delete(keys.TIERS)
+    r.hdel(keys.FLEET, *[f"at:{k}" for k in range(3)])
 
 
 @pytest.mark.core

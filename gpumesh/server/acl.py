@@ -57,7 +57,7 @@ _WORKER_WRITES = [
     keys.STATS,
     keys.STATS_ALL,
     keys.REAPER_LOCK,
-    keys.TIERS,
+    keys.env_holders("*"),
 ]
 
 # Families a worker may delete or expire: one selector, since a multi-key DEL (a worker leaving deletes

@@ -27,7 +27,9 @@ SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
 READY = PREFIX + "ready"  # zset: "<job>/<class>" with queued tasks -> the job's priority (what dispatch scans)
 IDLE = PREFIX + "idle"  # set: workers whose last dispatch found nothing they may run (woken when work arrives)
-FLEET = PREFIX + "fleet"  # hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted
+# hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted; at:<tier>, when that
+# tier's window of waiting tasks was last refreshed (ms)
+FLEET = PREFIX + "fleet"
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping
 STATS = PREFIX + "stats"  # hash: done / failed / retried / lease_expired counters, for metrics
@@ -40,8 +42,6 @@ RESULT_KEYS = PREFIX + "resultkeys"
 # hash: what the broker serves (protocol -> library name, "version" -> the gpumesh that loaded them), written
 # by the admin only (serve, access load-functions); a client whose protocol is not served names them (protocols)
 PROTOCOLS = PREFIX + "protocols"
-
-TIERS = PREFIX + "tiers"  # hash: at:<tier> -> when that tier's window of waiting tasks was last refreshed (ms)
 
 QUEUE_PREFIX = "gpumesh-w-"  # RQ queue names of earlier versions, one per worker: only tidied away by the reaper
 TIER_QUEUE_PREFIX = "gpumesh-tier-"  # RQ queue names: gpumesh-tier-<k>, the deliveries and waiting tasks of tier k
@@ -120,6 +120,12 @@ def script(sha: str) -> str:
 
 def worker(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
+
+
+def env_holders(short_digest: str) -> str:
+    """zset: the live workers whose machines hold the env whose lock digest starts ``short_digest`` (16 hex), by
+    score; lua/env_held.lua writes it (building this name from PREFIX), dispatch reads it (env_strongest)."""
+    return f"{PREFIX}envholders:{short_digest}"
 
 
 def lease(task_id: str) -> str:

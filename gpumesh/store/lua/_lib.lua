@@ -464,12 +464,13 @@ local function meets_all(reqs, res)
 end
 
 -- The registered fleet's size and strength, recounted only after a worker joined or left (the
--- dispatcher must not walk a thousand workers per task). Returns n, score sum, score max, version.
-local function fleet(scores_key, fleet_key)
-  local f = redis.call('HMGET', fleet_key, 'n', 'sum', 'max', 'dirty', 'v')
+-- dispatcher must not walk a thousand workers per task). Returns n, score sum, score max, version, and the
+-- HMGET's reply, whose fields from position 6 on are those of ``more`` (read in the same call).
+local function fleet(scores_key, fleet_key, more)
+  local f = redis.call('HMGET', fleet_key, 'n', 'sum', 'max', 'dirty', 'v', unpack(more or {}))
   local count, total, strongest, dirty, version = tonumber(f[1]), tonumber(f[2]), tonumber(f[3]), f[4], f[5] or '0'
   if count and total and strongest and dirty ~= '1' then  -- else recount (never yet counted, or not numbers)
-    return count, total, strongest, version
+    return count, total, strongest, version, f
   end
   local all = redis.call('ZRANGE', scores_key, 0, -1, 'WITHSCORES')
   local n, sum, max = 0, 0, 0
@@ -480,7 +481,7 @@ local function fleet(scores_key, fleet_key)
     if s > max then max = s end
   end
   redis.call('HSET', fleet_key, 'n', n, 'sum', sum, 'max', max, 'dirty', 0)
-  return n, sum, max, version
+  return n, sum, max, version, f
 end
 
 -- Upper bounds (s) of the task duration histogram; gpumesh/server/metrics.py reads the same list.
@@ -693,16 +694,15 @@ do
     redis.pcall('HSET', PREFIX .. 'task:' .. task_id, 'tier', a.tier)
   end
 
-  -- a: {tier, job_id, job_key, pk: the pending zset the worker took from, limit: its horizon's cost limit
+  -- a: {tier, at: when its window was last refreshed (the fleet hash's 'at:<tier>', read by fleet()), fleet_key,
+  --     job_id, job_key, pk: the pending zset the worker took from, limit: its horizon's cost limit
   --     (nil: a lone worker, lightest first), below: the heaviest cost when a stronger worker is registered
   --     (left to it while lighter tasks are there, as dispatch.lua picks), ms: the time now}
   refresh_window = function(a)
-    local field, tiers_key = 'at:' .. a.tier, PREFIX .. 'tiers'  -- keys.TIERS: when each window was refreshed
-    local at = redis.pcall('HGET', tiers_key, field)
-    if type(at) == 'table' or a.ms - (tonumber(at) or 0) < TIER_REFRESH_MS then
-      return  -- refreshed a moment ago (or the hash is not one: no window)
+    if a.ms - (tonumber(a.at) or 0) < TIER_REFRESH_MS then
+      return  -- refreshed a moment ago
     end
-    redis.call('HSET', tiers_key, field, a.ms)
+    redis.call('HSET', a.fleet_key, 'at:' .. a.tier, a.ms)
     local next = {}
     if a.limit and a.below and tonumber(a.below) <= a.limit then  -- the heaviest cost is the strongest's
       next = redis.call('ZREVRANGEBYSCORE', a.pk, '(' .. a.below, '-inf', 'WITHSCORES', 'LIMIT', 0, 2 * TIER_WINDOW)

@@ -51,7 +51,12 @@ local score = tonumber(ARGV[3])
 local token = ARGV[4]
 local tiers = math.max(1, math.min(tonumber(ARGV[5]) or 3, 100))
 
-local n, sum, max, version = fleet(scores_key, fleet_key)
+-- with the fleet, when each tier's window was last refreshed ('at:<k>', refresh_window)
+local refreshed = {}
+for k = 0, tiers - 1 do
+  refreshed[k + 1] = 'at:' .. k
+end
+local n, sum, max, version, fleet_row = fleet(scores_key, fleet_key, refreshed)
 local my_tier = tier_of(scores_key, worker_id, n, tiers)
 
 -- The same call again (redis-py sends a command again when the link failed before its reply came, though
@@ -392,8 +397,8 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       unpend(taken)
       redis.call('SREM', idle_key, worker_id)
       local ms = now_ms()
-      refresh_window({tier = my_tier, job_id = best_job, job_key = job_key, pk = pk, limit = limit, ms = ms,
-        below = score < max and heaviest and heaviest[2] or nil})
+      refresh_window({tier = my_tier, at = fleet_row[6 + my_tier], fleet_key = fleet_key, job_id = best_job,
+        job_key = job_key, pk = pk, limit = limit, ms = ms, below = score < max and heaviest and heaviest[2] or nil})
       return take({
         task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
         events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
