@@ -56,4 +56,4 @@ echo "run --local exit $? in $(python3 -c "print(round($(date +%s.%N) - $start, 
 python3 -c "import json; print(sorted({r['result']['device'] for r in json.load(open('$OUT/run-local.json'))}))"
 
 echo "== GPU-relevant tests against $(redis-server --version | cut -d' ' -f1-3), torch present"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_torch_example.py tests/test_deploy.py -k "torch or gpus" 2>&1 | tail -8 | tee "$OUT/pytest.txt"
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/sandbox/test_torch_example.py tests/server/test_deploy.py -k "torch or gpus" 2>&1 | tail -8 | tee "$OUT/pytest.txt"

@@ -1,7 +1,7 @@
 """A job's status as plain data, from the fields of its hash: the one definition of what
 ``models.JobStatus`` holds. ``gpumesh.store.jobstatus`` reads it from the broker; the model validates the
 same dict, and ``gpumesh status JOB --json`` prints it without building the model (see
-``gpumesh/cli/status.py``), so the two cannot drift apart (``tests/test_cli_start.py`` compares them on
+``gpumesh/cli/status.py``), so the two cannot drift apart (``tests/cli/test_cli_start.py`` compares them on
 jobs in every state).
 """
 

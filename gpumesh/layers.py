@@ -20,7 +20,7 @@ ENV_PREFIX = "GPUMESH_"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_LEASE_TTL = 30.0  # s; also how long a worker counts as live after its last heartbeat
 DEFAULT_HEARTBEAT_INTERVAL = 5.0  # s
-# Every setting's name, as Settings names its fields (tests/test_cli_start.py checks they agree): the
+# Every setting's name, as Settings names its fields (tests/cli/test_cli_start.py checks they agree): the
 # config file's keys a command that reads some settings here may meet.
 NAMES = (
     "url", "lease_ttl", "heartbeat_interval", "tiers", "cache_dir", "log_max_bytes", "result_max_bytes",

@@ -65,7 +65,7 @@ def quit(driver: Any) -> None:
     """Quit the browser, and reap what it leaves behind. Chromium's helper processes outlive chromedriver,
     and once an in-process worker (conftest's MeshWorkers) has made this test process a subreaper, as every
     gpumesh worker is, they come back to it when orphaned: the zombies they become would be children
-    that later tests trip over (tests/test_spares.py lists this process's children)."""
+    that later tests trip over (tests/sandbox/test_spares.py lists this process's children)."""
     driver.quit()
     deadline = time.monotonic() + 10
     while True:

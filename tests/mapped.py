@@ -63,7 +63,7 @@ if __name__ == "__main__":
 
 
 def add_tiny(payload):
-    """Imports a package only the job's environment has (tests/test_envs.py: dependencies=["gmtiny"])."""
+    """Imports a package only the job's environment has (tests/envs/test_envs.py: dependencies=["gmtiny"])."""
     import gmtiny
 
     return gmtiny.VALUE + payload["x"]

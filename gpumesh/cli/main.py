@@ -16,7 +16,7 @@ from gpumesh.cli.group import Group
 
 # Every command: the module that defines it, and the line `gpumesh --help` shows for it. A command's module
 # is imported only when that command runs or shows its own help, so `gpumesh --help` loads no redis, rich
-# or pydantic (tests/test_cli_start.py checks both: the modules, and that these lines are the commands' own).
+# or pydantic (tests/cli/test_cli_start.py checks both: the modules, and that these lines are the commands' own).
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("gpumesh.cli.jobs", "Submit SCRIPT with one task per payload; print the job id."),
     "status": ("gpumesh.cli.status", "Show a job's status and task counts, and which queued tasks no live worker may run."),

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 # rich is imported where something is drawn, not with this module: `status --json` and every other
-# machine-readable command never load it (tests/test_cli_start.py counts).
+# machine-readable command never load it (tests/cli/test_cli_start.py counts).
 
 # Every C0 control but tab and newline, DEL, and every C1 control (U+0080-U+009F: 0x9B is a CSI of its own on some
 # terminals), shown as the escape Python would write: a string a task, worker or submitter stored never moves the

@@ -12,7 +12,7 @@ allowed, key by key, whatever gpumesh's functions do on its behalf. What the rul
   ``*STORE``...) except on the few families their flow deletes or replaces (leases, wake lists, the idle
   set, their registration, staged output files, RQ's keys); a job's spent set takes ``SADD`` only.
 
-SECURITY.md ("What each credential can do") lists, command by command, what each role may do; tests/test_worker_credential.py
+SECURITY.md ("What each credential can do") lists, command by command, what each role may do; tests/server/test_worker_credential.py
 runs that table against a real broker.
 
 Every key pattern here is made from store/keys.py (a family's function called with ``"*"``), so the rules

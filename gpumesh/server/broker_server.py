@@ -318,7 +318,7 @@ def _die_with_parent() -> Callable[[], None] | None:
 # The append-only file's fsync policy. ``always`` (the default): Redis writes and fsyncs each write before it
 # replies, so a transition a worker was told succeeded (a lease, a completion, a failure) survives a crash of
 # Redis or of its machine, and no completed task runs again (an outage past the lease TTL still
-# re-leases the running ones: tests/test_broker_crash.py). ``everysec``: fsync once a second; a machine
+# re-leases the running ones: tests/store/test_broker_crash.py). ``everysec``: fsync once a second; a machine
 # crash (and a Redis crash while a slow disk holds writes back) may lose the last second or two of them, and
 # a task whose completion is lost runs again. Measured here: ~7 ms more per no-op task, nothing on tasks of
 # seconds (benchmarks/durability.py).

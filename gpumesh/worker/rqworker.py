@@ -8,7 +8,7 @@ it. gpumesh keeps its own state and lease per task: here each of those reaches R
 second, or in the transaction that follows. A run's start and the last run's success then wait, in one
 transaction, until the next attempt runs, and go in the round trip it overlaps (send_records).
 rq-dashboard and ``rq info`` see the same workers, states, queues and running deliveries, a few milliseconds
-later (tests/test_dashboard_view.py compares a recorded success key by key with RQ's). A delivery's own RQ
+later (tests/dashboard/test_dashboard_view.py compares a recorded success key by key with RQ's). A delivery's own RQ
 records go as its run ends: gpumesh keeps the outcome, and a finished delivery kept for RQ's result TTL would
 cost the broker about 6.8 KB each while a big job runs.
 """

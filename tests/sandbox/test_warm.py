@@ -1,0 +1,283 @@
+"""What only the warm executor can get wrong: state shared through the zygote, its own death, preloads.
+
+The behaviour both executors share (limits, kills, output, the mesh) is tested in both modes by
+test_sandbox.py, test_mesh.py and test_faults.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote, ZygoteError
+
+from ..conftest import OPEN_FDS_SCRIPT, gpumesh, pid_alive, wait_until
+
+
+def zygote_children(zygote) -> tuple[int, int]:
+    """(idle, busy) supervisors among a zygote's children (a psutil.Process): a busy one has a child, the
+    process running its attempt's script."""
+    idle = busy = 0
+    for child in zygote.children():
+        try:
+            running = bool(child.children())
+        except psutil.NoSuchProcess:  # reaped meanwhile
+            continue
+        busy += running
+        idle += not running
+    return idle, busy
+
+
+def run(zygote: Zygote, source: str, **limits):
+    lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
+    return sandbox.run(textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, zygote)
+
+
+@pytest.mark.security
+def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Path):
+    z = Zygote(["json", "decimal"])
+    z.start()
+    try:
+        src = """
+            import json, os, random, sys
+            seen = "leaked_by_an_earlier_task" in sys.modules
+            sys.modules["leaked_by_an_earlier_task"] = sys
+            print(json.dumps({"seen": seen, "preloaded": "decimal" in sys.modules,
+                              "rand": random.random(), "pid": os.getpid(), "tmp": os.environ["TMPDIR"],
+                              "tempdir": __import__("tempfile").gettempdir()}))
+        """
+        first, second = (json.loads(run(z, src).last_line) for _ in range(2))
+    finally:
+        z.close()
+    assert not first["seen"] and not second["seen"], "a task must not see what an earlier one imported"
+    assert first["preloaded"] and second["preloaded"], "--preload modules are already imported"
+    assert first["rand"] != second["rand"], "each task gets its own random seed"
+    assert first["pid"] != second["pid"]
+    assert first["tempdir"] == first["tmp"] and second["tempdir"] == second["tmp"] != first["tmp"]
+
+
+@pytest.mark.security
+def test_the_zygote_holds_no_credentials(monkeypatch):
+    monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
+    monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
+    z = Zygote()
+    z.start()
+    try:
+        assert z.proc is not None
+        environ = Path(f"/proc/{z.proc.pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{z.proc.pid}/cmdline").read_bytes()
+    finally:
+        z.close()
+    assert b"hunter2" not in environ and b"GPUMESH_URL" not in environ
+    assert b"hunter2" not in cmdline
+
+
+@pytest.mark.faults
+def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path):
+    pidfile = tmp_path / "pid"
+    z = Zygote()
+    z.start()
+    try:
+        result: list[sandbox.Attempt] = []
+        src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)"
+        t = threading.Thread(target=lambda: result.append(run(z, src)))
+        t.start()
+        wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the task to start")
+        task = int(pidfile.read_text())
+        assert z.proc is not None
+        os.kill(z.proc.pid, signal.SIGKILL)
+        t.join(timeout=15)
+        assert not t.is_alive()
+        assert result[0].killed == ZYGOTE_LOST
+        wait_until(lambda: not pid_alive(task), timeout=8, what="the task to die with its zygote")
+        again = run(z, "print('{\"ok\": 1}')")
+        assert again.returncode == 0 and again.last_line == '{"ok": 1}'
+        assert z.started == 2
+    finally:
+        z.close()
+
+
+@pytest.mark.security
+def test_a_supervisor_that_died_while_waiting_is_replaced_by_one_that_holds_nothing_of_the_attempt():
+    """The zygote forks its supervisors ahead; those killed while they wait (the OOM killer, an operator) are
+    replaced when the attempt comes, by a fork that must not keep the attempt's reply socket (on which a task
+    could tell the worker its own outcome) or a second copy of its stdio."""
+    z = Zygote()
+    z.start()
+    try:
+        assert run(z, "print('{}')").returncode == 0
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        wait_until(lambda: zygote_children(zygote)[1] == 0 and zygote.children(), what="only idle supervisors left")
+        for idle in zygote.children():
+            idle.kill()
+        wait_until(lambda: not zygote.children(), what="the zygote to reap them")
+        out = run(z, OPEN_FDS_SCRIPT)
+    finally:
+        z.close()
+    assert out.returncode == 0, list(out.stderr_tail)
+    assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
+
+
+@pytest.mark.security
+def test_the_zygote_rides_out_its_supervisors_killed_at_any_moment():
+    """Supervisors SIGKILLed at random moments, waiting or running an attempt (the OOM killer, an operator): each
+    attempt runs to its end or ends killed with its supervisor, none is taken for the zygote's death, and the zygote
+    itself is never restarted."""
+    import random
+
+    z = Zygote()
+    z.start()
+    done = threading.Event()
+    kills = 0
+    killed: list[int] = []
+
+    def kill_one_now_and_then() -> None:
+        nonlocal kills
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        while not done.is_set():
+            time.sleep(random.uniform(0.001, 0.02))
+            try:
+                children = zygote.children()
+            except psutil.Error:
+                continue
+            for child in random.sample(children, random.randint(0, len(children))):  # one, several or all at once
+                try:
+                    child.kill()
+                    kills += 1
+                    killed.append(child.pid)
+                except psutil.Error:
+                    pass
+
+    killer = threading.Thread(target=kill_one_now_and_then)
+    killer.start()
+    try:
+        outcomes = [run(z, "print('{\"ok\": 1}')") for _ in range(150)]
+    finally:
+        done.set()
+        killer.join()
+    wait_until(lambda: not any(pid_alive(pid) for pid in killed), what="the last one killed to be gone")
+    try:
+        after = run(z, "print('{\"ok\": 1}')")
+    finally:
+        z.close()
+    assert kills >= 20, f"only {kills} supervisors were killed: the test did not test much"
+    for out in outcomes:
+        assert (out.returncode, out.killed) in ((0, None), (-signal.SIGKILL, None)), out.describe_exit()
+        assert out.returncode != 0 or out.last_line == '{"ok": 1}'
+    assert any(out.returncode == 0 for out in outcomes)
+    assert z.started == 1, "the zygote died"
+    assert after.returncode == 0 and after.last_line == '{"ok": 1}'
+
+
+@pytest.mark.core
+def test_supervisors_serve_attempt_after_attempt_and_one_is_ready_while_a_long_attempt_runs(tmp_path: Path):
+    """No process but the script's is forked between two attempts: a supervisor serves attempt after attempt
+    (a fork of a zygote that imported torch takes tens of ms), and while one runs an attempt the zygote keeps a
+    second one ready for the next attempt, prepared for it (its cgroup joined, its rules built). A long attempt's
+    successor runs in that one."""
+    pidfile = tmp_path / "pid"
+    src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\ntime.sleep(1.5)\nprint('{{}}')"
+    short = src.replace("time.sleep(1.5)", "")
+    z = Zygote()
+    z.start()
+    try:
+        assert z.proc is not None
+        zygote = psutil.Process(z.proc.pid)
+        supervisors = []
+        for _ in range(6):
+            assert run(z, short).returncode == 0
+            supervisors.append(int(pidfile.read_text()))
+        assert len(set(supervisors)) <= 2, f"a supervisor forked for each attempt: {supervisors}"
+        pidfile.unlink()
+        t = threading.Thread(target=run, args=(z, src))
+        t.start()
+        try:
+            wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the long attempt to start")
+            wait_until(lambda: zygote_children(zygote) == (1, 1), timeout=1, what="one ready while the attempt runs")
+            (ready,) = (c for c in zygote.children() if not c.children())
+        finally:
+            t.join(timeout=15)
+        pidfile.unlink()
+        assert run(z, short).returncode == 0
+        assert int(pidfile.read_text()) == ready.pid, "the attempt ran in the supervisor made ready for it"
+    finally:
+        z.close()
+
+
+@pytest.mark.processes
+def test_bad_preload_is_a_one_line_startup_error_and_joins_nothing(env, r: redis.Redis):
+    p = gpumesh("worker", "--score", "5", "--warm", "--preload", "json,no_such_module_xyz", env=env)
+    assert p.returncode == 2
+    assert (
+        p.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --preload no_such_module_xyz: ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    )
+    assert r.zcard("gpumesh:workers") == 0 and r.zcard("gpumesh:scores") == 0
+
+    p = gpumesh("worker", "--score", "5", "--fresh", "--preload", "json", env=env)
+    assert p.returncode == 2 and "--preload needs the warm executor" in p.stderr
+
+
+@pytest.mark.security
+def test_modules_the_zygote_imported_are_reseeded_for_each_task(tmp_path: Path):
+    # random and numpy imported by the zygote itself (not by each task): only a reseed after the fork gives
+    # two tasks different numbers; tempfile imported there must still pick each task's own TMPDIR
+    np = pytest.importorskip("numpy", reason="numpy is a test dependency")
+    assert np is not None
+    z = Zygote(["random", "tempfile", "numpy"])
+    z.start()
+    try:
+        src = """
+            import json, os, random, sys, tempfile
+            import numpy
+            assert "random" in sys.modules and "numpy" in sys.modules
+            print(json.dumps({"rand": random.random(), "np": float(numpy.random.random()),
+                              "tempdir": tempfile.gettempdir(), "tmp": os.environ["TMPDIR"]}))
+        """
+        first, second = (json.loads(run(z, src).last_line) for _ in range(2))
+    finally:
+        z.close()
+    assert first["rand"] != second["rand"] and first["np"] != second["np"], "each task gets its own seed"
+    assert first["tempdir"] == first["tmp"] and second["tempdir"] == second["tmp"] != first["tmp"]
+
+
+@pytest.mark.security
+def test_a_preload_that_initialises_cuda_is_refused_before_any_task(tmp_path: Path):
+    # CUDA does not survive fork: a zygote whose preload initialised it would break every task. A stand-in
+    # torch whose CUDA says it is initialised shows the refusal without a GPU.
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("class cuda:\n    is_initialized = staticmethod(lambda: True)\n")
+    z = Zygote(["torch"], env={"PYTHONPATH": str(tmp_path)})
+    with pytest.raises(ZygoteError, match="initialised CUDA"):
+        z.start()
+    z.close()
+
+
+@pytest.mark.security
+def test_what_the_zygote_preloaded_does_not_count_against_each_task_s_memory_cap(tmp_path: Path):
+    # A preload of 120 MB is shared by the zygote, each attempt's supervisor and its script: counted once
+    # (by PSS), it leaves a 200 MB cap room for a small task, and a task that allocates past the cap is
+    # still killed for it.
+    (tmp_path / "ballast.py").write_text("B = bytearray(120 << 20)\nfor i in range(0, len(B), 4096):\n    B[i] = 1\n")
+    z = Zygote(["ballast"], env={"PYTHONPATH": str(tmp_path)})
+    z.start()
+    try:
+        small = run(z, "import time\ntime.sleep(1.5)\nprint('{}')\n", memory_bytes=200 << 20)
+        big = run(z, "b = bytearray(300 << 20)\nimport time\ntime.sleep(5)\nprint('{}')\n", memory_bytes=200 << 20)
+    finally:
+        z.close()
+    assert small.killed is None and small.returncode == 0, small.describe_exit()
+    assert big.killed == "memory", big.describe_exit()
