@@ -169,3 +169,30 @@ def test_only_store_keys_spells_a_redis_key() -> None:
     from gpumesh.store import keys, scripts
 
     assert f"local PREFIX = '{keys.PREFIX}'" in scripts.library()[1]
+
+
+REDIS_DATA = (
+    "get|set|mget|hget|hgetall|hset|hsetnx|hmget|hdel|hincrby|hexists|zadd|zrem|zrange|zrevrange|zrangebyscore|"
+    "zscore|zcard|zcount|sadd|srem|smembers|sismember|scard|lpush|rpush|lpop|rpop|lrange|llen|lrem|lmove|xadd|"
+    "xrange|xrevrange|xread|xlen|delete|unlink|expire|pexpire|exists|scan_iter|incr|incrby|fcall|fcall_ro"
+)
+
+
+def test_outside_store_no_code_reads_or_writes_redis_itself() -> None:
+    # gpumesh's data is read and written by store methods only, so the layout changes in one layer: no
+    # module elsewhere sends a data command on a Redis client or pipeline. The one exception is RQ's own
+    # records (its queues, registries and worker key), which the RQ worker subclass keeps through RQ's
+    # connection, as RQ's Worker does.
+    command = re.compile(
+        rf"(?:\.r|\.rq|\bclient|\bredis_client|\badmin|\.connection)\.(?:{REDIS_DATA})\("
+        rf"|\bp\.(?!unlink|exists)(?:{REDIS_DATA})\("  # a pipeline (a Path's unlink and exists are not Redis)
+    )
+    rq_records = {PACKAGE / "worker" / "worker.py", PACKAGE / "worker" / "rqworker.py"}
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "store" and path not in rq_records
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if command.search(line)
+    ]
+    assert found == []
