@@ -59,11 +59,18 @@ end
 local n, sum, max, version, fleet_row = fleet(scores_key, fleet_key, refreshed)
 local my_tier = tier_of(scores_key, worker_id, n, tiers)
 
+-- The worker's fields in one read: the task it holds, its resources, and the envs its machine holds and
+-- failed to build (env_state).
+local wf = redis.pcall('HMGET', worker_key, 'current_task', 'resources', 'envs', 'env_failed')
+if type(wf) ~= 'table' or wf.err then
+  wf = {}  -- not a hash
+end
+local held = wf[1]
+
 -- The same call again (redis-py sends a command again when the link failed before its reply came, though
 -- this script may have run): the task this worker holds under this very token, made for this call, is the
 -- answer again, not a second task left leased to a worker that never heard of it.
 do
-  local held = redis.pcall('HGET', worker_key, 'current_task')
   if type(held) == 'string' and held ~= '' then
     local t = redis.pcall('HMGET', PREFIX .. 'task:' .. held, 'status', 'lease', 'worker', 'attempts', 'index',
       'payload', 'sig')
@@ -86,26 +93,19 @@ end
 -- or fails it, so this is where that task leaves its `current_task` (what `workers` and the dashboard show).
 local function go_idle()
   redis.call('SADD', idle_key, worker_id)
-  local current = redis.pcall('HGET', worker_key, 'current_task')  -- pcall: not a hash must not stop dispatch
-  if type(current) == 'string' and current ~= '' then
-    redis.pcall('HSET', worker_key, 'current_task', '')
+  if type(held) == 'string' and held ~= '' then  -- as read above: nothing in this call wrote it since
+    redis.pcall('HSET', worker_key, 'current_task', '')  -- pcall: not a hash must not stop dispatch
   end
   return {0, 'idle', 'fleet_version', version}
 end
 -- A job it may run once it holds the job's env: it prepares the env (not idle), then asks again.
 local function go_prepare(env, job_id)
-  local current = redis.pcall('HGET', worker_key, 'current_task')
-  if type(current) == 'string' and current ~= '' then
+  if type(held) == 'string' and held ~= '' then
     redis.pcall('HSET', worker_key, 'current_task', '')
   end
   return {0, 'prepare', 'fleet_version', version, 'env', env, 'job', job_id}
 end
--- its resources, and the envs its machine holds and failed to build (env_state)
-local wf = redis.pcall('HMGET', worker_key, 'resources', 'envs', 'env_failed')
-if type(wf) ~= 'table' or wf.err then
-  wf = {}  -- not a hash
-end
-local raw = wf[1]
+local raw = wf[2]
 if type(raw) ~= 'string' then
   raw = nil  -- none, or not a hash
 end
@@ -300,7 +300,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
           ok = lender_accepts(resources, job[JOB_AT.timeout], job[JOB_AT.submitter])
         end
         if ok then
-          local env = env_state(wf[2], wf[3], job[JOB_AT.env], job[JOB_AT.env_dead])
+          local env = env_state(wf[3], wf[4], job[JOB_AT.env], job[JOB_AT.env_dead])
           if env == 'prepare' and not prepare then
             prepare, prepare_prio = {job[JOB_AT.env], job_id}, prio
           end
