@@ -440,6 +440,22 @@ def test_rq_suspension_written_by_a_worker_credential_pauses_no_worker(mesh: Mes
     assert "suspended" not in w.stderr
 
 
+def test_tier_window_rq_jobs_a_worker_credential_plants_strand_no_task(mesh: Mesh, tmp_path: Path):
+    """A string planted where a tier's window writes a waiting task's RQ job: dispatch took the task out of its
+    pending set, then failed writing the entry, and the task stayed queued for ever (its job never ended)."""
+    admin, attacker = mesh.client("admin"), mesh.client("worker")
+    (tmp_path / "echo.py").write_text(ECHO_SCRIPT)
+    (tmp_path / "three.json").write_text(json.dumps([{"i": i} for i in range(3)]))
+    job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+    for i in range(3):
+        assert attacker.set("rq:job:" + keys.rq_waiting_id(keys.task_id(job, i)), "x")
+    w = mesh.run_burst()
+    assert w.returncode == 0, w.stderr
+    assert "WRONGTYPE" not in w.stderr
+    assert mesh.status(job)["status"] == "done"
+    assert admin.hget(keys.job(job), "done") == "3"
+
+
 def test_kept_output_files_cannot_be_renamed_away_and_deleted(mesh: Mesh, tmp_path: Path):
     admin, attacker = mesh.client("admin"), mesh.client("worker")
     (tmp_path / "files.py").write_text(FILES_SCRIPT)

@@ -682,6 +682,7 @@ do
     local key = 'rq:job:' .. id
     local label = a.name ~= '' and ('job "' .. a.name .. '" (' .. a.job_id .. ')') or ('job ' .. a.job_id)
     local when = rq_time(a.ms)
+    redis.call('DEL', key)  -- whatever a credential wrote under this id (a string would fail HSET, stranding the task)
     redis.call('HSET', key, 'data', cjson.encode({EXECUTOR, cjson.null, {task_id}, {}}), 'created_at', when,
       'enqueued_at', when, 'origin', 'gpumesh-tier-' .. a.tier, 'status', 'queued', 'ttl', TIER_ENTRY_TTL,
       'description', 'task ' .. index .. ' of ' .. label .. ': placed for tier ' .. a.tier .. ', cost ' ..
