@@ -456,6 +456,17 @@ def test_tier_window_rq_jobs_a_worker_credential_plants_strand_no_task(mesh: Mes
     assert admin.hget(keys.job(job), "done") == "3"
 
 
+def test_envs_a_worker_holds_reach_their_holders_set_under_serve_s_rules(mesh: Mesh):
+    """Dispatch leaves a job's heaviest task to the strongest worker holding its env: env_held records the
+    holders, which a worker credential must be allowed to write (it was refused, silently)."""
+    admin, worker = mesh.client("admin"), mesh.client("worker")
+    b = Broker(Settings.load(url=mesh.urls["worker"]))
+    worker.hset(keys.worker("holder"), mapping={"score": "3"})
+    digest = "ab" * 32
+    assert scripts.env_held(b.scripts, b.r, "holder", [digest], [], 60_000)
+    assert admin.zscore(keys.env_holders(digest[:16]), "holder") == 3.0
+
+
 def test_kept_output_files_cannot_be_renamed_away_and_deleted(mesh: Mesh, tmp_path: Path):
     admin, attacker = mesh.client("admin"), mesh.client("worker")
     (tmp_path / "files.py").write_text(FILES_SCRIPT)

@@ -122,6 +122,12 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}worker:{worker_id}"
 
 
+def env_holders(short: str) -> str:
+    """Zset: the workers whose machines hold env ``short`` (a lock digest cut to 16 characters) ready, by score
+    (lua/_lib.lua's env_holders builds the same name; env_held.lua writes it, dispatch reads it)."""
+    return f"{PREFIX}envholders:{short}"
+
+
 def lease(task_id: str) -> str:
     return f"{PREFIX}lease:{task_id}"
 
