@@ -456,6 +456,23 @@ def test_tier_window_rq_jobs_a_worker_credential_plants_strand_no_task(mesh: Mes
     assert admin.hget(keys.job(job), "done") == "3"
 
 
+def test_tier_queues_a_worker_credential_turns_into_strings_stop_no_tier(mesh: Mesh, tmp_path: Path):
+    """Every worker of a tier delivers through the tier's RQ queue: a string SET there (or on its intermediate
+    list, or on a delivery's predictable RQ job id) failed each delivery, and the whole tier ran nothing."""
+    admin, attacker = mesh.client("admin"), mesh.client("worker")
+    (tmp_path / "echo.py").write_text(ECHO_SCRIPT)
+    (tmp_path / "three.json").write_text(json.dumps([{"i": i} for i in range(3)]))
+    job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+    for tier in range(3):
+        assert attacker.set("rq:queue:" + keys.tier_queue(tier), "x")
+        assert attacker.set("rq:queue:" + keys.tier_queue(tier) + ":intermediate", "x")
+    assert attacker.set("rq:job:" + keys.rq_job_id(keys.task_id(job, 1), 1), "x")
+    w = mesh.run_burst()
+    assert w.returncode == 0, w.stderr
+    assert mesh.status(job)["status"] == "done"
+    assert admin.hget(keys.job(job), "done") == "3"
+
+
 def test_envs_a_worker_holds_reach_their_holders_set_under_serve_s_rules(mesh: Mesh):
     """Dispatch leaves a job's heaviest task to the strongest worker holding its env: env_held records the
     holders, which a worker credential must be allowed to write (it was refused, silently)."""
