@@ -136,6 +136,18 @@ def test_tasks_a_previous_protocol_worker_takes_leave_the_window_at_the_next_rea
 
 
 @pytest.mark.core
+def test_a_refresh_time_ahead_of_now_does_not_freeze_a_tier_s_window(broker: Broker, r: redis.Redis):
+    """Any worker credential writes the windows' refresh times (keys.TIERS): one far ahead of the broker's clock
+    kept the window from ever being refreshed again."""
+    broker.submit("print(1)", "t.py", [{"i": i} for i in range(5)], JobOptions())
+    register(r, "a", 2.0)
+    r.hset(keys.TIERS, "at:2", str(10**15))
+    first = take(broker, r, "a", 2.0)
+    assert isinstance(first, scripts.Lease) and first.tier == 2
+    assert len(waiting(r, 2)) == 4
+
+
+@pytest.mark.core
 def test_a_task_only_another_worker_may_run_never_holds_up_a_worker_of_its_tier(broker: Broker, r: redis.Redis):
     """A requirements task placed for the tier waits in its queue; a worker of the same tier that does not
     meet it takes other work at once: workers are never given the head of a tier queue, only what the

@@ -700,8 +700,9 @@ do
   refresh_window = function(a)
     local field, tiers_key = 'at:' .. a.tier, PREFIX .. 'tiers'  -- keys.TIERS: when each window was refreshed
     local at = redis.pcall('HGET', tiers_key, field)
-    if type(at) == 'table' or a.ms - (tonumber(at) or 0) < TIER_REFRESH_MS then
-      return  -- refreshed a moment ago (or the hash is not one: no window)
+    local since = type(at) == 'string' and a.ms - (tonumber(at) or 0) or TIER_REFRESH_MS
+    if type(at) == 'table' or (since >= 0 and since < TIER_REFRESH_MS) then
+      return  -- refreshed a moment ago (or the hash is not one: no window; a time ahead of now is no refresh)
     end
     redis.call('HSET', tiers_key, field, a.ms)
     local next = {}
