@@ -40,7 +40,7 @@ _DESTROYERS = [
 
 # Key families a worker writes (its functions' writes included): tasks (hash, log stream, output files),
 # leases, its job's counters, pending sets and streams of ends, worker registrations and the fleet,
-# placement and wake-up state, events and statistics, the reaper's lock.
+# placement and wake-up state (the holders of each env too), events and statistics, the reaper's lock.
 _WORKER_WRITES = [
     keys.task("*"),
     keys.lease("*"),

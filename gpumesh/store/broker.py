@@ -233,21 +233,45 @@ class Broker:
             meta=meta,
             at_front=take,
         )
-        with self.rq.pipeline() as p:
-            # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
-            # have run it: what a first run pushed and popped of this delivery goes first, so it is never
-            # listed twice (a stray id in the intermediate list is one RQ's maintenance would later fail as
-            # stuck). Not covered: a stale job that sat at the head of the queue, which the first run popped
-            # and the second run's reply does not name (it stays in the intermediate list until RQ's clean-up).
-            p.lrem(queue.key, 0, job_id)
-            if take:
-                p.lrem(queue.intermediate_queue_key, 0, job_id)
-            job = queue.enqueue_many([data], pipeline=p)[0]
-            if take:
-                p.lmove(queue.key, queue.intermediate_queue_key)
-            replies = p.execute()
-        head = replies[-1] if take else None
-        return job, head.decode() if isinstance(head, bytes) else head
+        for repair in (True, False):
+            with self.rq.pipeline() as p:
+                # redis-py sends a transaction again when the link fails before its reply comes, though Redis may
+                # have run it: what a first run pushed and popped of this delivery goes first, so it is never
+                # listed twice (a stray id in the intermediate list is one RQ's maintenance would later fail as
+                # stuck). Not covered: a stale job that sat at the head of the queue, which the first run popped
+                # and the second run's reply does not name (it stays in the intermediate list until RQ's
+                # clean-up).
+                p.lrem(queue.key, 0, job_id)
+                if take:
+                    p.lrem(queue.intermediate_queue_key, 0, job_id)
+                job = queue.enqueue_many([data], pipeline=p)[0]
+                if take:
+                    p.lmove(queue.key, queue.intermediate_queue_key)
+                try:
+                    replies = p.execute()
+                except redis.ResponseError as exc:
+                    # A tier's queue is every worker's of the tier, and any credential may write RQ's keys: one
+                    # that is not what RQ keeps there (a string SET on the queue) would stop the whole tier.
+                    if not repair or "WRONGTYPE" not in str(exc) or not self._clear_wrong_types(queue, job_id):
+                        raise
+                    continue
+            head = replies[-1] if take else None
+            return job, head.decode() if isinstance(head, bytes) else head
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    def _clear_wrong_types(self, queue: Queue, job_id: str) -> bool:
+        """Delete what a delivery writes that holds another type than RQ keeps there (the queue and its
+        intermediate list, the delivery's job hash): whether there was any."""
+        expected = {queue.key: "list", queue.intermediate_queue_key: "list", queue.job_class.key_for(job_id): "hash"}
+        with self.rq.pipeline(transaction=False) as p:
+            for key in expected:
+                p.type(key)
+            found = [t.decode() if isinstance(t, bytes) else str(t) for t in p.execute()]
+        wrong = [key for (key, want), got in zip(expected.items(), found) if got not in (want, "none")]
+        if wrong:
+            log.warning("deleted %s: not the type RQ keeps there", ", ".join(wrong))
+            self.rq.delete(*wrong)
+        return bool(wrong)
 
     def _job_label(self, job_id: str) -> tuple[str, tuple[requirements.Requirement, ...]]:
         """A job's name and its job-wide requirements (``submit --require``): one read per job, then kept

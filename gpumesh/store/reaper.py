@@ -53,6 +53,7 @@ def reap_once(
     * leases that lapsed send their tasks back to queued (or failed at max attempts), pending again;
     * workers that stopped heartbeating leave the live sets (the dispatcher's fleet, the idle set,
       RQ's queue registry), so placement stops counting them;
+    * the tiers' windows list no task that is queued no more (one a worker of the previous protocol took);
     * finished jobs older than the retention (``GPUMESH_JOB_RETENTION``) are deleted with their tasks
       and logs, so a busy mesh does not fill a ``noeviction`` Redis; so are the staged tasks of a large
       submit whose submitter died before making its job visible. Each step of a deletion holds Redis about
@@ -88,6 +89,7 @@ def reap_once(
             p.hincrby(keys.FLEET, "v", 1)
             p.execute()
         report["workers_dropped"] = len(dead)
+    report["window_entries_dropped"] = _drop_stale_window_entries(b)
     try:
         budget = b.settings.heartbeat_interval / 2 if prune_budget is None else prune_budget
         deadline = time.monotonic() + budget
@@ -142,6 +144,40 @@ def _drop_rq_records(b: Broker, dead: list[str]) -> None:
         if left:
             b.rq.zadd(started.key, left, xx=True)
             started.cleanup()
+
+
+def _drop_stale_window_entries(b: Broker, most: int = 100) -> int:
+    """The entries of the tiers' windows (lua/_lib.lua's refresh_window) whose task is queued no more: a worker
+    of the previous protocol takes a task without taking it out of the window it waits in, and a window is
+    refreshed only as a worker of its tier takes work, so a finished job's tasks stayed listed in rq-dashboard
+    (and counted by `gpumesh workers`) for good. Returns how many went."""
+    queues = ["rq:queue:" + keys.tier_queue(tier) for tier in range(b.settings.tiers)]
+    with b.r.pipeline(transaction=False) as p:
+        for q in queues:
+            p.lrange(q, 0, most - 1)
+        listed = p.execute(raise_on_error=False)
+    entries = [
+        (q, e, e.removesuffix("_waiting"))
+        for q, got in zip(queues, listed)
+        if isinstance(got, list)  # not a list (any credential may write RQ's keys): its window is dispatch's
+        for e in got
+        if e.endswith("_waiting")
+    ]
+    if not entries:
+        return 0
+    with b.r.pipeline(transaction=False) as p:
+        for _, _, task_id in entries:
+            p.hget(keys.task(task_id), "status")
+        statuses = p.execute(raise_on_error=False)
+    stale = [(q, e, t) for (q, e, t), status in zip(entries, statuses) if status != "queued"]
+    if stale:
+        with b.r.pipeline(transaction=False) as p:
+            for q, e, task_id in stale:
+                p.lrem(q, 0, e)
+                p.delete("rq:job:" + e)
+                p.hdel(keys.task(task_id), "tier")
+            p.execute(raise_on_error=False)
+    return len(stale)
 
 
 def _prune(b: Broker, now_ms: int, deadline: float, batch: int = 50) -> int:

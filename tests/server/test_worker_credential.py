@@ -440,6 +440,50 @@ def test_rq_suspension_written_by_a_worker_credential_pauses_no_worker(mesh: Mes
     assert "suspended" not in w.stderr
 
 
+def test_tier_window_rq_jobs_a_worker_credential_plants_strand_no_task(mesh: Mesh, tmp_path: Path):
+    """A string planted where a tier's window writes a waiting task's RQ job: dispatch took the task out of its
+    pending set, then failed writing the entry, and the task stayed queued for ever (its job never ended)."""
+    admin, attacker = mesh.client("admin"), mesh.client("worker")
+    (tmp_path / "echo.py").write_text(ECHO_SCRIPT)
+    (tmp_path / "three.json").write_text(json.dumps([{"i": i} for i in range(3)]))
+    job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+    for i in range(3):
+        assert attacker.set("rq:job:" + keys.rq_waiting_id(keys.task_id(job, i)), "x")
+    w = mesh.run_burst()
+    assert w.returncode == 0, w.stderr
+    assert "WRONGTYPE" not in w.stderr
+    assert mesh.status(job)["status"] == "done"
+    assert admin.hget(keys.job(job), "done") == "3"
+
+
+def test_tier_queues_a_worker_credential_turns_into_strings_stop_no_tier(mesh: Mesh, tmp_path: Path):
+    """Every worker of a tier delivers through the tier's RQ queue: a string SET there (or on its intermediate
+    list, or on a delivery's predictable RQ job id) failed each delivery, and the whole tier ran nothing."""
+    admin, attacker = mesh.client("admin"), mesh.client("worker")
+    (tmp_path / "echo.py").write_text(ECHO_SCRIPT)
+    (tmp_path / "three.json").write_text(json.dumps([{"i": i} for i in range(3)]))
+    job = mesh.submit(str(tmp_path / "echo.py"), str(tmp_path / "three.json"))
+    for tier in range(3):
+        assert attacker.set("rq:queue:" + keys.tier_queue(tier), "x")
+        assert attacker.set("rq:queue:" + keys.tier_queue(tier) + ":intermediate", "x")
+    assert attacker.set("rq:job:" + keys.rq_job_id(keys.task_id(job, 1), 1), "x")
+    w = mesh.run_burst()
+    assert w.returncode == 0, w.stderr
+    assert mesh.status(job)["status"] == "done"
+    assert admin.hget(keys.job(job), "done") == "3"
+
+
+def test_envs_a_worker_holds_reach_their_holders_set_under_serve_s_rules(mesh: Mesh):
+    """Dispatch leaves a job's heaviest task to the strongest worker holding its env: env_held records the
+    holders, which a worker credential must be allowed to write (it was refused, silently)."""
+    admin, worker = mesh.client("admin"), mesh.client("worker")
+    b = Broker(Settings.load(url=mesh.urls["worker"]))
+    worker.hset(keys.worker("holder"), mapping={"score": "3"})
+    digest = "ab" * 32
+    assert scripts.env_held(b.scripts, b.r, "holder", [digest], [], 60_000)
+    assert admin.zscore(keys.env_holders(digest[:16]), "holder") == 3.0
+
+
 def test_kept_output_files_cannot_be_renamed_away_and_deleted(mesh: Mesh, tmp_path: Path):
     admin, attacker = mesh.client("admin"), mesh.client("worker")
     (tmp_path / "files.py").write_text(FILES_SCRIPT)

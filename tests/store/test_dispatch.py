@@ -362,7 +362,7 @@ def test_a_next_task_started_ahead_of_its_delivery_is_killed_and_handed_back_whe
     env, workers: Workers, r: redis.Redis, tmp_path: Path
 ):
     """The task leased with a completion starts at once, before RQ's delivery of it is written: a delivery that
-    then fails (here: what a credential wrote where RQ keeps the worker's queue) kills that attempt with its
+    then fails (here: what a credential wrote where RQ keeps its set of queues) kills that attempt with its
     tree and hands the task back, its attempt unspent. Once the queue can be written again, the task runs to
     its end once."""
     path = tmp_path / "marks.py"
@@ -372,8 +372,8 @@ def test_a_next_task_started_ahead_of_its_delivery_is_killed_and_handed_back_whe
     started = wait_until(lambda: list(tmp_path.glob("start-*")), what="the first task to start")
     other = 1 - int(started[0].name.split("-")[1])
     (worker_id,) = r.zrange(keys.WORKERS, 0, -1)
-    queue = f"rq:queue:{keys.tier_queue(2)}"
-    r.set(queue, "not a list")  # every delivery to this worker fails from now on
+    queue = "rq:queues"  # a delivery adds its queue there (the tier's own keys are repaired: test_worker_credential)
+    r.set(queue, "not a set")  # every delivery to this worker fails from now on
     ahead = wait_until(
         lambda: list(tmp_path.glob(f"start-{other}-*")), what="the next task to start ahead of its delivery"
     )

@@ -15,9 +15,11 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from gpumesh import scheduling
+from gpumesh._version import PROTOCOL
 from gpumesh.models import JobOptions
-from gpumesh.store import keys, scripts
+from gpumesh.store import keys, protocols, scripts
 from gpumesh.store.broker import EXECUTOR, Broker
+from gpumesh.store.reaper import reap_once
 
 from ..conftest import Workers, gpumesh, wait_until
 from .test_dispatch import register, sleep_script, submit, wait_done
@@ -105,6 +107,44 @@ def test_the_tasks_placed_for_a_tier_wait_in_its_rq_queue_and_leave_it_when_take
     broker.cancel(job)
     assert [waiting(r, t) for t in range(3)] == [[], [], []], "cancelled: no window lists its tasks"
     assert not r.keys("rq:job:*_waiting")
+
+
+@pytest.mark.core
+def test_tasks_a_previous_protocol_worker_takes_leave_the_window_at_the_next_reaper_pass(
+    broker: Broker, r: redis.Redis
+):
+    """A worker one protocol behind takes tasks through its own dispatch, which knows no windows: what it ran
+    stayed listed as waiting in the tier's queue (rq-dashboard, `gpumesh workers`) after its job had ended."""
+    old = protocols.frozen(PROTOCOL - 1)
+    assert old is not None
+    r.function_load(old.code, replace=True)
+    job = broker.submit("print(1)", "t.py", [{"i": i} for i in range(5)], JobOptions()).job_id
+    register(r, "new", 2.0)
+    register(r, "old", 2.0)
+    first = take(broker, r, "new", 2.0)
+    assert isinstance(first, scripts.Lease) and len(waiting(r, first.tier)) == 4
+    fleet = [keys.READY, keys.SCORES, keys.FLEET, keys.worker("old"), keys.LEASES, keys.EVENTS, keys.IDLE]
+    for _ in range(4):
+        got = r.fcall(f"{old.name}_dispatch", len(fleet), *fleet, "old", 60_000, 2.0, f"token-{_}")
+        assert got[0] == 1, got
+    assert r.hget(keys.job(job), "queued") == "0"
+    assert len(waiting(r, first.tier)) == 4, "the previous protocol's dispatch leaves the window as it was"
+    reap_once(broker)
+    assert [waiting(r, t) for t in range(3)] == [[], [], []]
+    assert not r.keys("rq:job:*_waiting")
+    assert not any(r.hget(keys.task(keys.task_id(job, i)), "tier") for i in range(5))
+
+
+@pytest.mark.core
+def test_a_refresh_time_ahead_of_now_does_not_freeze_a_tier_s_window(broker: Broker, r: redis.Redis):
+    """Any worker credential writes the windows' refresh times (the fleet hash's at:<tier>): one far ahead of
+    the broker's clock kept the window from ever being refreshed again."""
+    broker.submit("print(1)", "t.py", [{"i": i} for i in range(5)], JobOptions())
+    register(r, "a", 2.0)
+    r.hset(keys.FLEET, "at:2", str(10**15))
+    first = take(broker, r, "a", 2.0)
+    assert isinstance(first, scripts.Lease) and first.tier == 2
+    assert len(waiting(r, 2)) == 4
 
 
 @pytest.mark.core

@@ -683,6 +683,7 @@ do
     local key = 'rq:job:' .. id
     local label = a.name ~= '' and ('job "' .. a.name .. '" (' .. a.job_id .. ')') or ('job ' .. a.job_id)
     local when = rq_time(a.ms)
+    redis.call('DEL', key)  -- whatever a credential wrote under this id (a string would fail HSET, stranding the task)
     redis.call('HSET', key, 'data', cjson.encode({EXECUTOR, cjson.null, {task_id}, {}}), 'created_at', when,
       'enqueued_at', when, 'origin', 'gpumesh-tier-' .. a.tier, 'status', 'queued', 'ttl', TIER_ENTRY_TTL,
       'description', 'task ' .. index .. ' of ' .. label .. ': placed for tier ' .. a.tier .. ', cost ' ..
@@ -699,8 +700,9 @@ do
   --     (nil: a lone worker, lightest first), below: the heaviest cost when a stronger worker is registered
   --     (left to it while lighter tasks are there, as dispatch.lua picks), ms: the time now}
   refresh_window = function(a)
-    if a.ms - (tonumber(a.at) or 0) < TIER_REFRESH_MS then
-      return  -- refreshed a moment ago
+    local since = a.ms - (tonumber(a.at) or 0)
+    if since >= 0 and since < TIER_REFRESH_MS then
+      return  -- refreshed a moment ago (a time ahead of now, which any worker credential may write, is none)
     end
     redis.call('HSET', a.fleet_key, 'at:' .. a.tier, a.ms)
     local next = {}
