@@ -113,11 +113,30 @@ class EnvCache:
         self.max_mb = max_mb
         self.allow_builds = allow_builds
         self._held: dict[str, int] = {}  # digest -> fd holding its shared lock (this worker uses it)
+        self._root_ok = False
+
+    def _trusted_root(self) -> None:
+        """The cache folder must be this user's and no one else's to write: the default sits in a shared temp
+        dir, where another local user could make it first and plant an env that other jobs would then run."""
+        if self._root_ok:
+            return
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
+            st = os.lstat(self.root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise EnvError(
+                f"the env cache {self.root} is not a folder that only this user ({os.geteuid()}) may write: remove "
+                "it, or give the worker --env-cache DIR"
+            )
+        self._root_ok = True
 
     def path(self, digest: str) -> Path:
         return self.root / digest[:32]
 
     def ready(self, digest: str) -> Env | None:
+        self._trusted_root()
         p = self.path(digest)
         if not (p / READY).is_file():
             return None
@@ -127,7 +146,8 @@ class EnvCache:
         """(ready, failed): the envs of this machine, by the first 32 characters of their digests (folder names),
         read from the folder's listing alone: what its workers advertise to dispatch."""
         ready, failed = [], []
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, EnvError):
+            self._trusted_root()
             for p in self.root.iterdir():
                 if p.name.endswith(".failed"):
                     failed.append(p.name.removesuffix(".failed"))
@@ -143,7 +163,7 @@ class EnvCache:
 
     @contextlib.contextmanager
     def _locked(self, digest: str) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._trusted_root()
         # The build's lock, apart from the in-use lock (.lock) that holders keep shared for as long as they run.
         fd = os.open(self.root / f"{digest[:32]}.build", os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -561,3 +561,26 @@ def test_a_project_s_pyproject_with_its_uv_lock(
     ran = run_cli("submit", str(proj / "plain.py"), "--payloads", "-", "--json", "--with", "gmtiny", env=env,
                   input='[{"x": 1}]')  # fmt: skip
     assert finished(json.loads(ran.stdout)["job_id"], workers) == [1001]  # without the lock: the newest
+
+
+@pytest.mark.security
+def test_an_env_cache_another_user_may_write_is_refused(tmp_path: Path) -> None:
+    """The default cache sits in the shared temp dir: a folder another local user made first (or may write)
+    could hold a planted env that other jobs would run. It is refused, naming it, and nothing in it is used."""
+    from gpumesh.envs.cache import READY, EnvCache, EnvError
+
+    root = tmp_path / "cache"
+    planted = root / ("a" * 32)
+    planted.mkdir(parents=True)
+    (planted / READY).write_text("{}")
+    os.chmod(root, 0o755)
+    assert EnvCache(root).ready("a" * 64) is not None, "this user's own cache is used"
+    os.chmod(root, 0o777)
+    with pytest.raises(EnvError, match="remove it"):
+        EnvCache(root).ready("a" * 64)
+    assert EnvCache(root).known() == ([], [])
+    if os.geteuid() == 0:  # as root: a folder another user owns
+        os.chmod(root, 0o755)
+        os.chown(root, 65534, 65534)
+        with pytest.raises(EnvError, match=str(root)):
+            EnvCache(root).ready("a" * 64)
