@@ -104,29 +104,22 @@ def _fill(view: View, rel: str, fd: int, skip: str, owner: tuple[int, int] | Non
     for folder in sorted(view.expand):
         parent, _, name = folder.rpartition("/")
         if parent == rel and name not in _entries(source):
-            os.mkdir(name, 0o755, dir_fd=fd)
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            try:
-                _fill_missing(view, folder, sub, owner)
-                if owner is not None:
-                    os.fchown(sub, *owner)
-            finally:
-                os.close(sub)
+            _make_missing(view, folder, name, fd, owner)
 
 
-def _fill_missing(view: View, rel: str, fd: int, owner: tuple[int, int] | None) -> None:
-    """Folders below a folder the project lacks, that the view needs too."""
-    for folder in sorted(view.expand):
-        parent, _, name = folder.rpartition("/")
-        if parent == rel:
-            os.mkdir(name, 0o755, dir_fd=fd)
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            try:
-                _fill_missing(view, folder, sub, owner)
-                if owner is not None:
-                    os.fchown(sub, *owner)
-            finally:
-                os.close(sub)
+def _make_missing(view: View, folder: str, name: str, fd: int, owner: tuple[int, int] | None) -> None:
+    """Make ``folder`` (``name`` in ``fd``), a folder the project lacks, with the ones below it the view needs."""
+    os.mkdir(name, 0o755, dir_fd=fd)
+    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        for below in sorted(view.expand):
+            parent, _, child = below.rpartition("/")
+            if parent == folder:
+                _make_missing(view, below, child, sub, owner)
+        if owner is not None:
+            os.fchown(sub, *owner)
+    finally:
+        os.close(sub)
 
 
 def reset(workdir: str, fd: int, links: Mapping[str, str], script: str) -> bool:
