@@ -379,7 +379,10 @@ def _dispatched(r: list[Any], token: str) -> Lease | Prepare | str:
 
 def env_held(s: Scripts, client: Any, worker_id: str, held: list[str], failed: list[str], ttl_ms: int) -> bool:
     """Name in this worker's live registration the envs its machine holds and those it failed to build (lock
-    digests), as dispatch reads them (env_held.lua); False when the registration is gone."""
+    digests), as dispatch reads them (env_held.lua); False when the registration is gone. On a broker of the
+    previous protocol, which has no env_held and whose dispatch does not ask, nothing is sent."""
+    if not s.offers("env_held"):
+        return True
     short = 16  # _lib.lua ENV_SHORT
     r = s["env_held"](
         keys=[keys.worker(worker_id)],
@@ -392,7 +395,10 @@ def env_held(s: Scripts, client: Any, worker_id: str, held: list[str], failed: l
 
 def env_failed(s: Scripts, client: Any, job_id: str, worker_id: str, env: str, message: str) -> bool:
     """Record that this worker's machine cannot build ``env`` for ``job_id`` (env_failed.lua): True when no live
-    worker that may run the job is left to build it (its tasks then fail with ``message``)."""
+    worker that may run the job is left to build it (its tasks then fail with ``message``). On a broker of the
+    previous protocol, which has no env_failed, nothing is recorded: the task fails as that protocol's do."""
+    if not s.offers("env_failed"):
+        return False
     r = s["env_failed"](
         keys=[keys.job(job_id), keys.worker(worker_id), keys.SCORES, keys.IDLE],
         args=[worker_id, env, message],

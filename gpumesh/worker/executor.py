@@ -238,8 +238,6 @@ class Executor:
         """Tell dispatch that this machine cannot build ``digest`` for ``job_id`` (it gives this worker the job's
         tasks no more): True when no live worker that may run the job is left to build it, and its tasks fail."""
         self._env_failures.add(digest)
-        if not self.broker.scripts.offers("env_failed"):  # an older broker: the task fails as it always did
-            return False
         return scripts.env_failed(self.broker.scripts, self.broker.r, job_id, self.w.worker_id, digest, message)
 
     def advertised_envs(self) -> tuple[list[str], list[str]]:

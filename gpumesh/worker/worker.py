@@ -804,8 +804,6 @@ class MeshWorker(LeanRQWorker):
 
     def _advertise_envs(self) -> None:
         """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare)."""
-        if not self.broker.scripts.offers("env_held"):  # an older broker's dispatch does not ask
-            return
         held, failed = self.executor.advertised_envs()
         scripts.env_held(self.broker.scripts, self.broker.r, self.worker_id, held, failed,
                          int(self.settings.worker_ttl * 1000))  # fmt: skip
