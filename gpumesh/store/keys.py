@@ -27,8 +27,9 @@ SCORES = PREFIX + "scores"  # zset: worker id -> benchmark score (GFLOP/s)
 LEASES = PREFIX + "leases"  # zset: task id -> lease deadline (ms)
 READY = PREFIX + "ready"  # zset: "<job>/<class>" with queued tasks -> the job's priority (what dispatch scans)
 IDLE = PREFIX + "idle"  # set: workers whose last dispatch found nothing they may run (woken when work arrives)
-# hash: n, score_sum, score_max of the registered workers; 'dirty' when it must be recounted; at:<tier>, when that
-# tier's window of waiting tasks was last refreshed (ms)
+# hash: n, sum, max of the registered workers' scores; 'dirty' when they must be recounted; 'v', the fleet's
+# version (moved by every join, leave and recount); at:<tier>, when that tier's window of waiting tasks was last
+# refreshed (ms)
 FLEET = PREFIX + "fleet"
 EVENTS = PREFIX + "events"  # stream, capped
 REAPER_LOCK = PREFIX + "reaper"  # string, PX: the worker currently reaping

@@ -120,9 +120,10 @@ def library() -> tuple[str, str]:
     parts = ["#!lua name=" + _NAME, _prelude(), lib_code]
     for name, body in zip(NAMES, bodies):
         flags = ", flags={'no-writes'}" if name in READ_ONLY else ""
+        once, per_call = _split(body)
         parts.append(
-            f"redis.register_function{{function_name='{_NAME}_{name}', callback=function(KEYS, ARGV)\n{body}\nend"
-            f"{flags}}}"
+            f"do\n{once}\nredis.register_function{{function_name='{_NAME}_{name}', callback=function(KEYS, ARGV)\n"
+            f"{per_call}\nend{flags}}}\nend"
         )
     parts.append(
         f"redis.register_function{{function_name='{_NAME}_version', callback=function() return '{_NAME} "
@@ -132,6 +133,16 @@ def library() -> tuple[str, str]:
     lib = f"gpumesh_p{PROTOCOL}"
     digest = hashlib.sha256(template.encode()).hexdigest()[:12]  # of the code, assembly included
     return lib, template.replace(_NAME, lib).replace(_DIGEST, digest)
+
+
+PER_CALL = "\n-- per call\n"  # the line between what a script makes at load and what it runs per call
+
+
+def _split(body: str) -> tuple[str, str]:
+    """A script's (load-time part, per-call part): what stands above its ``-- per call`` line (constant tables and
+    pure functions, scoped to the script) is made once when the library loads, not at every call."""
+    once, marked, per_call = body.partition(PER_CALL)
+    return (once, per_call) if marked else ("", body)
 
 
 _NAME = "__gpumesh_library__"  # where library() writes the library's name once it knows it

@@ -5,7 +5,9 @@
 -- The contract every script keeps:
 --  * KEYS and ARGV are named once, in a block of locals at the top of the script, under a header
 --    comment listing them in order (as dramatiq's dispatch.lua does); nothing below that block
---    indexes KEYS or ARGV.
+--    indexes KEYS or ARGV. A script may put constant tables and pure functions above a line
+--    '-- per call' (before that block): they are made once, when the library loads (scripts.py), and
+--    may call only Lua itself (no unpack or ipairs there).
 --  * One reply shape: {ok, status, field, value, field, value, ...}
 --      ok      1: the call did what it asks for; 0: it was refused, or found nothing to do
 --      status  ok = 1: the task's status now (or what the call did); ok = 0: why not
@@ -25,8 +27,17 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Numbers reach Redis as text. A Lua number handed to redis.call is formatted with '%.17g', and one joined to
+-- a string with '..' with '%.14g': C's floating-point formatting, thousands of instructions each, a tenth of
+-- what a task cost the broker before the hot paths below passed text. So an integer goes through int()
+-- (C's integer formatting), constant arguments are written as text, and secs() formats with integers too.
+local function int(n)
+  return string.format('%d', n)
+end
+
+-- Epoch ms as seconds with three decimals (what '%.3f' of ms / 1000 gives, for the whole ms the server's clock reads).
 local function secs(ms)
-  return string.format('%.3f', ms / 1000)
+  return string.format('%d.%03d', math.floor(ms / 1000), ms % 1000)
 end
 
 -- What is stored of a lease token (gpumesh/store/scripts.py's token_digest computes the same).
@@ -41,7 +52,7 @@ local function done_token(token)
 end
 
 local function emit(events_key, kind, id, status)
-  redis.call('XADD', events_key, 'MAXLEN', '~', 10000, '*', 'kind', kind, 'id', id, 'status', status)
+  redis.call('XADD', events_key, 'MAXLEN', '~', '10000', '*', 'kind', kind, 'id', id, 'status', status)
 end
 
 -- A task ended (done, failed or cancelled): one entry on its job's stream of ends, which Job.as_completed
@@ -55,7 +66,11 @@ end
 -- that is not a number (HINCRBY would raise, and the script with it): such a counter restarts from this
 -- change.
 local function incr(key, field, by, float)
-  local r = redis.pcall(float and 'HINCRBYFLOAT' or 'HINCRBY', key, field, by)
+  local text = by  -- a float as Lua formats it (full precision); an integer as text (see int)
+  if not float then
+    text = by == 1 and '1' or by == -1 and '-1' or int(by)
+  end
+  local r = redis.pcall(float and 'HINCRBYFLOAT' or 'HINCRBY', key, field, text)
   if type(r) == 'table' and r.err then
     redis.pcall('HSET', key, field, math.max(by, 0))
     return math.max(by, 0)
@@ -175,7 +190,7 @@ local function unpend(a)
     index, cost, klass, tier = t[1], tonumber(t[2] or 1) or 1, t[3] or '0', t[4]
   end
   if type(tier) == 'string' and tier ~= '' then
-    unplace(a.task_key, a.job_id .. '-' .. index, tier)
+    unplace(a.task_key, a.job_id .. '-' .. int(index), tier)
   end
   local pk = pending_key(a.job_id, klass)
   if redis.call('ZREM', pk, pad(index)) == 1 then
@@ -233,7 +248,7 @@ local function lease_reply(l)
 end
 
 -- The task fields take() needs, read in one call (status first, so callers can check it).
-local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig', 'tier'}  -- tier: unpend's
+local TAKE_TASK = {'status', 'attempts', 'index', 'payload', 'sig', 'tier', 'log_from'}  -- tier: unpend's
 -- Where each of ``fields`` sits in an HMGET reply of them, by name: reply[at(fields).name] is that field's value.
 local function at(fields)
   local pos = {}
@@ -245,6 +260,7 @@ end
 
 -- The job fields take() needs; dispatch reads them with what it chooses by, in one call.
 local TAKE_JOB = {'status', 'id', 'script_sha', 'script_name', 'timeout', 'key_id', 'expires_at', 'max_attempts'}
+local TAKE_TASK_AT = at(TAKE_TASK)
 local TAKE_JOB_AT = at(TAKE_JOB)
 
 -- queued -> running: the lease, the counters, the worker's current task. Returns lease_reply.
@@ -260,14 +276,16 @@ local function take(a)
   local t = a.task
   local attempt, index, payload, signature = (tonumber(t[2]) or 0) + 1, t[3], t[4], t[5]
   local token = digest(a.token)
-  redis.call('SET', a.lease_key, token, 'PX', ttl_ms)
-  redis.call('ZADD', a.leases_key, ms + ttl_ms, task_id)
-  redis.call('HSET', a.task_key, 'status', 'running', 'attempts', attempt, 'worker', worker_id, 'lease', token,
-    'started_at', secs(ms), 'promoted', '')
-  if attempt == 1 then
+  redis.call('SET', a.lease_key, token, 'PX', int(ttl_ms))
+  redis.call('ZADD', a.leases_key, int(ms + ttl_ms), task_id)
+  if attempt == 1 and not t[TAKE_TASK_AT.log_from] then
     -- Where its lines begin in its job's log (gpumesh/store/tasklog.py): kept through a retry, whose attempts
     -- count again from 1, so that the task's log reads from its first attempt.
-    redis.call('HSETNX', a.task_key, 'log_from', ms)
+    redis.call('HSET', a.task_key, 'status', 'running', 'attempts', int(attempt), 'worker', worker_id, 'lease', token,
+      'started_at', secs(ms), 'promoted', '', 'log_from', int(ms))
+  else
+    redis.call('HSET', a.task_key, 'status', 'running', 'attempts', int(attempt), 'worker', worker_id, 'lease', token,
+      'started_at', secs(ms), 'promoted', '')
   end
   move(a.job_key, 'queued', 'running')
   local job, J = a.job, a.job_at
@@ -480,18 +498,23 @@ local function fleet(scores_key, fleet_key, more)
     sum = sum + s
     if s > max then max = s end
   end
-  redis.call('HSET', fleet_key, 'n', n, 'sum', sum, 'max', max, 'dirty', 0)
+  redis.call('HSET', fleet_key, 'n', n, 'sum', sum, 'max', max, 'dirty', '0')
+  -- A recount is a new fleet, whoever marked it dirty: its version moves too, so that what callers keep per
+  -- version (dispatch's tier of each worker) is computed again.
+  version = int(incr(fleet_key, 'v', 1))
   return n, sum, max, version, f
 end
 
 -- Upper bounds (s) of the task duration histogram; gpumesh/server/metrics.py reads the same list.
 local DURATION_BUCKETS = {0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 3600}
 
+local DURATION_LABELS = {'0.1', '0.5', '1', '5', '10', '30', '60', '300', '1800', '3600'}  -- as tostring() writes each
+
 local function observe_duration(hist_key, seconds)
   local label = '+Inf'
-  for _, le in ipairs(DURATION_BUCKETS) do
+  for i, le in ipairs(DURATION_BUCKETS) do
     if seconds <= le then
-      label = tostring(le)
+      label = DURATION_LABELS[i]
       break
     end
   end
@@ -630,7 +653,7 @@ end
 local function env_strongest(digest, fleet_max)
   local key = env_holders(digest)
   for _ = 1, 4 do
-    local top = redis.pcall('ZREVRANGE', key, 0, 0, 'WITHSCORES')
+    local top = redis.pcall('ZREVRANGE', key, '0', '0', 'WITHSCORES')
     if type(top) ~= 'table' or top.err or not top[1] then
       return fleet_max
     end
@@ -653,6 +676,14 @@ end
 -- task leaving its pending set (taken, cancelled) leaves its window (unpend, unplace). An entry's RQ job
 -- expires after TIER_ENTRY_TTL unless a refresh keeps it.
 local TIER_WINDOW, TIER_REFRESH_MS, TIER_ENTRY_TTL = 20, 1000, 3600
+
+-- Whether a tier's window last refreshed at ``at`` (ms, the fleet hash's 'at:<tier>') is due again at ``ms``: not
+-- within TIER_REFRESH_MS of it; a time ahead of now, which any worker credential may write, counts as none.
+local function window_due(at, ms)
+  local since = ms - (tonumber(at) or 0)
+  return since < 0 or since >= TIER_REFRESH_MS
+end
+
 local refresh_window
 do
   local EXECUTOR = 'gpumesh.executor.run_task'  -- gpumesh/store/broker.py's EXECUTOR: the RQ function named
@@ -700,9 +731,8 @@ do
   --     (nil: a lone worker, lightest first), below: the heaviest cost when a stronger worker is registered
   --     (left to it while lighter tasks are there, as dispatch.lua picks), ms: the time now}
   refresh_window = function(a)
-    local since = a.ms - (tonumber(a.at) or 0)
-    if since >= 0 and since < TIER_REFRESH_MS then
-      return  -- refreshed a moment ago (a time ahead of now, which any worker credential may write, is none)
+    if not window_due(a.at, a.ms) then
+      return  -- refreshed a moment ago
     end
     redis.call('HSET', a.fleet_key, 'at:' .. a.tier, a.ms)
     local next = {}

@@ -37,6 +37,82 @@
 -- set; a queued task whose fields (or its job's) the worker could not run by is failed with the reason,
 -- never leased. Other jobs go on being dispatched.
 
+-- Made once, when the library loads (scripts.py puts what is above PER_CALL outside the function):
+
+-- what we choose by, then what take() needs, in one read per candidate job; read by name (JOB_AT)
+-- (Loading code may call only Lua itself: no unpack or ipairs here.)
+local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost'}
+for i = 1, #TAKE_JOB do
+  JOB_FIELDS[#JOB_FIELDS + 1] = TAKE_JOB[i]
+end
+JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env'  -- its environment's lock digest, and whether its builds failed (env_state)
+JOB_FIELDS[#JOB_FIELDS + 1] = 'env_dead'
+local JOB_AT = at(JOB_FIELDS)
+local NO_REQUIREMENTS = '[[]]'
+-- Job fields the lease carries as numbers, as the worker reads them.
+local NUMERIC = {{'timeout', 'number'}, {'expires_at', 'number'}, {'max_attempts', 'integer'}}
+-- The job fields a lease carries as text: a missing one would cut the reply short.
+local REQUIRED = {'id', 'script_sha', 'script_name'}
+
+-- Text that Python's int() (kind 'integer') or float() ('number') reads as Lua does, or nil.
+local function numeric(text, kind)
+  if type(text) ~= 'string' then
+    return nil
+  end
+  if kind == 'integer' then
+    if string.find(text, '^%s*[-+]?%d+%s*$') and #text <= 15 then
+      return tonumber(text)
+    end
+    return nil
+  end
+  return decimal(text)
+end
+
+-- Why a queued task (and its job) cannot be leased to a worker, or nil: the fields the lease carries.
+local function malformed(task, job, index)
+  for _, name in ipairs(REQUIRED) do
+    if type(job[JOB_AT[name]]) ~= 'string' then
+      return "its job's field '" .. name .. "' is missing"
+    end
+  end
+  for _, f in ipairs(NUMERIC) do
+    local v = job[JOB_AT[f[1]]]
+    if v ~= false and v ~= nil and numeric(v, f[2]) == nil then  -- expires_at may be absent
+      return "its job's field '" .. f[1] .. "' is not a number"
+    end
+  end
+  if type(job[JOB_AT.timeout]) ~= 'string' then
+    return "its job's field 'timeout' is missing"
+  end
+  if type(job[JOB_AT.max_attempts]) ~= 'string' then
+    return "its job's field 'max_attempts' is missing"
+  end
+  if numeric(task[3], 'integer') ~= index then
+    return "its field 'index' is not its index"
+  end
+  if task[2] and numeric(task[2], 'integer') == nil then
+    return "its field 'attempts' is not a number"
+  end
+  if type(task[4]) ~= 'string' then
+    return "its field 'payload' is missing"
+  end
+  return nil
+end
+
+-- What a task waiting for another worker is read by (avoided_by), and the pick's TAKE_TASK fields read with
+-- them in one call.
+local AVOID = {'avoid', 'avoid_until', 'bigger', 'bigger_than', 'bigger_on'}
+local TAKE_AND_AVOID = {}
+for i = 1, #TAKE_TASK do
+  TAKE_AND_AVOID[i] = TAKE_TASK[i]
+end
+for i = 1, #AVOID do
+  TAKE_AND_AVOID[#TAKE_TASK + i] = AVOID[i]
+end
+
+-- per call
+
 local ready_key = KEYS[1]
 local scores_key = KEYS[2]
 local fleet_key = KEYS[3]
@@ -49,23 +125,38 @@ local worker_id = ARGV[1]
 local ttl_ms = tonumber(ARGV[2])
 local score = tonumber(ARGV[3])
 local token = ARGV[4]
-local tiers = math.max(1, math.min(tonumber(ARGV[5]) or 3, 100))
+local tiers = math.max(1, math.min(math.floor(tonumber(ARGV[5]) or 3), 100))
 
 -- with the fleet, when each tier's window was last refreshed ('at:<k>', refresh_window)
 local refreshed = {}
 for k = 0, tiers - 1 do
-  refreshed[k + 1] = 'at:' .. k
+  refreshed[k + 1] = 'at:' .. int(k)
 end
 local n, sum, max, version, fleet_row = fleet(scores_key, fleet_key, refreshed)
-local my_tier = tier_of(scores_key, worker_id, n, tiers)
 
--- The worker's fields in one read: the task it holds, its resources, and the envs its machine holds and
--- failed to build (env_state).
-local wf = redis.pcall('HMGET', worker_key, 'current_task', 'resources', 'envs', 'env_failed')
+-- The worker's fields in one read: the task it holds, its resources, the envs its machine holds and failed
+-- to build (env_state), and its tier as last computed here ('dispatch_tier').
+local wf = redis.pcall('HMGET', worker_key, 'current_task', 'resources', 'envs', 'env_failed', 'dispatch_tier')
 if type(wf) ~= 'table' or wf.err then
   wf = {}  -- not a hash
 end
 local held = wf[1]
+-- Its tier: its rank among the registered scores (tier_of), which only a worker joining or leaving changes, and
+-- then the fleet's version moves; so the tier is kept in its hash with the version and tier count it was
+-- computed for ('<version>/<tiers>/<tier>'), and computed again once either differs.
+local my_tier
+do
+  local seen = version .. '/' .. int(tiers) .. '/'
+  local kept = type(wf[5]) == 'string' and string.sub(wf[5], 1, #seen) == seen and tonumber(string.sub(wf[5], #seen + 1))
+  if kept and kept >= 0 and kept < tiers and kept == math.floor(kept) then
+    my_tier = kept
+  else
+    my_tier = tier_of(scores_key, worker_id, n, tiers)
+    if type(wf[2]) == 'string' then  -- a registered worker (its resources): keep it for the next call
+      redis.pcall('HSET', worker_key, 'dispatch_tier', seen .. my_tier)
+    end
+  end
+end
 
 -- The same call again (redis-py sends a command again when the link failed before its reply came, though
 -- this script may have run): the task this worker holds under this very token, made for this call, is the
@@ -128,63 +219,6 @@ local limited = raw and (string.find(raw, '"max_task_hours"', 1, true) or string
 if trusting or limited then
   resources = decode_resources()
 end
--- what we choose by, then what take() needs, in one read per candidate job; read by name (JOB_AT)
-local JOB_FIELDS = {'classes', 'running', 'created_at', 'pending_cost', unpack(TAKE_JOB)}
-JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
-JOB_FIELDS[#JOB_FIELDS + 1] = 'env'  -- its environment's lock digest, and whether its builds failed (env_state)
-JOB_FIELDS[#JOB_FIELDS + 1] = 'env_dead'
-local JOB_AT = at(JOB_FIELDS)
-local NO_REQUIREMENTS = '[[]]'
--- Job fields the lease carries as numbers, as the worker reads them.
-local NUMERIC = {{'timeout', 'number'}, {'expires_at', 'number'}, {'max_attempts', 'integer'}}
--- The job fields a lease carries as text: a missing one would cut the reply short.
-local REQUIRED = {'id', 'script_sha', 'script_name'}
-
--- Text that Python's int() (kind 'integer') or float() ('number') reads as Lua does, or nil.
-local function numeric(text, kind)
-  if type(text) ~= 'string' then
-    return nil
-  end
-  if kind == 'integer' then
-    if string.find(text, '^%s*[-+]?%d+%s*$') and #text <= 15 then
-      return tonumber(text)
-    end
-    return nil
-  end
-  return decimal(text)
-end
-
--- Why a queued task (and its job) cannot be leased to a worker, or nil: the fields the lease carries.
-local function malformed(task, job, index)
-  for _, name in ipairs(REQUIRED) do
-    if type(job[JOB_AT[name]]) ~= 'string' then
-      return "its job's field '" .. name .. "' is missing"
-    end
-  end
-  for _, f in ipairs(NUMERIC) do
-    local v = job[JOB_AT[f[1]]]
-    if v ~= false and v ~= nil and numeric(v, f[2]) == nil then  -- expires_at may be absent
-      return "its job's field '" .. f[1] .. "' is not a number"
-    end
-  end
-  if type(job[JOB_AT.timeout]) ~= 'string' then
-    return "its job's field 'timeout' is missing"
-  end
-  if type(job[JOB_AT.max_attempts]) ~= 'string' then
-    return "its job's field 'max_attempts' is missing"
-  end
-  if numeric(task[3], 'integer') ~= index then
-    return "its field 'index' is not its index"
-  end
-  if task[2] and numeric(task[2], 'integer') == nil then
-    return "its field 'attempts' is not a number"
-  end
-  if type(task[4]) ~= 'string' then
-    return "its field 'payload' is missing"
-  end
-  return nil
-end
-
 -- queued -> failed without running: a task that cannot be leased (see malformed). Each write may meet
 -- a key of the wrong type (an attacker's): none of them may raise.
 local function refuse(t, why)
@@ -229,7 +263,6 @@ end
 -- until 'avoid_until'.
 -- avoided_by decides from those fields already read (AVOID's, at f[at + 1] ... f[at + 5]; f may be a
 -- pcall's error or false).
-local AVOID = {'avoid', 'avoid_until', 'bigger', 'bigger_than', 'bigger_on'}
 local function avoided_by(f, at)
   local until_ms = type(f) == 'table' and not f.err and tonumber(f[at + 2])
   if not until_ms or until_ms <= now_ms() then  -- the clock is read only for a task with an avoid_until
@@ -253,12 +286,12 @@ local function avoided(job_id, member)
   if not index then
     return false
   end
-  return avoided_by(redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. index, unpack(AVOID)), 0)
+  return avoided_by(redis.pcall('HMGET', PREFIX .. 'task:' .. job_id .. '-' .. int(index), unpack(AVOID)), 0)
 end
 -- The lightest of the first few pending tasks this worker need not leave to others, or nil (none: this
 -- job is not for this worker now).
 local function unavoided(job_id, pk)
-  local some = redis.call('ZRANGE', pk, 0, 7, 'WITHSCORES')
+  local some = redis.call('ZRANGE', pk, '0', '7', 'WITHSCORES')
   for i = 1, #some, 2 do
     if not avoided(job_id, some[i]) then
       return {some[i], some[i + 1]}
@@ -272,7 +305,7 @@ local skip = {}  -- ready members left to other workers in this dispatch (see av
 -- unless a job of at least its priority runs here now (what it holds goes first).
 local prepare, prepare_prio
 for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or a task is left to others
-  local entries = redis.call('ZREVRANGE', ready_key, 0, -1, 'WITHSCORES')
+  local entries = redis.call('ZREVRANGE', ready_key, '0', '-1', 'WITHSCORES')
   local best, best_prio, best_running, best_left, best_created, best_job, best_class, best_fields
   for i = 1, #entries, 2 do
     local member, prio = entries[i], tonumber(entries[i + 1])
@@ -333,31 +366,27 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     if type(env) == 'string' and env ~= '' then
       max = env_strongest(env, max)  -- the heaviest task waits for the strongest worker holding the env, not one
     end                              -- that would build it first
-    heaviest = redis.call('ZREVRANGE', pk, 0, 0, 'WITHSCORES')
+    heaviest = redis.call('ZREVRANGE', pk, '0', '0', 'WITHSCORES')
     local queued_cost = tonumber(best_fields[JOB_AT.pending_cost] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))
     limit = score * horizon * (1 + 1e-9)
-    pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    pick = redis.call('ZREVRANGEBYSCORE', pk, limit, '-inf', 'WITHSCORES', 'LIMIT', '0', '1')
     if pick[1] and score < max and tonumber(pick[2]) >= tonumber(heaviest[2]) then
       -- the heaviest cost is the strongest worker's, while a lighter task is there for this one
-      local lighter = redis.call('ZREVRANGEBYSCORE', pk, '(' .. heaviest[2], '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      local lighter = redis.call('ZREVRANGEBYSCORE', pk, '(' .. heaviest[2], '-inf', 'WITHSCORES', 'LIMIT', '0', '1')
       if lighter[1] then
         pick = lighter
       end
     end
   end
   if not pick or not pick[1] then
-    pick = redis.call('ZRANGE', pk, 0, 0, 'WITHSCORES')
+    pick = redis.call('ZRANGE', pk, '0', '0', 'WITHSCORES')
   end
   local task  -- the pick's TAKE_TASK fields, read with its AVOID fields (only a fleet of more than one avoids)
   if pick[1] and n > 1 then
     local index = numeric(pick[1], 'integer')
-    local fields = {unpack(TAKE_TASK)}
-    for _, name in ipairs(AVOID) do
-      fields[#fields + 1] = name
-    end
-    local f = index and index >= 0 and redis.pcall('HMGET', PREFIX .. 'task:' .. best_job .. '-' .. index,
-      unpack(fields))
+    local f = index and index >= 0 and redis.pcall('HMGET', PREFIX .. 'task:' .. best_job .. '-' .. int(index),
+      unpack(TAKE_AND_AVOID))
     if avoided_by(f, #TAKE_TASK) then
       pick = unavoided(best_job, pk)  -- it waits for another worker: the next few it need not leave
     else
@@ -372,7 +401,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       redis.call('ZREM', pk, pick[1])
       index = -1
     end
-    local task_id = best_job .. '-' .. index
+    local task_id = best_job .. '-' .. int(index)
     local task_key = PREFIX .. 'task:' .. task_id
     if index < 0 then
       task = {}
@@ -387,7 +416,7 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
     local remains = heaviest ~= nil and heaviest[1] ~= nil and heaviest[1] ~= pick[1] and index >= 0 and
       heaviest[1] ~= pad(index)
     local taken = {task_key = task_key, job_key = job_key, ready_key = ready_key, job_id = best_job, index = index,
-      cost = cost, klass = best_class, tier = task[#TAKE_TASK], remains = remains}
+      cost = cost, klass = best_class, tier = task[TAKE_TASK_AT.tier], remains = remains}
     local why = task[1] == 'queued' and malformed(task, best_fields, index)
     if why then
       unpend(taken)
@@ -397,8 +426,10 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
       unpend(taken)
       redis.call('SREM', idle_key, worker_id)
       local ms = now_ms()
-      refresh_window({tier = my_tier, at = fleet_row[6 + my_tier], fleet_key = fleet_key, job_id = best_job,
-        job_key = job_key, pk = pk, limit = limit, ms = ms, below = score < max and heaviest and heaviest[2] or nil})
+      if window_due(fleet_row[6 + my_tier], ms) then  -- checked first: most calls find it refreshed a moment ago
+        refresh_window({tier = my_tier, at = fleet_row[6 + my_tier], fleet_key = fleet_key, job_id = best_job,
+          job_key = job_key, pk = pk, limit = limit, ms = ms, below = score < max and heaviest and heaviest[2] or nil})
+      end
       return take({
         task_key = task_key, lease_key = PREFIX .. 'lease:' .. task_id, leases_key = leases_key, job_key = job_key,
         events_key = events_key, worker_key = worker_key, task_id = task_id, worker_id = worker_id, ttl_ms = ttl_ms,
