@@ -48,7 +48,11 @@ ray.shutdown()
 TASK = "import json, sys\nimport numpy, sklearn\nprint(json.dumps(json.load(sys.stdin)))\n"
 
 
-def ours(mesh: gpumesh.Mesh, url: str, workers: int, packages: list[str], tmp: Path) -> tuple[float, float]:
+def ours(
+    mesh: gpumesh.Mesh, url: str, workers: int, packages: list[str], tmp: Path, reuse: bool = False
+) -> tuple[float, float]:
+    """``reuse``: the job's tasks on a worker run one after another in one process (``submit --reuse-process``),
+    as Ray's worker processes run theirs."""
     cache = Path(tempfile.mkdtemp(dir=tmp))
     os.environ["UV_CACHE_DIR"] = str(cache / "uv")
     procs = [start_worker(url, 10, "--warm", env={"GPUMESH_ENV_CACHE": str(cache / "envs")}) for _ in range(workers)]
@@ -56,12 +60,12 @@ def ours(mesh: gpumesh.Mesh, url: str, workers: int, packages: list[str], tmp: P
         while len(mesh.workers()) < workers:
             time.sleep(0.05)
         t0 = time.perf_counter()
-        job = mesh.submit(TASK, [{"i": i} for i in range(20)], dependencies=packages)
+        job = mesh.submit(TASK, [{"i": i} for i in range(20)], dependencies=packages, reuse_process=reuse)
         st = job.wait(timeout=900)
         cold = time.perf_counter() - t0
         assert st.status == "done", job.results()[0].error
         t1 = time.perf_counter()
-        job = mesh.submit(TASK, [{"i": i} for i in range(20)], dependencies=packages)
+        job = mesh.submit(TASK, [{"i": i} for i in range(20)], dependencies=packages, reuse_process=reuse)
         assert job.wait(timeout=900).status == "done"
         return cold, (time.perf_counter() - t1) / 20 * 1000
     finally:
@@ -102,6 +106,10 @@ def main() -> None:
         for workers in (1, 2):
             cold, per = ours(mesh, server.url, workers, packages, tmp)
             rows.append(["gpumesh (uv, locked at submit)", workers, f"{cold:.1f}", f"{per:.1f}"])
+            cold, per = ours(mesh, server.url, workers, packages, tmp, reuse=True)
+            rows.append(
+                ["gpumesh, `--reuse-process` (as Ray reuses its workers)", workers, f"{cold:.1f}", f"{per:.1f}"]
+            )
             for mode in ("pip", "uv"):
                 got = ray(args.ray_python, mode, workers, packages, tmp)
                 if isinstance(got, str):
@@ -121,9 +129,10 @@ def main() -> None:
             "machine; then 20 more tasks on the same workers (warm; wall time / 20). gpumesh's workers run warm (a zygote per "
             "env); Ray's worker processes are reused between tasks.",
             table(["system", "workers", "seconds to all 20 results, cold", "ms per task, warm"], rows),
-            "Ray's per-task time is that of a reused worker process, which keeps what a task imported; a gpumesh "
-            "task is a fresh fork of the env's zygote, which imports the packages again (load once, run many is "
-            "`submit --reuse-process`).",
+            "Ray's per-task time is that of a reused worker process, which keeps what a task imported; a plain gpumesh "
+            "task is a fresh fork of the env's zygote, which imports the packages again. With `submit --reuse-process` "
+            "(load once, run many) a worker's tasks of the job run one after another in one process, as Ray's do: the "
+            "second job there is a new job, so each worker starts one new process for it.",
         ]
     )
     command = f"python benchmarks/envs_ray.py --ray-python PYTHON_WITH_RAY --packages {args.packages}"

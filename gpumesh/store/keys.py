@@ -124,8 +124,9 @@ def worker(worker_id: str) -> str:
 
 
 def env_holders(short_digest: str) -> str:
-    """zset: the live workers whose machines hold the env whose lock digest starts ``short_digest`` (16 hex), by
-    score; lua/env_held.lua writes it (building this name from PREFIX), dispatch reads it (env_strongest)."""
+    """zset: the live workers whose machines hold the env whose lock digest (or the project tree whose digest)
+    starts ``short_digest`` (16 hex), by score; lua/env_held.lua writes it (building this name from PREFIX), dispatch
+    reads it (env_strongest)."""
     return f"{PREFIX}envholders:{short_digest}"
 
 

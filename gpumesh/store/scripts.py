@@ -33,6 +33,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -388,17 +389,20 @@ def _dispatched(r: list[Any], token: str) -> Lease | Prepare | str:
     return _lease(r, token)
 
 
-def env_held(s: Scripts, client: Any, worker_id: str, held: list[str], failed: list[str], ttl_ms: int) -> bool:
+def env_held(
+    s: Scripts, client: Any, worker_id: str, held: list[str], failed: list[str], ttl_ms: int, trees: Sequence[str] = ()
+) -> bool:
     """Name in this worker's live registration the envs its machine holds and those it failed to build (lock
-    digests), as dispatch reads them (env_held.lua); False when the registration is gone. On a broker of the
-    previous protocol, which has no env_held and whose dispatch does not ask, nothing is sent."""
+    digests), as dispatch reads them, and join the holders of those envs and of the project ``trees`` it holds
+    (env_held.lua); False when the registration is gone. On a broker of the previous protocol, which has no
+    env_held and whose dispatch does not ask, nothing is sent."""
     if not s.offers("env_held"):
         return True
     short = 16  # _lib.lua ENV_SHORT
     r = s["env_held"](
         keys=[keys.worker(worker_id)],
         args=[worker_id, ",".join(sorted({d[:short] for d in held})), ",".join(sorted({d[:short] for d in failed})),
-              ttl_ms],
+              ttl_ms, ",".join(sorted({d[:short] for d in trees}))],
         client=client,
     )  # fmt: skip
     return bool(int(r[0]) == 1)

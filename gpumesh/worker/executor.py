@@ -164,6 +164,8 @@ class Executor:
         self._extras: dict[str, JobExtras] = {}
         self._projects: ProjectCache | None = None
         self._held: Held | None = None  # the project tree the last attempt ran in, held until another is needed
+        self._trees_seen: set[str] = set()  # the project trees this worker ran in (a new one: advertise them again)
+        self.trees_changed = False  # this worker ran in a tree it had not advertised: the worker says so to dispatch
         self.checkpoints = checkpoints.Store(
             self.broker.rq, self.broker.r, self.broker.scripts, self.settings.artifacts
         )
@@ -247,6 +249,11 @@ class Executor:
         ready, failed = self.envs.known()
         return [*ready, *self._env_ready], [*failed, *self._env_failures]
 
+    def advertised_trees(self) -> list[str]:
+        """The project trees this machine holds, for dispatch (placement)."""
+        self.trees_changed = False
+        return self.projects.trees()
+
     def _zygote_for(self, env: Env) -> Zygote | None:
         """Warm mode: the zygote of ``env`` (its interpreter, started without site: nothing of the env runs in
         it), started on first use; a few are kept, the least recently used closed first. None: start cold."""
@@ -295,6 +302,9 @@ class Executor:
             return None
         self._release_tree()
         self._held = self.projects.acquire(digest)
+        if digest not in self._trees_seen:
+            self._trees_seen.add(digest)
+            self.trees_changed = True
         return self._held
 
     def _release_tree(self) -> None:

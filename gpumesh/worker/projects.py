@@ -105,6 +105,15 @@ class ProjectCache:
             raise
         return Held(digest, str(tree), lock, made)
 
+    def trees(self) -> list[str]:
+        """The digests of the trees this machine holds now (dispatch places a job where its project is held)."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        hexdigits = set("0123456789abcdef")
+        return [n for n in names if len(n) == 64 and set(n) <= hexdigits and (self.root / n).is_dir()]
+
     def release(self, held: Held) -> None:
         os.close(held.fd)  # and its lock with it
 

@@ -514,6 +514,8 @@ class MeshWorker(LeanRQWorker):
         backup = self._straggler_backup()
         if backup is not None:
             return backup
+        if self.executor.trees_changed:  # its last task made (or found) a project tree here: placement prefers it
+            self._advertise_envs()
         for _ in range(3):  # an env to prepare first: then ask again at once
             got = scripts.dispatch(
                 self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
@@ -803,10 +805,11 @@ class MeshWorker(LeanRQWorker):
         self._advertise_envs()
 
     def _advertise_envs(self) -> None:
-        """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare)."""
+        """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare), and
+        which project trees it holds (placement)."""
         held, failed = self.executor.advertised_envs()
         scripts.env_held(self.broker.scripts, self.broker.r, self.worker_id, held, failed,
-                         int(self.settings.worker_ttl * 1000))  # fmt: skip
+                         int(self.settings.worker_ttl * 1000), self.executor.advertised_trees())  # fmt: skip
 
     def _prepare(self, p: scripts.Prepare) -> None:
         """Build (or wait for, or find) the env the job dispatch chose needs, leasing nothing meanwhile: the workers

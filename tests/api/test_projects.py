@@ -392,6 +392,8 @@ def test_concurrent_workers_of_a_machine_make_one_copy(penv, r, workers, proj, t
     said = [(t, line) for t, stream, line in job.logs() if stream == "gpumesh" and "fetched and checked" in line]
     assert len(said) == 1 and "files" in said[0][1], said  # the task it was made for says so in its log
     assert len(trees(cache)) == 1
+    holders = keys.env_holders(trees(cache)[0][:16])  # dispatch places the tree's next jobs on them first
+    wait_until(lambda: r.zcard(holders) == 3, what="every worker of the machine listed as the tree's holder")
     tree = cache / trees(cache)[0]
     assert (tree / "helper.py").stat().st_mode & 0o777 == 0o444
     assert (tree / "mylib").stat().st_mode & 0o777 == 0o555

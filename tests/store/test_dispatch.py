@@ -490,6 +490,23 @@ def test_cancel_and_retention_leave_nothing_of_a_job_behind(r: redis.Redis, env)
 
 
 @pytest.mark.core
+def test_a_project_job_s_heaviest_task_waits_for_the_strongest_worker_holding_its_tree(broker: Broker, r: redis.Redis):
+    """A job with a project (and no env): its heaviest task is left to the strongest worker whose machine holds the
+    tree, not to a stronger one that would fetch it first; while no one holds it, to the strongest worker."""
+    costs = [1, 16, 2, 8, 1, 1]
+    job = broker.submit("print(1)", "t.py", [{"cost": c} for c in costs], JobOptions()).job_id
+    tree = "ab" * 32
+    r.hset(keys.job(job), "project", tree)  # what a submit with a project records: its tree's digest
+    for w, s in (("holder", 2.0), ("strong", 8.0), ("weak", 1.0)):
+        register(r, w, s)
+    first = take(broker, r, "holder", 2.0)
+    assert isinstance(first, scripts.Lease) and costs[first.index] != 16, "no holder yet: the heaviest waits"
+    assert scripts.env_held(broker.scripts, r, "holder", [], [], 60_000, trees=[tree])
+    held = take(broker, r, "holder", 2.0)
+    assert isinstance(held, scripts.Lease) and costs[held.index] == 16, "the heaviest to the strongest holder"
+
+
+@pytest.mark.core
 def test_env_jobs_go_to_workers_holding_the_env_and_others_prepare_it_first(broker: Broker, r: redis.Redis):
     """A job in an env: a worker whose machine lacks the env is told to prepare it (it leases nothing), unless a
     job of the same priority runs there now; the job's heaviest task waits for the strongest worker that holds

@@ -643,12 +643,12 @@ local function env_state(held, failed, digest, dead)
   return dead == '1' and 'run' or 'wait'
 end
 
--- The zset of the workers whose machines hold env ``digest``, by score (env_held.lua).
+-- The zset of the workers whose machines hold env (or project tree) ``digest``, by score (env_held.lua).
 local function env_holders(digest)
   return PREFIX .. 'envholders:' .. string.sub(digest, 1, ENV_SHORT)
 end
 
--- The score of the strongest live worker that holds env ``digest``, at most ``fleet_max`` (the fleet's); the
+-- The score of the strongest live worker that holds env (or tree) ``digest``, at most ``fleet_max`` (the fleet's); the
 -- fleet's when none is known. Holders gone since are dropped on the way.
 local function env_strongest(digest, fleet_max)
   local key = env_holders(digest)

@@ -48,6 +48,7 @@ end
 JOB_FIELDS[#JOB_FIELDS + 1] = 'submitter'  -- the credential that submitted it (lender_accepts)
 JOB_FIELDS[#JOB_FIELDS + 1] = 'env'  -- its environment's lock digest, and whether its builds failed (env_state)
 JOB_FIELDS[#JOB_FIELDS + 1] = 'env_dead'
+JOB_FIELDS[#JOB_FIELDS + 1] = 'project'  -- its project's tree digest (placed where it is held, as an env)
 local JOB_AT = at(JOB_FIELDS)
 local NO_REQUIREMENTS = '[[]]'
 -- Job fields the lease carries as numbers, as the worker reads them.
@@ -362,10 +363,14 @@ for _ = 1, 8 do  -- more than once only when a pending entry turns out stale, or
   local pk = pending_key(best_job, best_class)
   local pick, heaviest, limit
   if n > 1 then
-    local env = best_fields[JOB_AT.env]
+    -- The heaviest task waits for the strongest worker holding the job's env, not one that would build it first;
+    -- for a job without an env, its project's tree (made in the lease, but not for nothing where it is large).
+    local env, project = best_fields[JOB_AT.env], best_fields[JOB_AT.project]
     if type(env) == 'string' and env ~= '' then
-      max = env_strongest(env, max)  -- the heaviest task waits for the strongest worker holding the env, not one
-    end                              -- that would build it first
+      max = env_strongest(env, max)
+    elseif type(project) == 'string' and project ~= '' then
+      max = env_strongest(project, max)
+    end
     heaviest = redis.call('ZREVRANGE', pk, '0', '0', 'WITHSCORES')
     local queued_cost = tonumber(best_fields[JOB_AT.pending_cost] or 0) or 0
     local horizon = math.max(queued_cost / math.max(sum, 1e-9), tonumber(heaviest[2]) / math.max(max, 1e-9))

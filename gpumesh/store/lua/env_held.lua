@@ -1,17 +1,19 @@
 -- env_held: a worker names the envs its machine holds ready and those it could not build (lock digests cut to
 -- ENV_SHORT characters, comma-separated), as dispatch reads them (env_state), into its live registration; and
--- joins each held env's holders (a zset by score: env_strongest), which dispatch reads to leave a job's
--- heaviest task to the strongest worker that holds its env rather than to one that would build it first.
+-- joins the holders (a zset by score: env_strongest) of each held env and of each project tree its machine
+-- holds, which dispatch reads to leave a job's heaviest task to the strongest worker that holds its env (or,
+-- for a job without one, its project) rather than to one that would make it first.
 --
 -- env_held(
 --   keys = {worker hash},
---   args = {worker id, held (csv), failed (csv), registration TTL (ms)}
+--   args = {worker id, held (csv), failed (csv), registration TTL (ms), project trees held (csv, cut alike)}
 -- )
 -- Reply: {1, 'held'}, or {0, 'unregistered'} when the registration is gone (written whole again at the next
 -- heartbeat, and this with it).
 
 local worker_key = KEYS[1]
 local worker_id, held, failed, ttl_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]) or 0
+local trees = ARGV[5] or ''
 
 local score = redis.pcall('HGET', worker_key, 'score')
 if type(score) ~= 'string' then
@@ -21,7 +23,9 @@ redis.call('HSET', worker_key, 'envs', held, 'env_failed', failed)
 if ttl_ms > 0 then
   redis.call('PEXPIRE', worker_key, ttl_ms)
 end
-for short in string.gmatch(held, '[^,]+') do
-  redis.pcall('ZADD', env_holders(short), tonumber(score) or 0, worker_id)
+for _, list in ipairs({held, trees}) do
+  for short in string.gmatch(list, '[^,]+') do
+    redis.pcall('ZADD', env_holders(short), score, worker_id)  -- pcall: a score that is not a number adds nothing
+  end
 end
 return {1, 'held'}
