@@ -123,6 +123,7 @@ WORKER = [
     f"(%RW~{keys.task_files_staging('*', '*')} %W~{keys.task_files('*')} +rename)",
     f"(~{keys.task_files('*')} +persist)",  # and lose the staged files' TTL
     f"(~{keys.spent('*')} +sadd)",  # a completed signed task's index joins its job's spent set (complete)
+    f"(~{keys.env_holders('*')} +pexpire)",  # a holders set goes a day after it was last named (env_held)
     "(~rq:* +rename +renamenx)",  # RQ's own bookkeeping
 ]  # fmt: skip
 

@@ -65,6 +65,7 @@ log = logging.getLogger("gpumesh.worker")
 
 SWEEP_INTERVAL = 60.0  # s between sweeps for the task directories of workers that died here
 SPECULATION_SPEEDUP = 2.0  # a backup copy runs only on a worker at least this many times as strong as the primary's
+ADVERTISE_EVERY_S = 3600.0  # s between a worker's namings of the envs and trees its machine holds (env_held.lua)
 STRAGGLER_GAIN = 0.5  # back up a straggler while its job has queued work only if the copy ends in half its time left
 
 
@@ -254,6 +255,7 @@ class MeshWorker(LeanRQWorker):
         self._born = False  # RQ's record of this worker is written (register_birth)
         self.registry = Registry(broker.r, self.worker_id)
         self._fleet_now = ""  # the registered fleet's version, from the last dispatch
+        self._advertised_at = time.monotonic()  # when it last named what its machine holds (_advertise_envs)
         # the next task, leased in the round trip of the last one's completion, and when: delivered next
         self._next: tuple[scripts.Lease, float] | None = None
         self._fleet_seen: str | None = None  # the version our last straggler scan looked at
@@ -514,8 +516,8 @@ class MeshWorker(LeanRQWorker):
         backup = self._straggler_backup()
         if backup is not None:
             return backup
-        if self.executor.trees_changed:  # its last task made (or found) a project tree here: placement prefers it
-            self._advertise_envs()
+        if self.executor.trees_changed or time.monotonic() - self._advertised_at > ADVERTISE_EVERY_S:
+            self._advertise_envs()  # a task ran in a tree not named yet, or an hour passed (the holders sets expire)
         for _ in range(3):  # an env to prepare first: then ask again at once
             got = scripts.dispatch(
                 self.broker.scripts, self.broker.r, self.worker_id, int(self.settings.lease_ttl * 1000),
@@ -807,6 +809,7 @@ class MeshWorker(LeanRQWorker):
     def _advertise_envs(self) -> None:
         """Tell dispatch which envs this machine holds and which it failed to build (placement, Prepare), and
         which project trees it holds (placement)."""
+        self._advertised_at = time.monotonic()
         held, failed = self.executor.advertised_envs()
         scripts.env_held(self.broker.scripts, self.broker.r, self.worker_id, held, failed,
                          int(self.settings.worker_ttl * 1000), self.executor.advertised_trees())  # fmt: skip

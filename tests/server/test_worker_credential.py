@@ -480,8 +480,11 @@ def test_envs_a_worker_holds_reach_their_holders_set_under_serve_s_rules(mesh: M
     b = Broker(Settings.load(url=mesh.urls["worker"]))
     worker.hset(keys.worker("holder"), mapping={"score": "3"})
     digest = "ab" * 32
-    assert scripts.env_held(b.scripts, b.r, "holder", [digest], [], 60_000)
-    assert admin.zscore(keys.env_holders(digest[:16]), "holder") == 3.0
+    tree = "cd" * 32  # a project tree's holders, too
+    assert scripts.env_held(b.scripts, b.r, "holder", [digest], [], 60_000, trees=[tree])
+    for short in (digest[:16], tree[:16]):
+        assert admin.zscore(keys.env_holders(short), "holder") == 3.0
+        assert 0 < admin.pttl(keys.env_holders(short)) <= 86_400_000, "it goes a day after it was last named"
 
 
 def test_kept_output_files_cannot_be_renamed_away_and_deleted(mesh: Mesh, tmp_path: Path):

@@ -502,6 +502,7 @@ def test_a_project_job_s_heaviest_task_waits_for_the_strongest_worker_holding_it
     first = take(broker, r, "holder", 2.0)
     assert isinstance(first, scripts.Lease) and costs[first.index] != 16, "no holder yet: the heaviest waits"
     assert scripts.env_held(broker.scripts, r, "holder", [], [], 60_000, trees=[tree])
+    assert 0 < r.pttl(keys.env_holders(tree[:16])) <= 86_400_000, "a tree no one names again goes within a day"
     held = take(broker, r, "holder", 2.0)
     assert isinstance(held, scripts.Lease) and costs[held.index] == 16, "the heaviest to the strongest holder"
 

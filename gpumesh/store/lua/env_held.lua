@@ -23,9 +23,15 @@ redis.call('HSET', worker_key, 'envs', held, 'env_failed', failed)
 if ttl_ms > 0 then
   redis.call('PEXPIRE', worker_key, ttl_ms)
 end
+-- A holders zset goes a day after its last holder named it (workers name theirs again every hour): an env or
+-- tree no worker holds any more leaves nothing behind. Holders gone meanwhile are dropped as dispatch reads them.
+local HOLDERS_TTL_MS = '86400000'
 for _, list in ipairs({held, trees}) do
   for short in string.gmatch(list, '[^,]+') do
-    redis.pcall('ZADD', env_holders(short), score, worker_id)  -- pcall: a score that is not a number adds nothing
+    local key = env_holders(short)
+    if redis.pcall('ZADD', key, score, worker_id) ~= nil then  -- pcall: a score that is not a number adds nothing
+      redis.pcall('PEXPIRE', key, HOLDERS_TTL_MS)
+    end
   end
 end
 return {1, 'held'}
