@@ -27,6 +27,7 @@ from pathlib import Path
 from gpumesh.envs.lock import check_lock, digest_of, uv_binary
 
 READY = ".gpumesh-env.json"  # written last: a folder without it is not an env
+SIZE = ".bytes"  # <env folder name>.bytes: the bytes of its files, counted as it was sealed
 BUILDS = "builds.jsonl"  # one line per build (uv venv + uv pip install), kept for `gpumesh envs` and doctor
 
 
@@ -52,20 +53,25 @@ def _site_of(path: Path) -> str:
     return str(found[0]) if found else ""
 
 
-def _read_only(root: Path) -> None:
-    """Nobody writes an env once built: its files 0444 (0555 when executable), its folders 0555."""
+def _read_only(root: Path) -> int:
+    """Nobody writes an env once built: its files 0444 (0555 when executable), its folders 0555. Returns the bytes
+    of its files (the cache's size, counted on the way)."""
+    total = 0
     for dirpath, _dirnames, filenames in os.walk(root):
         for name in filenames:
             p = os.path.join(dirpath, name)
             st = os.lstat(p)
             if stat.S_ISREG(st.st_mode):
                 os.chmod(p, 0o555 if st.st_mode & 0o111 else 0o444)
+                total += st.st_size
         os.chmod(dirpath, 0o555)
+    return total
 
 
-def _seal(root: Path, owned: bool) -> None:
+def _seal(root: Path, owned: bool) -> int:
     """:func:`_read_only` for an env a sandbox user built: root takes it over (``owned``: that user could chmod
     its own files back), and the walk goes by file descriptors, never following a symlink the builder left."""
+    total = 0
     for _dirpath, dirnames, filenames, dirfd in os.fwalk(root):
         for name in filenames + dirnames:
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
@@ -74,15 +80,17 @@ def _seal(root: Path, owned: bool) -> None:
             elif stat.S_ISREG(st.st_mode):
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
                 try:
-                    mode = os.fstat(fd).st_mode
+                    st = os.fstat(fd)
                     if owned:
                         os.fchown(fd, 0, 0)
-                    os.fchmod(fd, 0o555 if mode & 0o111 else 0o444)
+                    os.fchmod(fd, 0o555 if st.st_mode & 0o111 else 0o444)
+                    total += st.st_size
                 finally:
                     os.close(fd)
         if owned:
             os.fchown(dirfd, 0, 0)
         os.fchmod(dirfd, 0o555)
+    return total
 
 
 def _writable(root: Path) -> None:
@@ -245,10 +253,9 @@ class EnvCache:
                 json.dumps({"digest": digest, "built": time.time(), "requires_python": requires_python,
                             "packages": [ln.split(" ")[0] for ln in text.splitlines() if ln and ln[0] not in " #-"]})
             )  # fmt: skip
-            if self.user is None:
-                _read_only(tmp / "v")
-            else:
-                _seal(tmp / "v", owned=True)
+            size = _read_only(tmp / "v") if self.user is None else _seal(tmp / "v", owned=True)
+            # its size beside it, for the bound on the cache (evict), which would otherwise walk every env again
+            (self.root / f"{digest[:32]}{SIZE}").write_text(str(size))
             os.rename(tmp / "v", final)
             self._record(digest, time.monotonic() - started, True)
         except subprocess.TimeoutExpired as exc:
@@ -309,13 +316,19 @@ class EnvCache:
                 except (OSError, ValueError):
                     meta = {}
                 lockf = self.root / f"{p.name}.lock"
-                out.append({"digest": meta.get("digest", p.name), "state": "ready", "bytes": size_of(p),
+                out.append({"digest": meta.get("digest", p.name), "state": "ready", "bytes": self._size(p),
                             "last_used": lockf.stat().st_mtime if lockf.exists() else p.stat().st_mtime,
                             "in_use": self._in_use(lockf), "packages": meta.get("packages", [])})  # fmt: skip
             elif p.name.endswith(".failed"):
                 out.append({"digest": p.name.removesuffix(".failed"), "state": "failed", "bytes": 0,
                             "last_used": p.stat().st_mtime, "in_use": False, "error": p.read_text()[-300:]})  # fmt: skip
         return out
+
+    def _size(self, env: Path) -> int:
+        """The bytes of an env's files: as its build counted them, else counted now."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.root / f"{env.name}{SIZE}").read_text())
+        return size_of(env)
 
     def _in_use(self, lockf: Path) -> bool:
         if not lockf.exists():
@@ -341,6 +354,7 @@ class EnvCache:
             (p / READY).chmod(0o644) if (p / READY).exists() else None
             _writable(p)
             shutil.rmtree(p, ignore_errors=True)
+            (self.root / f"{name}{SIZE}").unlink(missing_ok=True)
             return True
         finally:
             os.close(fd)
