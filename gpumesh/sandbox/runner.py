@@ -389,9 +389,13 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
     # Its descriptor held from before the task may touch the directory: the output files are read through it.
     script_rel = spec.script_name if project is not None else os.path.basename(spec.script_name) or "task.py"
     # A directory made ahead may show the project already (made by the worker for the same view and script).
-    made = meanwhile.take_dir_for(project, script_rel) if meanwhile is not None and limits.user is None else None
-    if made is None and meanwhile is not None and limits.user is not None:
-        made = (*got, False) if (got := meanwhile.take_dir()) is not None else None
+    own_dir = spec.zygote.attempt_dir() if spec.zygote is not None else None  # a job's preload zygote's
+    made = (*own_dir, False) if own_dir is not None else None
+    if made is None and meanwhile is not None:
+        if limits.user is None:
+            made = meanwhile.take_dir_for(project, script_rel)
+        elif (got := meanwhile.take_dir()) is not None:
+            made = (*got, False)
     workdir, workdir_fd, shown = made or (*taskdir.make_open(), False)
     started = time.monotonic()
     script = os.path.join(workdir, script_rel)
@@ -411,6 +415,8 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
         owner = spec.zygote if spec.zygote is not None else spec.spares if limits.user is None else None
+        if own_dir is not None:  # its attempts are forked when asked for: no spare waits in a cgroup ahead
+            owner = None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
             proc = _start(spec, workdir, script, full_env, cgroup, ahead, handing)
@@ -468,7 +474,7 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
         # Left for later only when it ended as it should and the next attempt cannot read it (Landlock gives each
         # its own directory alone): an unconfined task could read the last one's output files meanwhile.
         if meanwhile is not None and swept and _confined(limits):
-            reusable = (project, script_rel) if project is not None and limits.user is None else None
+            reusable = (project, script_rel) if project is not None and limits.user is None and not own_dir else None
             meanwhile.remove(workdir, script, output_dir, workdir_fd, reusable)
         else:
             try:

@@ -156,6 +156,11 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def attempt_dir(self) -> tuple[str, int] | None:
+        """Where an attempt of this zygote runs, made and opened (as taskdir.make_open): None, any directory the
+        worker makes (a job's preload zygote makes them beneath its own, :mod:`gpumesh.sandbox.preloaded`)."""
+        return None
+
     def spawn(
         self,
         script: str,

@@ -1,0 +1,235 @@
+"""A job's preload zygote (warm mode, a job with an environment and a ``preload``): the worker's side.
+
+The job's ``preload`` modules come from its environment, so they are the job's code: the process that imports them
+is confined as a task is before anything of the env runs, and it belongs to that one job. It is started as a reused
+process is (the launcher's ``--preloaded`` mode): a supervisor in a cgroup of its own, as the sandbox user, dying
+with the worker, whose child confines itself (its namespaces, no capabilities, no_new_privs, Landlock that lets it
+read what a task of the job may read and write only beneath a directory of its own, seccomp), then adds the env's
+site and imports the preload. Each attempt's directory is made in that directory, and each attempt is a child the
+zygote forks, which the worker moves into the attempt's cgroup before it runs anything of the task; the child
+narrows Landlock to its own directory. :class:`JobZygote` is driven by ``sandbox.run`` as a :class:`Zygote` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpumesh.sandbox import taskdir, tree
+from gpumesh.sandbox.launch import clean_env, forget_launcher_command
+from gpumesh.sandbox.launcher import LIMITS, PRELOAD_ERROR, TASK_DIR_PREFIX
+from gpumesh.sandbox.runner import Limits, _launcher, launcher_limits
+from gpumesh.sandbox.warm import WarmProcess, Zygote, ZygoteError, _recv_json
+
+log = logging.getLogger("gpumesh.worker")
+
+
+class PreloadFailed(ZygoteError):
+    """The job's preload did not import (its message names the module): the job's fault, not the worker's."""
+
+
+class AttemptGroup(WarmProcess):
+    """One attempt a preload zygote forked: the script's own process (its session's leader), not a supervisor, so a
+    signal goes to its whole process group; the zygote takes what is left down once it ends."""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class JobZygote(Zygote):
+    """The preload zygote of one job on this worker, for the env whose interpreter and site ``limits`` name
+    (``limits.python``, ``limits.site``), confined by ``limits`` (its user, Landlock rules, file sizes) and able to
+    read ``project_tree``. ``env``: variables of its own (CUDA_VISIBLE_DEVICES), never a credential."""
+
+    def __init__(
+        self, job_id: str, preload: Sequence[str], limits: Limits, env: Mapping[str, str] | None = None,
+        project_tree: str = "",
+    ) -> None:  # fmt: skip
+        super().__init__(preload, limits.python, env)
+        self.job_id = job_id
+        self.limits = limits
+        self.project_tree = project_tree
+        self.dir = ""
+        self._dir_fd: int | None = None
+        self._cgroup: str | None = None
+        self._stderr: Any = None
+
+    def attempt_dir(self) -> tuple[str, int] | None:
+        """A new directory for an attempt, beneath this zygote's own (the only place its Landlock lets it write),
+        with its output dir, opened: as taskdir.make_open makes one."""
+        self._make_dir()
+        workdir = tempfile.mkdtemp(prefix=TASK_DIR_PREFIX, dir=self.dir)
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.mkdir(taskdir.OUTPUT, dir_fd=fd)
+        except OSError:
+            os.close(fd)
+            os.rmdir(workdir)
+            raise
+        return workdir, fd
+
+    def _make_dir(self) -> None:
+        """The zygote's own directory, made once (a zygote started again keeps it: its attempts' are in it)."""
+        if self._dir_fd is None:
+            self.dir, self._dir_fd = taskdir.make_open()
+            # root's: the zygote (the sandbox user) reaches its attempts' directories through it and makes nothing in
+            # it, so no name the worker makes or removes there can be swapped by the job's code.
+            os.fchmod(self._dir_fd, 0o711)
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start it and wait until it has imported the preload: PreloadFailed naming the module that did not
+        import, ZygoteError for anything else."""
+        tree.become_subreaper()
+        self._make_dir()
+        self._cgroup = tree.new_cgroup()
+        own = dataclasses.replace(self.limits, cpu_seconds=0)  # each attempt takes its own CPU limit
+        named = launcher_limits(own, self.dir, self.project_tree, self._cgroup)
+        extra = {"TMPDIR": self.dir, **({"GPUMESH_ENV_SITE": own.site} if own.site else {})}
+        if own.user is not None:
+            extra["HOME"] = self.dir
+        env = clean_env({**self.env, **extra})
+        if own.user is not None:
+            for var in ("USER", "LOGNAME"):
+                env.pop(var, None)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = _launcher(own)
+        marker = os.path.join(self.dir, ".zygote")  # no file: the zygote's directory, where it starts
+        try:
+            with tree.launching():
+                self.proc = subprocess.Popen(
+                    [*cmd, "--preloaded", str(theirs.fileno()), str(os.getpid()), marker, ",".join(self.preload),
+                     *(named[name] for name in LIMITS)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=(theirs.fileno(),), env=env, cwd="/", start_new_session=True,
+                )  # fmt: skip
+                tree.helper(self.proc.pid)
+        except OSError:
+            mine.close()
+            forget_launcher_command(cmd)
+            self._end()
+            raise
+        finally:
+            theirs.close()
+        self._ctrl = mine
+        self._stderr = self.proc.stderr
+        self.started += 1
+        try:
+            msg = _recv_json(mine, timeout)
+        except TimeoutError:
+            self._end()
+            raise ZygoteError(f"the job's preload zygote did not import {self.preload} in {timeout:.0f}s") from None
+        finally:
+            forget_launcher_command(cmd)
+        if msg is None or "error" in msg:
+            said = self._said() if msg is None else ""
+            self._end()
+            if msg is not None and str(msg["error"]).startswith(PRELOAD_ERROR):
+                raise PreloadFailed(str(msg["error"]))
+            raise ZygoteError(msg["error"] if msg else f"the job's preload zygote exited at start ({said})")
+        self._drop_stderr()
+        log.info("preload zygote %d of job %s ready, preloaded %s", msg["ready"], self.job_id, ", ".join(self.preload))
+
+    def _said(self) -> str:
+        """The last line its supervisor or its child wrote before it exited at start."""
+        if self._stderr is None or self.proc is None:
+            return "no message"
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "no message"
+        ready, _, _ = select.select([self._stderr], [], [], 0)
+        text = os.read(self._stderr.fileno(), 1 << 16).decode(errors="replace") if ready else ""
+        lines = [line for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit {self.proc.returncode}"
+
+    def _drop_stderr(self) -> None:
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+    def spawn(
+        self, script: str, cwd: str, env: Mapping[str, str], limits: Mapping[str, str], stdin: int,
+        ahead: str | None = None, source: str | None = None, serve: int | None = None,
+    ) -> WarmProcess:  # fmt: skip
+        """Fork one attempt; it runs once this worker has moved it into the attempt's cgroup (``limits["cgroup"]``).
+        ``ahead`` and ``serve`` are not this zygote's (no spare waits ahead, no reused process)."""
+        if serve is not None:
+            raise ZygoteError("a job's preload zygote runs no reused process")
+        with self._lock:
+            if not self.alive():
+                if self.started:
+                    log.warning("the preload zygote of job %s is gone; starting a new one", self.job_id)
+                self._end()
+                self.start()
+            assert self._ctrl is not None
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                req = {"script": script, "cwd": cwd, "env": dict(env), "limits": dict(limits), "source": source}
+                socket.send_fds(self._ctrl, [json.dumps(req).encode()], [theirs.fileno(), stdin, out_w, err_w])
+            except OSError as exc:
+                for fd in (out_r, err_r):
+                    os.close(fd)
+                mine.close()
+                raise ZygoteError(f"the job's preload zygote stopped answering ({exc})") from exc
+            finally:
+                theirs.close()
+                os.close(out_w)
+                os.close(err_w)
+            stdout, stderr = os.fdopen(out_r, "rb", 0), os.fdopen(err_r, "rb", 0)
+            try:
+                msg = _recv_json(mine, 10.0)
+            except TimeoutError:
+                msg = None
+            if msg is None or "pid" not in msg:
+                mine.close()
+                stdout.close()
+                stderr.close()
+                raise ZygoteError("the job's preload zygote did not fork the attempt")
+            proc = AttemptGroup(msg["pid"], mine, stdout, stderr)
+            cgroup = limits.get("cgroup", "-")
+            try:
+                if cgroup != "-":  # before anything of the task runs: it waits for the word
+                    tree.join_cgroup(cgroup, proc.pid)
+                mine.send(b"go")
+            except OSError as exc:
+                log.warning("%s: could not put the attempt in its cgroup (%s); it does not run", self.job_id, exc)
+                proc.send_signal(signal.SIGKILL)
+            return proc
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the zygote and everything in its cgroup, and remove its directory."""
+        self._end(timeout)
+        self._remove()
+
+    def _end(self, timeout: float = 5.0) -> None:
+        """Stop the zygote and everything in its cgroup, keeping its directory (a new one may start in it)."""
+        self._stop(timeout)
+        self._drop_stderr()
+        tree.end_cgroup(self._cgroup)
+        self._cgroup = None
+
+    def _remove(self) -> None:
+        if self._dir_fd is not None:
+            try:
+                taskdir.empty(self._dir_fd)
+                os.rmdir(self.dir)
+            except OSError:
+                pass
+            finally:
+                os.close(self._dir_fd)
+                self._dir_fd = None
