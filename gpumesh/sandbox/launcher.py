@@ -835,7 +835,12 @@ def _join_ahead(path: str) -> str | None:
 
 
 def supervise(
-    parent: str, script: str, limits: dict[str, str], *, cwd: str | None = None, serve: int | None = None,
+    parent: str,
+    script: str,
+    limits: dict[str, str],
+    *,
+    cwd: str | None = None,
+    serve: int | None = None,
     preload: list[str] | None = None,
 ) -> int:
     """Run one attempt of ``script`` (fresh mode: a new interpreter per attempt) and return its exit code (or die
@@ -939,7 +944,10 @@ class _OnTerm:
 
 
 def _fork_script(
-    script: str, rules: dict[str, Any] | None, ruleset: int | None = None, serve: int | None = None,
+    script: str,
+    rules: dict[str, Any] | None,
+    ruleset: int | None = None,
+    serve: int | None = None,
     preload: list[str] | None = None,
 ) -> int:
     """Fork the child that runs ``script``; in this process, return its pid. ``serve``: a reused process's
@@ -1192,6 +1200,10 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
     import json
 
     sock = _socket.socket(fileno=ctrl_fd)
+    supervisor = os.getppid()
+    _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # its supervisor killed: the zygote goes with it
+    if os.getppid() != supervisor:
+        return 70
     for name in preload:
         try:
             __import__(name)
@@ -1272,6 +1284,7 @@ def _preloaded_attempt(req: dict[str, Any], reply: int, stdio: list[int], own: l
     directory, Landlock narrowed to what the attempt may reach (``own``: the zygote's /dev/shm and caches, which
     it may write), and the script. Never returns; exits 70 where the worker said no "go" or the rules failed."""
     os.setsid()
+    _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote killed: its attempt goes with it
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
@@ -1931,8 +1944,8 @@ def main(argv: list[str]) -> None:
     elif argv and argv[0] == "--preloaded":
         # A job's preload zygote: as a reused process, but its confined child imports PRELOAD and forks each
         # attempt of the job (see _serve_preloaded).
-        preload = [m for m in argv[4].split(",") if m]
-        sys.exit(supervise(argv[2], argv[3], limits_of(argv[5:]), serve=int(argv[1]), preload=preload))
+        modules = [m for m in argv[4].split(",") if m]
+        sys.exit(supervise(argv[2], argv[3], limits_of(argv[5:]), serve=int(argv[1]), preload=modules))
     elif argv and argv[0] == "--spare":
         sys.exit(spare(int(argv[1]), int(argv[2]), *argv[3:4]))
     else:

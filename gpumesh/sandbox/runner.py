@@ -390,13 +390,7 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
     script_rel = spec.script_name if project is not None else os.path.basename(spec.script_name) or "task.py"
     # A directory made ahead may show the project already (made by the worker for the same view and script).
     own_dir = spec.zygote.attempt_dir() if spec.zygote is not None else None  # a job's preload zygote's
-    made = (*own_dir, False) if own_dir is not None else None
-    if made is None and meanwhile is not None:
-        if limits.user is None:
-            made = meanwhile.take_dir_for(project, script_rel)
-        elif (got := meanwhile.take_dir()) is not None:
-            made = (*got, False)
-    workdir, workdir_fd, shown = made or (*taskdir.make_open(), False)
+    workdir, workdir_fd, shown = _attempt_dir(own_dir, meanwhile, limits, project, script_rel)
     started = time.monotonic()
     script = os.path.join(workdir, script_rel)
     output_dir = os.path.join(workdir, taskdir.OUTPUT)
@@ -482,6 +476,23 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
             finally:
                 os.close(workdir_fd)
     return out
+
+
+def _attempt_dir(
+    own: tuple[str, int] | None, meanwhile: Meanwhile | None, limits: Limits, project: projectview.View | None,
+    script_rel: str,
+) -> tuple[str, int, bool]:  # fmt: skip
+    """The attempt's directory, its descriptor and whether it shows ``project`` already: ``own``, where its zygote
+    made it; else one made ahead (``meanwhile``), else a new one."""
+    if own is not None:
+        return (*own, False)
+    made = None
+    if meanwhile is not None:
+        if limits.user is None:
+            made = meanwhile.take_dir_for(project, script_rel)
+        elif (got := meanwhile.take_dir()) is not None:
+            made = (*got, False)
+    return made or (*taskdir.make_open(), False)
 
 
 class Checkpoint(Protocol):
