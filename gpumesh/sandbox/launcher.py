@@ -1193,8 +1193,8 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
     with four descriptors (the attempt's reply socket, stdin, stdout, stderr). It answers {"pid"} on the reply
     socket, the child waits there for the worker's "go" (sent once the worker has moved it into the attempt's
     cgroup), and {"pid", "status"} follows once the attempt's whole tree is gone. ``own``: the paths the zygote's
-    namespaces made its own (/dev/shm, the caches), which each attempt may write and which are emptied after it.
-    EOF on ``ctrl_fd``: exit 0."""
+    namespaces made its own (/dev/shm, the caches; none without them): its /dev/shm and SysV IPC are emptied after
+    each attempt. EOF on ``ctrl_fd``: exit 0."""
     import _socket
     import gc
     import json
@@ -1204,16 +1204,9 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
     _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # its supervisor killed: the zygote goes with it
     if os.getppid() != supervisor:
         return 70
-    for name in preload:
-        try:
-            __import__(name)
-        except BaseException as exc:  # noqa: BLE001 - a user's module: any failure is said in one line
-            message = str(exc).splitlines()[0] if str(exc) else ""
-            sock.send(json.dumps({"error": f"{PRELOAD_ERROR}{name}: {type(exc).__name__}: {message}"}).encode())
-            return 2
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)():
-        sock.send(json.dumps({"error": "preload initialised CUDA, which a forked task cannot use"}).encode())
+    failed = _import_preload(preload)
+    if failed:
+        sock.send(json.dumps({"error": failed}).encode())
         return 2
     compile(_WARM_UP, "<warm-up>", "exec")
     import traceback  # noqa: F401  # a task's error path needs it: imported once, shared
@@ -1255,8 +1248,40 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
         _end_what_it_left()
         _reply(fds[0], {"pid": child, "status": status if status is not None else 70 << 8})
         os.close(fds[0])
-        for path in own:  # what an attempt left in the job's /dev/shm or caches is not the next one's
-            _empty_dir(path)
+        if own:  # what an attempt left in the job's own /dev/shm and SysV IPC is not the next one's
+            _empty_dir(SHM)
+            _remove_sysv_ipc()
+
+
+def _import_preload(preload: list[str]) -> str:
+    """Import ``preload``: "" when all did, else one line that names the module ("preload MOD: Type: message"), or
+    says that CUDA was initialised (a forked task cannot use it)."""
+    for name in preload:
+        try:
+            __import__(name)
+        except BaseException as exc:  # noqa: BLE001 - a user's module: any failure is said in one line
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            return f"{PRELOAD_ERROR}{name}: {type(exc).__name__}: {message}"
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)():
+        return f"{PRELOAD_ERROR}{','.join(preload)}: initialised CUDA, which a forked task cannot use"
+    return ""
+
+
+def _remove_sysv_ipc() -> None:
+    """Remove every SysV shared memory segment, semaphore set and message queue of this IPC namespace (the
+    zygote's own, which its attempts share one after another)."""
+    libc = _syscall()[1]
+    for kind, remove in (("shm", libc.shmctl), ("sem", libc.semctl), ("msg", libc.msgctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 1 and fields[1].isdigit():  # IPC_RMID (0); semctl's third argument is a semaphore's
+                remove(int(fields[1]), 0, 0 if kind == "sem" else None)
 
 
 def _empty_dir(path: str) -> None:
@@ -1282,7 +1307,8 @@ def _preloaded_attempt(req: dict[str, Any], reply: int, stdio: list[int], own: l
     """In the child a preload zygote forked for an attempt: its own session and stdio, then wait on ``reply`` for
     the worker's "go" (it is in the attempt's cgroup by then), then the attempt's environment, rlimits and
     directory, Landlock narrowed to what the attempt may reach (``own``: the zygote's /dev/shm and caches, which
-    it may write), and the script. Never returns; exits 70 where the worker said no "go" or the rules failed."""
+    it may write; its caches it may only read: no write of one attempt there could reach the next), and the
+    script. Never returns; exits 70 where the worker said no "go" or the rules failed."""
     os.setsid()
     _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote killed: its attempt goes with it
     for target, fd in enumerate(stdio):
@@ -1309,7 +1335,7 @@ def _preloaded_attempt(req: dict[str, Any], reply: int, stdio: list[int], own: l
             try:
                 add_attempt_rules(ruleset, rules)
                 handled = fs_rights(int(rules["abi"]))
-                _grant(ruleset, handled, ((own, handled),))
+                _grant(ruleset, handled, (([p for p in own if p == SHM], handled), (own, FS_READ)))
                 restrict_to(ruleset)
             finally:
                 os.close(ruleset)

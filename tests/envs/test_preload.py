@@ -15,7 +15,7 @@ import pytest
 import redis
 
 import gpumesh
-from gpumesh.sandbox import landlock
+from gpumesh.sandbox import landlock, namespaces
 
 from ..api.test_projects import SYSTEM_PYTHON, can_sandbox_user
 from ..conftest import Workers, pid_alive, wait_until
@@ -40,23 +40,26 @@ import json, os, sys
 before = "gmpre" in sys.modules
 seen = getattr(sys, "gm_left_by_a_task", None)
 sys.gm_left_by_a_task = os.getpid()
+shm = os.path.exists("/dev/shm/gm-left-by-a-task")
+try:
+    open("/dev/shm/gm-left-by-a-task", "w").close()
+except OSError:
+    pass
+ipc = False
+if json.load(sys.stdin).get("private"):  # a SysV segment, in the job's own IPC namespace
+    import ctypes
+    libc = ctypes.CDLL(None)
+    ipc = libc.shmget(0x676D6C66, 0, 0) >= 0
+    libc.shmget(0x676D6C66, 4096, 0o1000 | 0o600)  # IPC_CREAT
 import gmpre
 print(json.dumps({"before": before, "seen": seen, "pid": os.getpid(), "zygote": gmpre.PID, "at": gmpre.AT,
-                  "tag": gmpre.TAG}))
+                  "tag": gmpre.TAG, "shm": shm, "ipc": ipc}))
 """
 
 
-def submit(script: Path, env: dict[str, str], *args: str, n: int = 3) -> str:
-    ran = run_cli(
-        "submit",
-        str(script),
-        "--payloads",
-        "-",
-        "--json",
-        *args,
-        env=env,
-        input=json.dumps([{"i": i} for i in range(n)]),
-    )
+def submit(script: Path, env: dict[str, str], *args: str, n: int = 3, private: bool = False) -> str:
+    payloads = [{"i": i, "private": private} for i in range(n)]
+    ran = run_cli("submit", str(script), "--payloads", "-", "--json", *args, env=env, input=json.dumps(payloads))
     assert ran.returncode == 0, ran.stderr
     return str(json.loads(ran.stdout)["job_id"])
 
@@ -72,10 +75,12 @@ def test_warm_tasks_find_their_job_s_preload_imported_and_still_start_fresh(
     script = tmp_path / "show.py"
     script.write_text(SHOW)
     workers.start("--warm")
-    first = finished(submit(script, env, "--preload", "gmpre"), workers)
+    private = namespaces.unavailable() is None  # the job's own /dev/shm and IPC, emptied after each task
+    first = finished(submit(script, env, "--preload", "gmpre", private=private), workers)
     second = finished(submit(script, env, "--preload", "gmpre,gmpre_extra", "--preload", "json"), workers)
     for results in (first, second):
         assert all(isinstance(r, dict) and r["before"] and r["seen"] is None for r in results), results
+        assert not private or not any(r["shm"] or r["ipc"] for r in results), results  # type: ignore[index]
         assert len({r["zygote"] for r in results}) == 1  # type: ignore[index]
         assert all(r["zygote"] != r["pid"] for r in results)  # type: ignore[index]
     z1, z2 = first[0]["zygote"], second[0]["zygote"]  # type: ignore[index]
@@ -239,3 +244,32 @@ def test_a_job_file_s_env_preload_and_the_api_s_preload_reach_the_worker(
     with gpumesh.connect() as mesh:
         job = mesh.submit(tmp_path / "show.py", [{"i": 0}], preload=["gmpre"])
         assert finished(job.id, workers)[0]["before"]  # type: ignore[index]
+
+
+@pytest.mark.security
+def test_the_signature_covers_the_preload(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, r: redis.Redis
+) -> None:
+    """A worker credential can write a job's hash: a preload changed, added or removed there makes a trusting
+    worker refuse the job's tasks, as a rewritten lock does; the honest job runs."""
+    from gpumesh import signing
+    from gpumesh.store import keys
+
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmpre_extra.py": "X = 1\n"})
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    priv, pub = signing.generate(tmp_path / "keys")
+    with gpumesh.connect() as mesh:
+        jobs = [mesh.submit(script, [{"i": 0}], sign_key=priv, max_attempts=1, preload=p) for p in
+                (["gmpre"], ["gmpre"], [], ["gmpre"], ["gmpre"])]  # fmt: skip
+        changed, added_to, added, removed, honest = jobs
+        r.hset(keys.job(changed.id), "preload", "gmpre_extra")
+        r.hset(keys.job(added_to.id), "preload", "gmpre,gmpre_extra")
+        r.hset(keys.job(added.id), "preload", "gmpre")
+        r.hdel(keys.job(removed.id), "preload")
+        workers.start("--warm", "--trust", signing.inline(signing.public_key(pub)))
+        for job in (changed, added_to, added, removed):
+            assert job.wait(timeout=120).status == "failed"
+            (row,) = job.results()
+            assert row.error_kind == "refused" and "signature" in (row.error or ""), row
+        assert honest.wait(timeout=120).status == "done", honest.results()
