@@ -26,8 +26,8 @@ from typing import Any
 
 from gpumesh.sandbox import taskdir, tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command
-from gpumesh.sandbox.launcher import LIMITS, PRELOAD_ERROR, TASK_DIR_PREFIX
-from gpumesh.sandbox.runner import Limits, _launcher, launcher_limits
+from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, LIMITS, PRELOAD_ERROR, TASK_DIR_PREFIX
+from gpumesh.sandbox.runner import Limits, _launcher, launcher_limits, tree_memory
 from gpumesh.sandbox.warm import WarmProcess, Zygote, ZygoteError, _recv_json
 
 log = logging.getLogger("gpumesh.worker")
@@ -88,6 +88,14 @@ class JobZygote(Zygote):
             # root's: the zygote (the sandbox user) reaches its attempts' directories through it and makes nothing in
             # it, so no name the worker makes or removes there can be swapped by the job's code.
             os.fchmod(self._dir_fd, 0o711)
+            isolation = self.limits.isolation
+            if isolation is not None and isolation.private:  # where its caches' overlays keep what it writes
+                for i, _path in enumerate(isolation.cache):
+                    os.mkdir(f"{CACHE_DIR_PREFIX}{i}", 0o700, dir_fd=self._dir_fd)
+                    if self.limits.user is not None:
+                        os.chown(
+                            f"{CACHE_DIR_PREFIX}{i}", *self.limits.user, dir_fd=self._dir_fd, follow_symlinks=False
+                        )
 
     def start(self, timeout: float = 300.0) -> None:
         """Start it and wait until it has imported the preload: PreloadFailed naming the module that did not
@@ -130,7 +138,7 @@ class JobZygote(Zygote):
             msg = _recv_json(mine, timeout)
         except TimeoutError:
             self._end()
-            raise ZygoteError(f"the job's preload zygote did not import {self.preload} in {timeout:.0f}s") from None
+            raise PreloadFailed(f"{PRELOAD_ERROR}{','.join(self.preload)}: not imported in {timeout:.0f}s") from None
         finally:
             forget_launcher_command(cmd)
         if msg is None or "error" in msg:
@@ -140,7 +148,23 @@ class JobZygote(Zygote):
                 raise PreloadFailed(str(msg["error"]))
             raise ZygoteError(msg["error"] if msg else f"the job's preload zygote exited at start ({said})")
         self._drop_stderr()
+        over = self._over_cap()
+        if over:
+            self._end()
+            raise PreloadFailed(over)
         log.info("preload zygote %d of job %s ready, preloaded %s", msg["ready"], self.job_id, ", ".join(self.preload))
+
+    def _over_cap(self) -> str:
+        """Why the zygote may not serve the job: what its preload holds is over the job's memory cap ("": it is not).
+        Its pages count in each attempt only where the attempt touches them: counted here, once it has imported."""
+        cap = self.limits.memory_bytes
+        if not cap or self.proc is None:
+            return ""
+        held = tree_memory(self.proc.pid, cap)
+        if held <= cap:
+            return ""
+        return (f"{PRELOAD_ERROR}{','.join(self.preload)}: the zygote holds {held >> 20} MiB, over the job's memory "
+                f"cap of {cap >> 20} MiB")  # fmt: skip
 
     def _said(self) -> str:
         """The last line its supervisor or its child wrote before it exited at start."""
@@ -226,10 +250,7 @@ class JobZygote(Zygote):
     def _remove(self) -> None:
         if self._dir_fd is not None:
             try:
-                taskdir.empty(self._dir_fd)
-                os.rmdir(self.dir)
-            except OSError:
-                pass
+                taskdir.remove(self.dir, None, os.path.join(self.dir, taskdir.OUTPUT), self._dir_fd)
             finally:
                 os.close(self._dir_fd)
                 self._dir_fd = None
