@@ -1,4 +1,4 @@
-"""The sandbox's first process, in one of three modes.
+"""The sandbox's first process, in one of its modes.
 
 Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID ISOLATION CGROUP``
 runs one attempt: after the script, the attempt's limits, as :data:`LIMITS` names them and in that order (a warm or
@@ -7,6 +7,9 @@ Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fr
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
 Resident: ``python -m gpumesh.sandbox.launcher --resident CTRL_FD PARENT_PID SCRIPT ...`` is a fresh attempt whose
 script's process stays, loaded, and runs one task after another of a job (submit --reuse-process, :func:`_serve_tasks`).
+Preloaded: ``python -m gpumesh.sandbox.launcher --preloaded CTRL_FD PARENT_PID DIR/.zygote PRELOAD ...`` is started as a
+resident one, but its confined child is a job's preload zygote: it imports PRELOAD from the job's env and forks each
+attempt of that job in DIR (:func:`_serve_preloaded`).
 Warm: ``python -m gpumesh.sandbox.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
 runs the attempts the worker asks for in supervisors it forks ahead, each serving attempt after attempt (see
 :func:`zygote`); there the script's process takes its own cgroup, rlimits, user and directory (:func:`_serve_attempts`).
@@ -22,7 +25,8 @@ Imports stay minimal: in fresh mode this runs once per task attempt.
 
 The file's sections, in order: an attempt's limits, as the worker names them (:data:`LIMITS`); the process tree
 below a supervisor; Landlock; seccomp; the attempt's own namespaces; the supervisor, which every mode runs
-(:func:`supervise`); reused processes; warm mode (and the spares, which take its requests); the entry point.
+(:func:`supervise`); reused processes; a job's preload zygote; warm mode (and the spares, which take its requests);
+the entry point.
 """
 
 from __future__ import annotations
@@ -1204,6 +1208,9 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
     _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # its supervisor killed: the zygote goes with it
     if os.getppid() != supervisor:
         return 70
+    project = os.environ.get("GPUMESH_PROJECT_DIR")
+    if project:  # the job's project tree (read only): a preload may be one of its modules
+        sys.path.insert(0, project)
     failed = _import_preload(preload)
     if failed:
         sock.send(json.dumps({"error": failed}).encode())

@@ -106,6 +106,8 @@ class JobZygote(Zygote):
         own = dataclasses.replace(self.limits, cpu_seconds=0)  # each attempt takes its own CPU limit
         named = launcher_limits(own, self.dir, self.project_tree, self._cgroup)
         extra = {"TMPDIR": self.dir, **({"GPUMESH_ENV_SITE": own.site} if own.site else {})}
+        if self.project_tree:  # first on its sys.path: a preload may be a module of the job's project
+            extra["GPUMESH_PROJECT_DIR"] = self.project_tree
         if own.user is not None:
             extra["HOME"] = self.dir
         env = clean_env({**self.env, **extra})

@@ -273,3 +273,25 @@ def test_the_signature_covers_the_preload(
             (row,) = job.results()
             assert row.error_kind == "refused" and "signature" in (row.error or ""), row
         assert honest.wait(timeout=120).status == "done", honest.results()
+
+
+@pytest.mark.processes
+def test_a_preload_may_be_a_module_of_the_job_s_project(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """With --project, a preload names a module of the project as well as of the env: it is imported once per job,
+    and each task finds it imported."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre")})
+    proj = tmp_path / "proj"
+    (proj / "mylib").mkdir(parents=True)
+    (proj / "mylib" / "__init__.py").write_text("")
+    (proj / "mylib" / "model.py").write_text("import os\nLOADED_BY = os.getpid()\n")
+    (proj / "show.py").write_text(
+        SHOW.replace("import gmpre\n", "import gmpre\nfrom mylib import model\n").replace(
+            '"tag": gmpre.TAG,', '"tag": gmpre.TAG, "model": "mylib.model" in sys.modules and model.LOADED_BY,'
+        )
+    )
+    workers.start("--warm")
+    job_id = submit(proj / "show.py", env, "--project", str(proj), "--preload", "gmpre,mylib.model", n=2)
+    results = finished(job_id, workers)
+    assert all(isinstance(r, dict) and r["model"] == r["zygote"] != r["pid"] for r in results), results
