@@ -131,6 +131,21 @@ def test_the_zygote_holds_no_credentials(monkeypatch, make_zygote: MakeZygote):
     assert all(b"hunter2" not in c for c in cmdline)
 
 
+@pytest.mark.security
+def test_a_task_holds_no_descriptor_but_its_stdio(make_zygote: MakeZygote):
+    """Neither the zygote's socket to the worker nor the attempt's reply socket (on which a task could tell the
+    worker its own outcome) reaches the task: only its stdin, stdout and stderr."""
+    z = make_zygote(["json"])
+    z.start()
+    try:
+        outs = [run(z, OPEN_FDS_SCRIPT) for _ in range(2)]
+    finally:
+        z.close()
+    for out in outs:
+        assert out.returncode == 0, list(out.stderr_tail)
+        assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
+
+
 @pytest.mark.faults
 def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path, make_zygote: MakeZygote):
     pidfile = tmp_path / "pid"
