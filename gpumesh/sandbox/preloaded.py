@@ -12,6 +12,7 @@ narrows Landlock to its own directory. :class:`JobZygote` is driven by ``sandbox
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -37,16 +38,82 @@ class PreloadFailed(ZygoteError):
     """The job's preload did not import (its message names the module): the job's fault, not the worker's."""
 
 
+class JobZygoteLost(ZygoteError):
+    """The job's preload zygote died, stopped answering, or named a process that is not its attempt."""
+
+
 class AttemptGroup(WarmProcess):
     """One attempt a preload zygote forked: the script's own process (its session's leader), not a supervisor, so a
-    signal goes to its whole process group; the zygote takes what is left down once it ends."""
+    signal goes to its whole process group; the zygote takes what is left down once it ends.
+
+    The zygote runs the job's code, so nothing it says is trusted: the pid it named was checked to be its own child
+    (:func:`_child_of`), and from then on the process is known by its pidfd, so that a signal never reaches a
+    process that took its pid over after it ended (even if the zygote never says so)."""
+
+    def __init__(self, pid: int, pidfd: int, reply: socket.socket, stdout: Any, stderr: Any) -> None:
+        super().__init__(pid, reply, stdout, stderr)
+        self.pidfd = pidfd
+
+    def same_process(self) -> bool:
+        return self.pidfd >= 0 and _alive(self.pidfd)
+
+    def _status(self, timeout: float | None) -> int | None:
+        try:
+            return super()._status(timeout)
+        except ValueError:  # not JSON: the zygote says nothing the worker can use
+            self.ended(None)
+            return self.returncode
+
+    def ended(self, msg: dict[str, Any] | None) -> None:
+        """As a warm attempt's, but a status that is no wait status counts as the zygote lost."""
+        if isinstance(msg, dict) and "status" in msg:
+            status = msg["status"]
+            if not isinstance(status, int) or isinstance(status, bool) or not 0 <= status < 1 << 16:
+                msg = None
+        elif msg is not None and not isinstance(msg, dict):
+            msg = None
+        super().ended(msg)
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
+        if self.poll() is None and self.same_process():
             try:
-                os.killpg(self.pid, sig)
+                signal.pidfd_send_signal(self.pidfd, sig)
+                os.killpg(self.pid, sig)  # it leads its group while it lives (a session leader cannot leave it)
             except ProcessLookupError:
                 pass
+
+    def close(self) -> None:
+        super().close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def _alive(pidfd: int) -> bool:
+    """Whether the process ``pidfd`` refers to has not exited (the pidfd is readable once it has)."""
+    ready, _, _ = select.select([pidfd], [], [], 0)
+    return not ready
+
+
+def _parent_and_start(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks since boot) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _child_of(supervisor: int, pid: object) -> int | None:
+    """The start time of ``pid`` if it is a child of the supervisor's child (the confined zygote), else None."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    me = _parent_and_start(pid)
+    if me is None:
+        return None
+    parent = _parent_and_start(me[0])
+    return me[1] if parent is not None and parent[0] == supervisor else None
 
 
 class JobZygote(Zygote):
@@ -141,8 +208,12 @@ class JobZygote(Zygote):
         except TimeoutError:
             self._end()
             raise PreloadFailed(f"{PRELOAD_ERROR}{','.join(self.preload)}: not imported in {timeout:.0f}s") from None
+        except ValueError:
+            msg = None
         finally:
             forget_launcher_command(cmd)
+        if not isinstance(msg, dict) or not ("ready" in msg or "error" in msg):
+            msg = None
         if msg is None or "error" in msg:
             said = self._said() if msg is None else ""
             self._end()
@@ -199,7 +270,12 @@ class JobZygote(Zygote):
                 if self.started:
                     log.warning("the preload zygote of job %s is gone; starting a new one", self.job_id)
                 self._end()
-                self.start()
+                try:
+                    self.start()
+                except PreloadFailed:
+                    raise
+                except (OSError, ZygoteError) as exc:
+                    raise JobZygoteLost(f"the job's preload zygote did not start again ({exc})") from exc
             assert self._ctrl is not None
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             out_r, out_w = os.pipe()
@@ -211,7 +287,8 @@ class JobZygote(Zygote):
                 for fd in (out_r, err_r):
                     os.close(fd)
                 mine.close()
-                raise ZygoteError(f"the job's preload zygote stopped answering ({exc})") from exc
+                self._end()
+                raise JobZygoteLost(f"the job's preload zygote stopped answering ({exc})") from exc
             finally:
                 theirs.close()
                 os.close(out_w)
@@ -219,23 +296,53 @@ class JobZygote(Zygote):
             stdout, stderr = os.fdopen(out_r, "rb", 0), os.fdopen(err_r, "rb", 0)
             try:
                 msg = _recv_json(mine, 10.0)
-            except TimeoutError:
+            except (TimeoutError, ValueError):
                 msg = None
-            if msg is None or "pid" not in msg:
+            pidfd, why = self._verified(msg if isinstance(msg, dict) else None, limits.get("cgroup", "-"))
+            if pidfd < 0:
                 mine.close()
                 stdout.close()
                 stderr.close()
-                raise ZygoteError("the job's preload zygote did not fork the attempt")
-            proc = AttemptGroup(msg["pid"], mine, stdout, stderr)
-            cgroup = limits.get("cgroup", "-")
+                self._end()  # it does not say what it did: a new one starts for the next attempt
+                raise JobZygoteLost(f"the job's preload zygote {why}")
+            proc = AttemptGroup(int((msg or {})["pid"]), pidfd, mine, stdout, stderr)
             try:
-                if cgroup != "-":  # before anything of the task runs: it waits for the word
-                    tree.join_cgroup(cgroup, proc.pid)
-                mine.send(b"go")
-            except OSError as exc:
-                log.warning("%s: could not put the attempt in its cgroup (%s); it does not run", self.job_id, exc)
+                mine.send(b"go")  # in its cgroup now: it may run the task
+            except OSError:
                 proc.send_signal(signal.SIGKILL)
             return proc
+
+    def _verified(self, msg: dict[str, Any] | None, cgroup: str) -> tuple[int, str]:
+        """(a pidfd of the attempt's process, "") once the pid the zygote named is its own child, held open, and in
+        the attempt's cgroup (``cgroup``, "-": none); else (-1, why not)."""
+        pid = (msg or {}).get("pid")
+        started = _child_of(self.proc.pid, pid) if self.proc is not None else None
+        if started is None or not isinstance(pid, int):
+            return (
+                -1,
+                "did not fork the attempt" if not msg or "pid" not in msg else f"named {pid!r}, no child of its own",
+            )
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return -1, "named a process that is gone"
+        if tree.start_time(pid) != started or not _alive(pidfd):
+            os.close(pidfd)
+            return -1, "named a process that is gone"
+        try:
+            if cgroup != "-":  # before anything of the task runs: it waits for the word
+                tree.join_cgroup(cgroup, pid)
+        except OSError as exc:
+            os.close(pidfd)
+            return -1, f"forked an attempt that could not join its cgroup ({exc})"
+        if not _alive(pidfd):  # it ended meanwhile: the pid written may name another process by now
+            base = tree.cgroup_base()
+            if cgroup != "-" and base is not None:
+                with contextlib.suppress(OSError):
+                    tree.join_cgroup(base, pid)  # out of the attempt's cgroup, which is killed: it is no one we know
+            os.close(pidfd)
+            return -1, "named a process that ended before it ran"
+        return pidfd, ""
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the zygote and everything in its cgroup, and remove its directory."""

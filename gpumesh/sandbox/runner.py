@@ -276,7 +276,10 @@ def memfd_bytes(pids: list[int]) -> int:
 
 
 def _kill_hard(proc: AttemptProcess) -> None:
-    """Last resort when the launcher did not end in time: KILL it and every descendant we can see."""
+    """Last resort when the launcher did not end in time: KILL it and every descendant we can see (not where its pid
+    may name another process by now: its cgroup, where it has one, is killed all the same)."""
+    if isinstance(proc, WarmProcess) and not proc.same_process():
+        return
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:

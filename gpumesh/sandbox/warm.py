@@ -98,6 +98,11 @@ class WarmProcess:
     def close(self) -> None:
         self._reply.close()
 
+    def same_process(self) -> bool:
+        """Whether ``pid`` still names the process it named when the attempt started (a supervisor of this worker's
+        own zygote is waited for by it, and its pid is no other's until the outcome is told)."""
+        return True
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)

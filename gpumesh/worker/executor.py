@@ -29,7 +29,7 @@ from gpumesh.project import safe_rel
 from gpumesh.sandbox import resident
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
-from gpumesh.sandbox.preloaded import JobZygote, PreloadFailed
+from gpumesh.sandbox.preloaded import JobZygote, JobZygoteLost, PreloadFailed
 from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote, ZygoteError
@@ -611,6 +611,8 @@ class Executor:
             why = str(exc)
             self.w.logs.put(lease.task_id, "gpumesh", why)
             return self._fail(running, why, 0.0, kind="script")
+        except JobZygoteLost as exc:  # it runs the job's code: a new one starts for the next attempt
+            return self._fail(running, str(exc), 0.0, kind="lost")
         out = self._finish_in_sandbox(started)
         # Read again only for what it can explain: an attempt that died by SIGKILL (failure_of).
         out.kernel_oom = out.returncode == -signal.SIGKILL and kernel_oom_kills() > oom_kills >= 0

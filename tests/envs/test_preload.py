@@ -295,3 +295,44 @@ def test_a_preload_may_be_a_module_of_the_job_s_project(
     job_id = submit(proj / "show.py", env, "--project", str(proj), "--preload", "gmpre,mylib.model", n=2)
     results = finished(job_id, workers)
     assert all(isinstance(r, dict) and r["model"] == r["zygote"] != r["pid"] for r in results), results
+
+
+LIAR = """\
+import __main__
+_told = __main__._reply
+def _reply(fd, msg):  # the launcher's, replaced: the attempt's pid becomes another process's
+    _told(fd, {{"pid": {decoy}}} if set(msg) == {{"pid"}} else msg)
+__main__._reply = _reply
+"""
+
+
+@pytest.mark.security
+@pytest.mark.skipif(landlock.abi() < 1, reason="this kernel has no Landlock")
+def test_a_preload_zygote_that_names_another_process_moves_and_signals_nothing(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The preload zygote runs the job's code, which can rewrite what it tells the worker: a pid that is not its
+    own attempt's (a process of the host) is refused. The worker neither moves it into the attempt's cgroup nor
+    signals it, and the attempt fails (kind lost)."""
+    import subprocess
+
+    decoy = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        cgroup_before = Path(f"/proc/{decoy.pid}/cgroup").read_text()
+        make_wheel(
+            index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmliar.py": LIAR.format(decoy=decoy.pid)}
+        )
+        script = tmp_path / "show.py"
+        script.write_text(SHOW)
+        workers.start("--warm")
+        job_id = submit(script, env, "--preload", "gmliar", "--max-attempts", "1", n=1)
+        with gpumesh.connect() as mesh:
+            job = mesh.job(job_id)
+            assert job.wait(timeout=120).status == "failed"
+            (row,) = job.results()
+        assert row.error_kind == "lost" and "no child of its own" in (row.error or ""), row
+        assert decoy.poll() is None, "the worker signalled a process the zygote named"
+        assert Path(f"/proc/{decoy.pid}/cgroup").read_text() == cgroup_before
+    finally:
+        decoy.kill()
+        decoy.wait()
