@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from gpumesh.sandbox.runner import Limits, _launcher, launcher_limits, tree_memo
 from gpumesh.sandbox.warm import WarmProcess, Zygote, ZygoteError, _recv_json
 
 log = logging.getLogger("gpumesh.worker")
+
+MAX_SAID = 1000  # characters of what a preload zygote says at start (its error, its stderr's last line) kept
 
 
 class PreloadFailed(ZygoteError):
@@ -204,28 +207,24 @@ class JobZygote(Zygote):
         self._stderr = self.proc.stderr
         self.started += 1
         try:
-            msg = _recv_json(mine, timeout)
+            msg, said = self._await_ready(mine, timeout)
         except TimeoutError:
             self._end()
             raise PreloadFailed(f"{PRELOAD_ERROR}{','.join(self.preload)}: not imported in {timeout:.0f}s") from None
-        except ValueError:
-            msg = None
         finally:
             forget_launcher_command(cmd)
-        if not isinstance(msg, dict) or not ("ready" in msg or "error" in msg):
-            msg = None
         if msg is None or "error" in msg:
-            said = self._said() if msg is None else ""
             self._end()
-            if msg is not None and str(msg["error"]).startswith(PRELOAD_ERROR):
-                raise PreloadFailed(str(msg["error"]))
-            raise ZygoteError(msg["error"] if msg else f"the job's preload zygote exited at start ({said})")
+            error = str(msg["error"])[:MAX_SAID] if msg is not None else ""
+            if error.startswith(PRELOAD_ERROR):
+                raise PreloadFailed(error)
+            raise ZygoteError(error or f"the job's preload zygote exited at start ({said or 'no message'})")
         self._drop_stderr()
         over = self._over_cap()
         if over:
             self._end()
             raise PreloadFailed(over)
-        log.info("preload zygote %d of job %s ready, preloaded %s", msg["ready"], self.job_id, ", ".join(self.preload))
+        log.info("preload zygote %s of job %s ready, preloaded %s", msg["ready"], self.job_id, ", ".join(self.preload))
 
     def _over_cap(self) -> str:
         """Why the zygote may not serve the job: what its preload holds is over the job's memory cap ("": it is not).
@@ -239,18 +238,33 @@ class JobZygote(Zygote):
         return (f"{PRELOAD_ERROR}{','.join(self.preload)}: the zygote holds {held >> 20} MiB, over the job's memory "
                 f"cap of {cap >> 20} MiB")  # fmt: skip
 
-    def _said(self) -> str:
-        """The last line its supervisor or its child wrote before it exited at start."""
-        if self._stderr is None or self.proc is None:
-            return "no message"
+    def _await_ready(self, ctrl: socket.socket, timeout: float) -> tuple[dict[str, Any] | None, str]:
+        """({"ready"} or {"error"}, or None when it exited or said nothing usable; the last line it wrote on its
+        stderr meanwhile), its stderr read as it comes (a preload that writes much must not fill the pipe and
+        stall). TimeoutError past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        tail = b""
+        streams: list[Any] = [ctrl, *([self._stderr] if self._stderr is not None else [])]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select(streams, [], [], left)
+            if self._stderr is not None and self._stderr in ready:
+                chunk = os.read(self._stderr.fileno(), 1 << 16)
+                if chunk:
+                    tail = (tail + chunk)[-MAX_SAID:]
+                else:
+                    streams.remove(self._stderr)
+            if ctrl in ready:
+                break
+        lines = [line for line in tail.decode(errors="replace").splitlines() if line.strip()]
         try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return "no message"
-        ready, _, _ = select.select([self._stderr], [], [], 0)
-        text = os.read(self._stderr.fileno(), 1 << 16).decode(errors="replace") if ready else ""
-        lines = [line for line in text.splitlines() if line.strip()]
-        return lines[-1] if lines else f"exit {self.proc.returncode}"
+            msg = _recv_json(ctrl, 0)
+        except (TimeoutError, ValueError):
+            msg = None
+        usable = isinstance(msg, dict) and ("ready" in msg or "error" in msg)
+        return (msg if usable else None), (lines[-1] if lines else "")
 
     def _drop_stderr(self) -> None:
         if self._stderr is not None:

@@ -146,6 +146,19 @@ def test_a_task_holds_no_descriptor_but_its_stdio(make_zygote: MakeZygote):
         assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
 
 
+@pytest.mark.processes
+def test_a_preload_that_writes_much_at_import_does_not_stall_its_zygote(make_zygote: MakeZygote):
+    z = make_zygote(
+        ["chatty"], {"chatty.py": "import sys\nfor _ in range(4096):\n    print('x' * 255, file=sys.stderr)\n"}
+    )
+    z.start()
+    try:
+        out = run(z, "import json, sys\nprint(json.dumps('chatty' in sys.modules))\n")
+    finally:
+        z.close()
+    assert out.returncode == 0 and out.last_line == "true", list(out.stderr_tail)
+
+
 @pytest.mark.faults
 def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path, make_zygote: MakeZygote):
     pidfile = tmp_path / "pid"
