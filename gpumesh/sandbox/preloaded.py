@@ -34,6 +34,7 @@ from gpumesh.sandbox.warm import WarmProcess, Zygote, ZygoteError, _recv_json
 
 log = logging.getLogger("gpumesh.worker")
 
+HOME = ".zygote-home"  # in the zygote's directory: its HOME and TMPDIR, the only place it may write to itself
 MAX_SAID = 1000  # characters of what a preload zygote says at start (its error, its stderr's last line) kept
 
 
@@ -158,6 +159,10 @@ class JobZygote(Zygote):
             # root's: the zygote (the sandbox user) reaches its attempts' directories through it and makes nothing in
             # it, so no name the worker makes or removes there can be swapped by the job's code.
             os.fchmod(self._dir_fd, 0o711)
+            # its own HOME and TMPDIR, for what a preload writes as it imports (a cache, a temp file)
+            os.mkdir(HOME, 0o700, dir_fd=self._dir_fd)
+            if self.limits.user is not None:
+                os.chown(HOME, *self.limits.user, dir_fd=self._dir_fd, follow_symlinks=False)
             isolation = self.limits.isolation
             if isolation is not None and isolation.private:  # where its caches' overlays keep what it writes
                 for i, _path in enumerate(isolation.cache):
@@ -175,11 +180,10 @@ class JobZygote(Zygote):
         self._cgroup = tree.new_cgroup()
         own = dataclasses.replace(self.limits, cpu_seconds=0)  # each attempt takes its own CPU limit
         named = launcher_limits(own, self.dir, self.project_tree, self._cgroup)
-        extra = {"TMPDIR": self.dir, **({"GPUMESH_ENV_SITE": own.site} if own.site else {})}
+        home = os.path.join(self.dir, HOME)
+        extra = {"TMPDIR": home, "HOME": home, **({"GPUMESH_ENV_SITE": own.site} if own.site else {})}
         if self.project_tree:  # first on its sys.path: a preload may be a module of the job's project
             extra["GPUMESH_PROJECT_DIR"] = self.project_tree
-        if own.user is not None:
-            extra["HOME"] = self.dir
         env = clean_env({**self.env, **extra})
         if own.user is not None:
             for var in ("USER", "LOGNAME"):

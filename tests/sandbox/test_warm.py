@@ -149,7 +149,12 @@ def test_a_task_holds_no_descriptor_but_its_stdio(make_zygote: MakeZygote):
 @pytest.mark.processes
 def test_a_preload_that_writes_much_at_import_does_not_stall_its_zygote(make_zygote: MakeZygote):
     z = make_zygote(
-        ["chatty"], {"chatty.py": "import sys\nfor _ in range(4096):\n    print('x' * 255, file=sys.stderr)\n"}
+        ["chatty"],
+        # it writes a temp file as it imports, too (a cache): its zygote has a HOME and TMPDIR it may write
+        {
+            "chatty.py": "import sys, tempfile\ntempfile.TemporaryFile().write(b'x')\n"
+            "for _ in range(4096):\n    print('x' * 255, file=sys.stderr)\n"
+        },
     )
     z.start()
     try:
