@@ -93,6 +93,7 @@ def job_options(
     retry_on: str | Iterable[str] | None = None,
     reuse_process: bool = False,
     outputs: Iterable[str] = (),
+    preload: str | Iterable[str] = (),
     flag: Callable[[str], str] = lambda field: field,
 ) -> JobOptions:
     """Checked :class:`JobOptions`; a UsageError names the bad option as ``flag(field)`` says (the CLI
@@ -110,6 +111,7 @@ def job_options(
             retry_on=DEFAULT_RETRY_ON if retry_on is None else _kinds(retry_on),
             reuse_process=reuse_process,
             outputs=(outputs,) if isinstance(outputs, str) else tuple(outputs),
+            preload=tuple(preload.split(",")) if isinstance(preload, str) else tuple(preload),
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -273,6 +275,7 @@ class Mesh:
         requirements: str | Path | None = None,
         python: str = "",
         allow_builds: bool = False,
+        preload: Iterable[str] = (),
     ) -> Job:
         """Submit a job with one task per payload (a JSON object); returns at once with its :class:`Job`.
 
@@ -305,7 +308,9 @@ class Mesh:
         ``dependencies`` (requirement strings), ``requirements`` (a requirements.txt or pylock.toml) and
         ``python`` (a requires-python) declare the job's environment, as a script's PEP 723 block does: locked
         here with uv and built once on each worker's machine (docs/environments.md). ``allow_builds`` lets it
-        build sdists on workers that allow that too.
+        build sdists on workers that allow that too. ``preload``: modules of that environment which a warm worker
+        imports once for the job, in a zygote of the job's own confined as its tasks are, so that each task
+        starts with them imported (``preload=["numpy", "mylib.model"]``).
 
         >>> job = mesh.map(fit, [{"c": 1.0}], dependencies=["scikit-learn"])  # doctest: +SKIP
         >>> job = mesh.submit("train.py", [{"lr": 0.1, "cost": 4}], requires=["vram_gb>=40"])  # doctest: +SKIP
@@ -317,7 +322,7 @@ class Mesh:
         checked = check_payloads(payloads if isinstance(payloads, list) else list(payloads))
         options = job_options(
             name=name, timeout=timeout, max_attempts=max_attempts, priority=priority, requires=requires,
-            speculate=speculate, retry_on=retry_on, reuse_process=reuse_process, outputs=outputs,
+            speculate=speculate, retry_on=retry_on, reuse_process=reuse_process, outputs=outputs, preload=preload,
         )  # fmt: skip
         packed = None
         from gpumesh.envs import declare, lock

@@ -47,6 +47,7 @@ class EnvTable(BaseModel):
     requirements: str | None = None
     python: str = ""
     allow_builds: bool = False
+    preload: list[str] = Field(default_factory=list)
 
 
 class JobFile(BaseModel):
@@ -104,7 +105,7 @@ class Spec:
             out["retry_on"] = j.retry_on
         if self.env is not None:
             out.update(dependencies=self.env.dependencies, requirements=self.requirements, python=self.env.python,
-                       allow_builds=self.env.allow_builds)  # fmt: skip
+                       allow_builds=self.env.allow_builds, preload=self.env.preload)  # fmt: skip
         return out
 
 

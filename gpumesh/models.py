@@ -71,6 +71,26 @@ def parse_retry_on(value: Any) -> tuple[str, ...]:
     return tuple(k for k in RETRY_KINDS if k in chosen)
 
 
+def parse_preload(value: Any, reuse_process: bool = False) -> tuple[str, ...]:
+    """Module names to preload: a list, or one comma-separated string; each a dotted module name (``numpy``,
+    ``torch.nn``). ValueError naming the first that is not."""
+    import keyword
+
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("must be module names, such as numpy or torch.nn (a list, or comma-separated)")
+    names = tuple(dict.fromkeys(i.strip() for i in items if i.strip()))
+    for name in names:
+        parts = name.split(".")
+        if len(name) > 200 or not all(p.isascii() and p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+            raise ValueError(f"{name!r} is not a module name (dotted identifiers, such as numpy or torch.nn)")
+    if len(names) > 32:
+        raise ValueError("at most 32 modules")
+    if names and reuse_process:
+        raise ValueError("a reused process keeps what its script imports loaded already: preload is for warm workers")
+    return names
+
+
 class Model(BaseModel):
     """The base of gpumesh's models: each builds its validator on first use, not at import, so a command
     pays only for the models it uses (`gpumesh status --json` starts about 20 ms sooner)."""
@@ -100,6 +120,14 @@ class JobOptions(Model):
     outputs: tuple[str, ...] = Field(
         (), description="globs (gitignore syntax) of files the task writes in its working directory to bring back"
     )
+    preload: tuple[str, ...] = Field(
+        (), description="modules of the job's environment a warm worker imports once for the job, before its tasks"
+    )
+
+    @field_validator("preload", mode="before")
+    @classmethod
+    def _valid_preload(cls, v: Any, info: ValidationInfo) -> tuple[str, ...]:
+        return parse_preload(v, bool(info.data.get("reuse_process")))
 
     @field_validator("outputs")
     @classmethod

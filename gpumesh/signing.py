@@ -161,12 +161,13 @@ class Verifier:
 
 def message(
     job_id: str, index: int, script_sha: str, payload: str, timeout: float, max_attempts: int, expires: float,
-    project: str = "", outputs: str = "", reuse: bool = False, env: str = "",
+    project: str = "", outputs: str = "", reuse: bool = False, env: str = "", preload: str = "",
 ) -> bytes:  # fmt: skip
     """The canonical bytes a task's signature covers (``payload``: the stored payload JSON, hashed here).
     A job with a project or output globs adds the project's tree digest and the globs (their JSON), and a job
     whose tasks share a process per worker (``reuse``) says so: a worker credential cannot point a job at
-    another tree, make it bring back other files, nor make its tasks share a process."""
+    another tree, make it bring back other files, nor make its tasks share a process. ``env`` and ``preload``: its
+    environment's lock digest and the modules preloaded from it."""
     payload_sha = hashlib.sha256(payload.encode()).hexdigest()
     signed: list[object] = [
         CONTEXT, job_id, index, script_sha, payload_sha, float(timeout), int(max_attempts), float(expires)
@@ -177,6 +178,8 @@ def message(
         signed.append("reuse-process")
     if env:  # the environment's lock digest (gpumesh.envs): a worker credential cannot swap the lock
         signed.append(env)
+    if preload:  # the modules its warm tasks find imported (comma-separated): nor make them import others
+        signed.append(f"preload:{preload}")
     return json.dumps(signed, separators=(",", ":")).encode()
 
 

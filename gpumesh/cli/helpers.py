@@ -150,7 +150,7 @@ def resolve_job(
         name=opts["name"], timeout=opts["timeout"], max_attempts=opts["max_attempts"],
         speculate=opts.get("speculate", True), priority=opts.get("priority", 0), requires=opts.get("require", ()),
         retry_on=opts.get("retry_on"), reuse_process=opts.get("reuse_process", False),
-        outputs=opts.get("output", ()), flag=_flag,
+        outputs=opts.get("output", ()), preload=_preload(opts, spec), flag=_flag,
     )  # fmt: skip
     if options.reuse_process:
         check_reusable(source, str(script_path))
@@ -162,6 +162,14 @@ def resolve_job(
         return JobInput(source, name, payloads, options, None, api.siblings_of(script_path), env)
     packed, name = api.pack_project(script_path, name, project, opts.get("include", ()), settings)
     return JobInput(source, name, payloads, options, packed, env=env)
+
+
+def _preload(opts: dict[str, Any], spec: Any) -> tuple[str, ...]:
+    """--preload (repeatable, each a comma list), else the job file's [env] preload."""
+    given = [name for value in opts.get("preload", ()) for name in value.split(",")]
+    if given:
+        return tuple(given)
+    return tuple(spec.env.preload) if spec is not None and spec.env is not None else ()
 
 
 def _resolve_env(source: str, name: str, spec: Any, opts: dict[str, Any], project: str | None) -> Lock | None:
@@ -215,6 +223,16 @@ def env_options(f: Any) -> Any:
                 is_flag=True,
                 help="Let the environment build packages from source (sdists) on workers started with "
                 "--allow-builds too; by default only wheels install, and no package's build code runs.",
+            ),  # fmt: skip
+            click.option(
+                "--preload",
+                "preload",
+                multiple=True,
+                metavar="MODULE",
+                help="A module of the job's environment that warm workers import once for the job, before its "
+                "tasks, so each task starts with it imported, e.g. --preload numpy --preload mylib.model "
+                "(repeatable, or comma-separated). It is imported in a zygote of the job's own, confined as its "
+                "tasks are; a preload that fails fails the job's tasks, naming the module.",
             ),  # fmt: skip
             click.option(
                 "--no-env",

@@ -1,4 +1,4 @@
-"""The sandbox's first process, in one of three modes.
+"""The sandbox's first process, in one of its modes.
 
 Fresh: ``python -m gpumesh.sandbox.launcher PARENT_PID SCRIPT CPU_S FSIZE NOFILE GRACE_S UID GID ISOLATION CGROUP``
 runs one attempt: after the script, the attempt's limits, as :data:`LIMITS` names them and in that order (a warm or
@@ -7,6 +7,9 @@ Spare: ``python -m gpumesh.sandbox.launcher --spare CTRL_FD PARENT_PID`` is a fr
 attempt is known; it waits for the attempt on CTRL_FD (see :func:`spare`).
 Resident: ``python -m gpumesh.sandbox.launcher --resident CTRL_FD PARENT_PID SCRIPT ...`` is a fresh attempt whose
 script's process stays, loaded, and runs one task after another of a job (submit --reuse-process, :func:`_serve_tasks`).
+Preloaded: ``python -m gpumesh.sandbox.launcher --preloaded CTRL_FD PARENT_PID DIR/.zygote PRELOAD ...`` is started as a
+resident one, but its confined child is a job's preload zygote: it imports PRELOAD from the job's env and forks each
+attempt of that job in DIR (:func:`_serve_preloaded`).
 Warm: ``python -m gpumesh.sandbox.launcher --zygote CTRL_FD PARENT_PID PRELOAD`` imports PRELOAD once and then
 runs the attempts the worker asks for in supervisors it forks ahead, each serving attempt after attempt (see
 :func:`zygote`); there the script's process takes its own cgroup, rlimits, user and directory (:func:`_serve_attempts`).
@@ -22,7 +25,8 @@ Imports stay minimal: in fresh mode this runs once per task attempt.
 
 The file's sections, in order: an attempt's limits, as the worker names them (:data:`LIMITS`); the process tree
 below a supervisor; Landlock; seccomp; the attempt's own namespaces; the supervisor, which every mode runs
-(:func:`supervise`); reused processes; warm mode (and the spares, which take its requests); the entry point.
+(:func:`supervise`); reused processes; a job's preload zygote; warm mode (and the spares, which take its requests);
+the entry point.
 """
 
 from __future__ import annotations
@@ -621,19 +625,21 @@ def private_namespaces_probe(uid: int, gid: int, caches: Sequence[str] = ()) -> 
 
 def _run_script(
     script: str, rules: dict[str, Any] | None, ruleset: int | None = None, compiled: Any = None,
-    serve: int | None = None,
+    serve: int | None = None, preload: list[str] | None = None,
 ) -> None:  # fmt: skip
     """In the forked child: confine itself (``rules``: Landlock's, or None; ``ruleset``: those rules built
     already, by a warm spare), become the script's ``__main__`` and exit with its code. ``compiled``: the script
     compiled already (by a warm supervisor, :func:`_compiled`); None: read and compile the file here.
     ``serve``: a reused process's socket (submit --reuse-process): confined the same way, it then loads the
-    script once and calls its ``main(payload)`` for each task the worker sends (:func:`_serve_tasks`).
+    script once and calls its ``main(payload)`` for each task the worker sends (:func:`_serve_tasks`); with
+    ``preload`` it is a job's preload zygote instead, which imports those modules and forks each attempt of the
+    job (:func:`_serve_preloaded`).
 
     Plain compile + exec rather than runpy: in a freshly forked child runpy's imports cost ~7 ms a task."""
     _default_handlers()
+    own: list[str] = []
     if rules is not None:
         try:
-            own: list[str] = []
             if rules.get("private") is not None:  # before any rule is built: they name this namespace's paths
                 own = enter_namespaces(rules["private"], int(rules.get("shm") or 0), rules.get("attempt"))
             if ruleset is None:
@@ -653,8 +659,18 @@ def _run_script(
         import site
 
         site.addsitedir(env_site)
+    if serve is not None and preload is not None:
+        if not getattr(sys.flags, "safe_path", False):
+            del sys.path[0]  # the launcher copy's directory, gone: each attempt puts its script's first
+        _exit_flushed(_serve_preloaded(serve, preload, own))
+    _exec_script(script, compiled, serve)
+
+
+def _exec_script(script: str, compiled: Any = None, serve: int | None = None, insert: bool = False) -> None:
+    """Become the script's ``__main__`` (confined already) and exit with its code; ``insert``: its directory goes
+    first on sys.path (else it takes the place of the launcher's own, as python does for a script)."""
     sys.argv = [script]
-    if getattr(sys.flags, "safe_path", False):  # started with -P (-m, the worker's own Python): no entry of a dir yet
+    if insert or getattr(sys.flags, "safe_path", False):  # -P (-m, the worker's own Python): no entry of a dir yet
         sys.path.insert(0, os.path.dirname(script))
     else:  # the launcher's private copy's directory
         sys.path[0] = os.path.dirname(script)
@@ -684,7 +700,7 @@ def _run_script(
         import traceback
 
         tb = exc.__traceback__
-        if tb is not None and tb.tb_frame.f_code is _run_script.__code__:
+        if tb is not None and tb.tb_frame.f_code is _exec_script.__code__:
             tb = tb.tb_next  # this launcher's own frame: the script's start is the first one that matters
         traceback.print_exception(type(exc), exc, tb)
         code = 1
@@ -823,7 +839,13 @@ def _join_ahead(path: str) -> str | None:
 
 
 def supervise(
-    parent: str, script: str, limits: dict[str, str], *, cwd: str | None = None, serve: int | None = None
+    parent: str,
+    script: str,
+    limits: dict[str, str],
+    *,
+    cwd: str | None = None,
+    serve: int | None = None,
+    preload: list[str] | None = None,
 ) -> int:
     """Run one attempt of ``script`` (fresh mode: a new interpreter per attempt) and return its exit code (or die
     by the signal that killed it). A warm attempt's supervisor is :func:`_serve_attempts`.
@@ -832,7 +854,8 @@ def supervise(
     gpumesh.sandbox.landlock) the script runs under, or "-", and its ``cgroup`` the attempt's cgroup directory (or
     "-"), joined before anything of the task starts.
     ``cwd``: the attempt's directory (default: the script's), entered only once root is dropped.
-    ``serve``: a reused process's socket (``--resident``): the child serves task after task on it."""
+    ``serve``: a reused process's socket (``--resident``): the child serves task after task on it; with
+    ``preload`` (``--preloaded``) the child is a job's preload zygote (:func:`_serve_preloaded`)."""
     libc = _syscall()[1]
     why = _enter(limits, cwd or os.path.dirname(script))
     if why is not None:  # the worker said the attempt runs in it: never run it outside
@@ -854,7 +877,7 @@ def supervise(
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Handlers before the fork: a TERM that lands right after it must still reach the script.
     _OnTerm(limits["grace"])
-    status = _wait_for(_fork_script(script, rules, ruleset, serve))
+    status = _wait_for(_fork_script(script, rules, ruleset, serve, preload))
     _end_what_it_left()
     if _parent_gone(int(parent)):
         remove_dir_of(script, TASK_DIR_PREFIX)
@@ -925,7 +948,11 @@ class _OnTerm:
 
 
 def _fork_script(
-    script: str, rules: dict[str, Any] | None, ruleset: int | None = None, serve: int | None = None
+    script: str,
+    rules: dict[str, Any] | None,
+    ruleset: int | None = None,
+    serve: int | None = None,
+    preload: list[str] | None = None,
 ) -> int:
     """Fork the child that runs ``script``; in this process, return its pid. ``serve``: a reused process's
     socket, the child's alone from here (its end tells the worker the process is gone); this process then holds
@@ -935,7 +962,7 @@ def _fork_script(
     gc.freeze()  # fewer copy-on-write faults in the child
     child = os.fork()
     if child == 0:
-        _run_script(script, rules, ruleset, serve=serve)
+        _run_script(script, rules, ruleset, serve=serve, preload=preload)
     if ruleset is not None:
         os.close(ruleset)
     if serve is not None:
@@ -1151,6 +1178,178 @@ def _left_threads(before: set[int]) -> str:
     would run on into the next task (library threads started while the script loaded are the module's state)."""
     left = _python_threads() - before
     return f"the task left {len(left)} thread(s) running" if left else ""
+
+
+# -- a job's preload zygote (warm mode, a job with an environment and a preload) ----------------------------
+# Started as a reused process is (``--preloaded``): a supervisor in a cgroup of its own, as the sandbox user, whose
+# child confines itself as a task is (namespaces, no capabilities, no_new_privs, Landlock with write only beneath
+# the zygote's own directory, seccomp) before the env's site runs; only then it imports the job's preload. For each
+# attempt it forks a child that waits until the worker has put it in the attempt's cgroup, takes the attempt's
+# stdio, environment and rlimits, narrows Landlock to the attempt's own directory (beneath the zygote's) and runs
+# the script. The zygote belongs to one job: nothing it imported is another job's.
+
+PRELOAD_ERROR = "preload "  # how a preload that fails is named to the worker: "preload MOD: TypeName: message"
+
+
+def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
+    """A job's preload zygote, confined already: import ``preload``, say {"ready"} (or {"error"}, one line naming
+    the module) on ``ctrl_fd``, then run each attempt the worker sends there: {script, cwd, env, limits, source}
+    with four descriptors (the attempt's reply socket, stdin, stdout, stderr). It answers {"pid"} on the reply
+    socket, the child waits there for the worker's "go" (sent once the worker has moved it into the attempt's
+    cgroup), and {"pid", "status"} follows once the attempt's whole tree is gone. ``own``: the paths the zygote's
+    namespaces made its own (/dev/shm, the caches; none without them): its /dev/shm and SysV IPC are emptied after
+    each attempt. EOF on ``ctrl_fd``: exit 0."""
+    import _socket
+    import gc
+    import json
+
+    sock = _socket.socket(fileno=ctrl_fd)
+    supervisor = os.getppid()
+    _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # its supervisor killed: the zygote goes with it
+    if os.getppid() != supervisor:
+        return 70
+    project = os.environ.get("GPUMESH_PROJECT_DIR")
+    if project:  # the job's project tree (read only): a preload may be one of its modules
+        sys.path.insert(0, project)
+    failed = _import_preload(preload)
+    if failed:
+        sock.send(json.dumps({"error": failed}).encode())
+        return 2
+    compile(_WARM_UP, "<warm-up>", "exec")
+    import traceback  # noqa: F401  # a task's error path needs it: imported once, shared
+
+    _syscall()[1].prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an attempt leaves behind comes here, and is killed
+    devnull = os.open(os.devnull, os.O_RDWR)  # the zygote prints nothing of its own; each attempt takes its stdio
+    for target in (0, 1, 2):
+        os.dup2(devnull, target)
+    os.close(devnull)
+    gc.collect()
+    gc.freeze()
+    sock.send(json.dumps({"ready": os.getpid(), "preloaded": preload}).encode())
+    while True:
+        try:
+            msg, ancdata, _flags, _addr = sock.recvmsg(1 << 20, _socket.CMSG_LEN(4 * 4))
+        except InterruptedError:
+            continue
+        except OSError:
+            return 70
+        fds: list[int] = []
+        for level, kind, data in ancdata:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+        if not msg or len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            return 0 if not msg else 70
+        req = json.loads(msg)
+        source = req.get("source")
+        code = _compiled(source if isinstance(source, str) else None, str(req["script"]))
+        child = os.fork()
+        if child == 0:
+            sock.close()
+            _preloaded_attempt(req, fds[0], fds[1:], own, code)  # never returns
+        for fd in fds[1:]:
+            os.close(fd)
+        _reply(fds[0], {"pid": child})
+        status = _wait_for(child)
+        _end_what_it_left()
+        _reply(fds[0], {"pid": child, "status": status if status is not None else 70 << 8})
+        os.close(fds[0])
+        if own:  # what an attempt left in the job's own /dev/shm and SysV IPC is not the next one's
+            _empty_dir(SHM)
+            _remove_sysv_ipc()
+
+
+def _import_preload(preload: list[str]) -> str:
+    """Import ``preload``: "" when all did, else one line that names the module ("preload MOD: Type: message"), or
+    says that CUDA was initialised (a forked task cannot use it)."""
+    for name in preload:
+        try:
+            __import__(name)
+        except BaseException as exc:  # noqa: BLE001 - a user's module: any failure is said in one line
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            return f"{PRELOAD_ERROR}{name}: {type(exc).__name__}: {message}"
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "cuda", None), "is_initialized", lambda: False)():
+        return f"{PRELOAD_ERROR}{','.join(preload)}: initialised CUDA, which a forked task cannot use"
+    return ""
+
+
+def _remove_sysv_ipc() -> None:
+    """Remove every SysV shared memory segment, semaphore set and message queue of this IPC namespace (the
+    zygote's own, which its attempts share one after another)."""
+    libc = _syscall()[1]
+    for kind, remove in (("shm", libc.shmctl), ("sem", libc.semctl), ("msg", libc.msgctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 1 and fields[1].isdigit():  # IPC_RMID (0); semctl's third argument is a semaphore's
+                remove(int(fields[1]), 0, 0 if kind == "sem" else None)
+
+
+def _empty_dir(path: str) -> None:
+    """Remove what this process may remove in ``path`` (its own tmpfs or overlay), following no link."""
+    import shutil
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        entry = os.path.join(path, name)
+        try:
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                os.unlink(entry)
+        except OSError:
+            pass
+
+
+def _preloaded_attempt(req: dict[str, Any], reply: int, stdio: list[int], own: list[str], code: Any) -> None:
+    """In the child a preload zygote forked for an attempt: its own session and stdio, then wait on ``reply`` for
+    the worker's "go" (it is in the attempt's cgroup by then), then the attempt's environment, rlimits and
+    directory, Landlock narrowed to what the attempt may reach (``own``: the zygote's /dev/shm and caches, which
+    it may write; its caches it may only read: no write of one attempt there could reach the next), and the
+    script. Never returns; exits 70 where the worker said no "go" or the rules failed."""
+    os.setsid()
+    _syscall()[1].prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote killed: its attempt goes with it
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    try:
+        go = os.read(reply, 16)
+    except OSError:
+        go = b""
+    os.close(reply)  # the attempt's outcome is the zygote's to tell, never the task's
+    if go != b"go":
+        os._exit(70)
+    _take_env(req)
+    limits = _limits(req)
+    script = str(req["script"])
+    try:
+        _set_rlimits(int(limits["cpu"]), int(limits["fsize"]), int(limits["nofile"]))
+        os.chdir(str(req["cwd"]))
+        if limits["isolation"] != "-":
+            import json
+
+            rules = json.loads(limits["isolation"])
+            ruleset = build_ruleset(rules, os.path.dirname(script))
+            try:
+                add_attempt_rules(ruleset, rules)
+                handled = fs_rights(int(rules["abi"]))
+                _grant(ruleset, handled, (([p for p in own if p == SHM], handled), (own, FS_READ)))
+                restrict_to(ruleset)
+            finally:
+                os.close(ruleset)
+    except OSError as exc:  # never run a task less isolated than the worker said it would be
+        print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
+        _exit_flushed(70)
+    _exec_script(script, code, insert=True)
 
 
 # -- warm mode ---------------------------------------------------------------------------------------
@@ -1775,6 +1974,11 @@ def main(argv: list[str]) -> None:
         # A reused attempt process (submit --reuse-process): as a fresh attempt, but its script's process serves
         # task after task on the socket CTRL_FD (see _serve_tasks).
         sys.exit(supervise(argv[2], argv[3], limits_of(argv[4:]), serve=int(argv[1])))
+    elif argv and argv[0] == "--preloaded":
+        # A job's preload zygote: as a reused process, but its confined child imports PRELOAD and forks each
+        # attempt of the job (see _serve_preloaded).
+        modules = [m for m in argv[4].split(",") if m]
+        sys.exit(supervise(argv[2], argv[3], limits_of(argv[5:]), serve=int(argv[1]), preload=modules))
     elif argv and argv[0] == "--spare":
         sys.exit(spare(int(argv[1]), int(argv[2]), *argv[3:4]))
     else:

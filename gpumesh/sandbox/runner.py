@@ -276,7 +276,10 @@ def memfd_bytes(pids: list[int]) -> int:
 
 
 def _kill_hard(proc: AttemptProcess) -> None:
-    """Last resort when the launcher did not end in time: KILL it and every descendant we can see."""
+    """Last resort when the launcher did not end in time: KILL it and every descendant we can see (not where its pid
+    may name another process by now: its cgroup, where it has one, is killed all the same)."""
+    if isinstance(proc, WarmProcess) and not proc.same_process():
+        return
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
@@ -389,10 +392,8 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
     # Its descriptor held from before the task may touch the directory: the output files are read through it.
     script_rel = spec.script_name if project is not None else os.path.basename(spec.script_name) or "task.py"
     # A directory made ahead may show the project already (made by the worker for the same view and script).
-    made = meanwhile.take_dir_for(project, script_rel) if meanwhile is not None and limits.user is None else None
-    if made is None and meanwhile is not None and limits.user is not None:
-        made = (*got, False) if (got := meanwhile.take_dir()) is not None else None
-    workdir, workdir_fd, shown = made or (*taskdir.make_open(), False)
+    own_dir = spec.zygote.attempt_dir() if spec.zygote is not None else None  # a job's preload zygote's
+    workdir, workdir_fd, shown = _attempt_dir(own_dir, meanwhile, limits, project, script_rel)
     started = time.monotonic()
     script = os.path.join(workdir, script_rel)
     output_dir = os.path.join(workdir, taskdir.OUTPUT)
@@ -411,6 +412,8 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
         # And the next attempt's, which the spare that will run it moves into meanwhile (a fresh spare: not for
         # a --sandbox-user, whose attempts start cold).
         owner = spec.zygote if spec.zygote is not None else spec.spares if limits.user is None else None
+        if own_dir is not None:  # its attempts are forked when asked for: no spare waits in a cgroup ahead
+            owner = None
         cgroup, ahead = tree.attempt_cgroups(owner)
         with tree.launching():
             proc = _start(spec, workdir, script, full_env, cgroup, ahead, handing)
@@ -468,7 +471,7 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
         # Left for later only when it ended as it should and the next attempt cannot read it (Landlock gives each
         # its own directory alone): an unconfined task could read the last one's output files meanwhile.
         if meanwhile is not None and swept and _confined(limits):
-            reusable = (project, script_rel) if project is not None and limits.user is None else None
+            reusable = (project, script_rel) if project is not None and limits.user is None and not own_dir else None
             meanwhile.remove(workdir, script, output_dir, workdir_fd, reusable)
         else:
             try:
@@ -476,6 +479,23 @@ def _steps(spec: AttemptSpec) -> Generator[None, None, Attempt]:
             finally:
                 os.close(workdir_fd)
     return out
+
+
+def _attempt_dir(
+    own: tuple[str, int] | None, meanwhile: Meanwhile | None, limits: Limits, project: projectview.View | None,
+    script_rel: str,
+) -> tuple[str, int, bool]:  # fmt: skip
+    """The attempt's directory, its descriptor and whether it shows ``project`` already: ``own``, where its zygote
+    made it; else one made ahead (``meanwhile``), else a new one."""
+    if own is not None:
+        return (*own, False)
+    made = None
+    if meanwhile is not None:
+        if limits.user is None:
+            made = meanwhile.take_dir_for(project, script_rel)
+        elif (got := meanwhile.take_dir()) is not None:
+            made = (*got, False)
+    return made or (*taskdir.make_open(), False)
 
 
 class Checkpoint(Protocol):

@@ -98,6 +98,11 @@ class WarmProcess:
     def close(self) -> None:
         self._reply.close()
 
+    def same_process(self) -> bool:
+        """Whether ``pid`` still names the process it named when the attempt started (a supervisor of this worker's
+        own zygote is waited for by it, and its pid is no other's until the outcome is told)."""
+        return True
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
@@ -155,6 +160,11 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def attempt_dir(self) -> tuple[str, int] | None:
+        """Where an attempt of this zygote runs, made and opened (as taskdir.make_open): None, any directory the
+        worker makes (a job's preload zygote makes them beneath its own, :mod:`gpumesh.sandbox.preloaded`)."""
+        return None
 
     def spawn(
         self,

@@ -135,6 +135,11 @@ class SubmitRequest:
             raise UsageError(f"options must be a gpumesh.models.JobOptions, got {type(options).__name__}")
         if options.reuse_process:
             check_reusable(source, script_name)
+        if options.preload and env is None:
+            raise UsageError(
+                "preload names modules of the job's environment: declare one (--with, --requirements, a PEP 723 "
+                "block, [env] dependencies) or leave preload out"
+            )
         if env is not None:  # only workers that build envs, of a Python the lock allows, may take its tasks
             options = options.model_copy(update={"requires": (*options.requires, *env_requirements(env))})
         siblings = siblings if project is None else ()
@@ -398,7 +403,7 @@ class Submitter:
             payload = payloads[i]
             msg = message(
                 job_id, i, sha, json.dumps(payload), options.timeout, options.max_attempts, float(f"{expires:.3f}"),
-                tree, outputs, options.reuse_process, env,
+                tree, outputs, options.reuse_process, env, ",".join(options.preload),
             )  # fmt: skip
             p.hset(keys.task(keys.task_id(job_id, i)), "sig", signer.sign(msg))
 
@@ -488,6 +493,8 @@ class Submitter:
         if job.env is not None:  # the lock, once per job; its digest is in every task's signature
             out.update(env=job.env.digest, env_lock=job.env.text, env_python=job.env.requires_python,
                        env_builds=int(job.env.allow_builds))  # fmt: skip
+        if job.options.preload:  # in every task's signature too
+            out["preload"] = ",".join(job.options.preload)
         return out
 
     def _submit_staged(self, job: _Job) -> SubmitResult:

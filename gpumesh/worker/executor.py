@@ -29,6 +29,7 @@ from gpumesh.project import safe_rel
 from gpumesh.sandbox import resident
 from gpumesh.sandbox import runner as sandbox
 from gpumesh.sandbox.outputs import Found
+from gpumesh.sandbox.preloaded import JobZygote, JobZygoteLost, PreloadFailed
 from gpumesh.sandbox.projectview import View, folders_to_expand
 from gpumesh.sandbox.spares import Spares
 from gpumesh.sandbox.warm import Zygote, ZygoteError
@@ -46,6 +47,7 @@ log = logging.getLogger("gpumesh.worker")
 ERROR_TAIL_CHARS = 2000
 UNREPORTED = ("lease lost", "broker lost")  # stop reasons after which the attempt's outcome is not ours to report
 ENV_ZYGOTES = 3  # warm mode: the zygotes of this many envs are kept (least recently used closed first)
+JOB_ZYGOTES = 3  # warm mode: the preload zygotes of this many jobs are kept (least recently used closed first)
 MEMORY_HOLD_TTLS = 10  # a task out of memory waits this many lease TTLs for a live worker with more
 
 
@@ -82,6 +84,7 @@ class JobExtras:
     siblings: frozenset[str] = frozenset()  # modules beside a lone script where it was submitted
     reuse: bool = False  # submit --reuse-process: the job's tasks share a process per worker (as signed)
     env: str = ""  # the environment's lock digest (gpumesh.envs)
+    preload: str = ""  # modules of the env its warm tasks find imported, comma-separated (as signed)
 
     @property
     def globs(self) -> tuple[str, ...]:
@@ -177,6 +180,11 @@ class Executor:
         self._env_ready: dict[str, Env] = {}  # lock digest -> its env on this machine, held by this worker
         self._env_failures: set[str] = set()  # lock digests this worker could not have (EnvError)
         self._zygotes: dict[str, Zygote] = {}  # warm mode: a zygote per env, the least recently used closed first
+        # warm mode, a job with an env and a preload: its own zygote, by (job id, env digest); the heartbeat thread
+        # closes those whose job has ended
+        self._job_zygotes: dict[tuple[str, str], JobZygote] = {}
+        self._job_zygotes_lock = threading.Lock()
+        self._preload_failed: dict[tuple[str, str], str] = {}  # (job id, env digest) -> why its preload failed here
 
     @property
     def projects(self) -> ProjectCache:
@@ -272,11 +280,64 @@ class Executor:
             self._zygotes.pop(old).close()
         return z
 
+    def _job_zygote_for(
+        self, job_id: str, env: Env, preload: str, limits: sandbox.Limits, view: View | None
+    ) -> Zygote | None:
+        """Warm mode, a job with an env and a preload: the job's own zygote (:mod:`gpumesh.sandbox.preloaded`),
+        started on its first task here; a few are kept, the least recently used closed first. PreloadFailed (the
+        job's tasks fail with it) when the preload does not import; None (its attempts start cold) when the zygote
+        could not start for another reason."""
+        key = (job_id, env.digest)
+        failed = self._preload_failed.get(key)
+        if failed is not None:
+            raise PreloadFailed(failed)
+        with self._job_zygotes_lock:
+            z = self._job_zygotes.pop(key, None)
+        if z is None:
+            cuda = self.w.cuda_visible_devices
+            z = JobZygote(
+                job_id, preload.split(","), limits, {"CUDA_VISIBLE_DEVICES": cuda} if cuda else {},
+                view.tree if view is not None else "",
+            )  # fmt: skip
+            try:
+                z.start()
+            except PreloadFailed as exc:
+                if len(self._preload_failed) > 256:
+                    self._preload_failed.clear()
+                self._preload_failed[key] = str(exc)
+                raise
+            except (OSError, ZygoteError) as exc:
+                log.warning("job %s: its preload zygote did not start (%s); its attempts start cold", job_id, exc)
+                return None
+        with self._job_zygotes_lock:
+            self._job_zygotes[key] = z
+            over = list(self._job_zygotes)[: max(0, len(self._job_zygotes) - JOB_ZYGOTES)]
+            old = [self._job_zygotes.pop(k) for k in over]
+        for gone in old:
+            gone.close()
+        return z
+
+    def _prune_job_zygotes(self, ended: Callable[[list[str]], set[str]]) -> None:
+        """Close the preload zygotes of jobs that have ended (never the one of the attempt running now)."""
+        with self._job_zygotes_lock:
+            jobs = sorted({job for job, _ in self._job_zygotes})
+        if not jobs:
+            return
+        gone_jobs = ended(jobs)
+        running = self.current
+        busy = running.lease.job_id if running is not None else None
+        with self._job_zygotes_lock:
+            keys = [k for k in self._job_zygotes if k[0] in gone_jobs and k[0] != busy]
+            victims = [self._job_zygotes.pop(k) for k in keys]
+        for z in victims:
+            log.info("job %s ended: its preload zygote goes", z.job_id)
+            z.close()
+
     def extras(self, job_id: str) -> JobExtras:
         got = self._extras.get(job_id)
         if got is None:
-            project, outputs, siblings, reuse, env = self.broker.job_fields(
-                job_id, "project", "outputs", "siblings", "reuse_process", "env"
+            project, outputs, siblings, reuse, env, preload = self.broker.job_fields(
+                job_id, "project", "outputs", "siblings", "reuse_process", "env", "preload"
             )
             got = NO_EXTRAS
             if project or outputs or siblings or reuse == "1" or env:
@@ -286,6 +347,7 @@ class Executor:
                     frozenset((siblings or "").split(",")) - {""},
                     reuse == "1",
                     env or "",
+                    preload or "",
                 )
             if len(self._extras) > 256:
                 self._extras.clear()
@@ -322,6 +384,10 @@ class Executor:
         for z in self._zygotes.values():
             z.close()
         self._zygotes.clear()
+        with self._job_zygotes_lock:
+            job_zygotes, self._job_zygotes = list(self._job_zygotes.values()), {}
+        for jz in job_zygotes:
+            jz.close()
         if self._envs is not None:
             self._envs.release_all()
         if self.spares is not None:
@@ -340,6 +406,7 @@ class Executor:
             return {j for j, st in zip(job_ids, states) if st is None or st in TERMINAL}
 
         self.residents.prune(ended)
+        self._prune_job_zygotes(ended)
 
     def _reuse_process(self, job_id: str) -> bool:
         """Whether ``job_id`` asked for its tasks to share a process per worker (submit --reuse-process): read
@@ -548,7 +615,15 @@ class Executor:
             return self._fail(running, why, 0.0, kind="environment", reject=final)
         limits = self.w.limits(lease.timeout)
         oom_kills = kernel_oom_kills()
-        out = self._finish_in_sandbox(self._start_in_sandbox(running, source, limits))
+        try:
+            started = self._start_in_sandbox(running, source, limits)
+        except PreloadFailed as exc:  # the job's preload, not this worker: its tasks fail with the module named
+            why = str(exc)
+            self.w.logs.put(lease.task_id, "gpumesh", why)
+            return self._fail(running, why, 0.0, kind="script")
+        except JobZygoteLost as exc:  # it runs the job's code: a new one starts for the next attempt
+            return self._fail(running, str(exc), 0.0, kind="lost")
+        out = self._finish_in_sandbox(started)
         # Read again only for what it can explain: an attempt that died by SIGKILL (failure_of).
         out.kernel_oom = out.returncode == -signal.SIGKILL and kernel_oom_kills() > oom_kills >= 0
         return self._report(running, out, limits)
@@ -583,7 +658,12 @@ class Executor:
         env = self._env_ready.get(extras.env) if extras.env else None
         if env is not None:  # its env's interpreter, which adds the env's packages once confined (sandbox.Limits.site)
             limits = dataclasses.replace(limits, python=env.python, site=env.site)
-            zygote = self._zygote_for(env) if zygote is not None else None
+            if zygote is None:
+                pass
+            elif extras.preload and not extras.reuse:  # the job's own zygote, its preload imported once confined
+                zygote = self._job_zygote_for(lease.job_id, env, extras.preload, limits, view)
+            else:
+                zygote = self._zygote_for(env)
         spec = sandbox.AttemptSpec(
             source=source,
             script_name=lease.script_name,
@@ -773,7 +853,7 @@ class Executor:
         job_id, index = identity
         msg = message(
             job_id, index, lease.script_sha, lease.payload, lease.timeout, lease.max_attempts, lease.expires_at,
-            extras.project, extras.outputs, extras.reuse, extras.env,
+            extras.project, extras.outputs, extras.reuse, extras.env, extras.preload,
         )  # fmt: skip
         why = verifier.verify(lease.key_id, lease.signature, msg)
         if why is None and lease.server_ms / 1000 > lease.expires_at:

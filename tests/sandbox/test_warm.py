@@ -5,19 +5,25 @@ test_sandbox.py, test_mesh.py and test_faults.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
 import pytest
 import redis
 
+from gpumesh.sandbox import landlock, namespaces
 from gpumesh.sandbox import runner as sandbox
+from gpumesh.sandbox.preloaded import JobZygote
 from gpumesh.sandbox.warm import ZYGOTE_LOST, Zygote, ZygoteError
 
 from ..conftest import OPEN_FDS_SCRIPT, gpumesh, pid_alive, wait_until
@@ -38,13 +44,55 @@ def zygote_children(zygote) -> tuple[int, int]:
 
 
 def run(zygote: Zygote, source: str, **limits):
-    lim = sandbox.Limits(**{"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits})
+    named = {"timeout": 20, "memory_bytes": 0, "grace": 1.0, **limits}
+    # a job's preload zygote: its attempts run in its env, confined as it is
+    lim = dataclasses.replace(zygote.limits, **named) if isinstance(zygote, JobZygote) else sandbox.Limits(**named)
     return sandbox.run(textwrap.dedent(source), "task.py", "{}", {}, lim, lambda s, line: None, lambda: None, zygote)
 
 
+MakeZygote = Callable[..., Zygote]
+
+
+@pytest.fixture(scope="module")
+def env_python(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """An environment as gpumesh.envs makes one (a venv made by uv, on this Python): its interpreter and site."""
+    root = tmp_path_factory.mktemp("env") / "env"
+    uv = Path(sys.executable).with_name("uv")
+    subprocess.run([str(uv), "venv", "-q", str(root), "--python", sys.executable], check=True, env={
+        **os.environ, "UV_NO_INDEX": "1", "UV_PYTHON_DOWNLOADS": "never"})  # fmt: skip
+    (site,) = root.glob("lib/python3*/site-packages")
+    return str(root / "bin" / "python"), str(site)
+
+
+@pytest.fixture(params=["worker", "env"])
+def make_zygote(request: pytest.FixtureRequest, tmp_path: Path) -> MakeZygote:
+    """The warm guarantees hold for both zygotes: the worker's own (its --preload), and a job's preload zygote in
+    the job's env (gpumesh.sandbox.preloaded), confined as its tasks are. ``modules``: files the preload may import
+    (path -> text), on PYTHONPATH for the worker's, in the env's site-packages for the job's."""
+
+    def make(preload: Sequence[str] = (), modules: Mapping[str, str] | None = None) -> Zygote:
+        if request.param == "worker":
+            for rel, text in (modules or {}).items():
+                (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / rel).write_text(text)
+            return Zygote(list(preload), env={"PYTHONPATH": str(tmp_path)} if modules else None)
+        python, site = request.getfixturevalue("env_python")
+        for rel, text in (modules or {}).items():
+            (Path(site) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(site) / rel).write_text(text)
+        isolation = None
+        if landlock.abi() > 0:
+            # the test's folder as a --write-path: a task there says it started (its pid file)
+            isolation = landlock.Isolation(write=(str(tmp_path),), private=namespaces.unavailable() is None)
+        limits = sandbox.Limits(timeout=20, memory_bytes=0, grace=1.0, python=python, site=site, isolation=isolation)
+        return JobZygote("job-" + request.node.name[-20:], list(preload), limits)
+
+    return make
+
+
 @pytest.mark.security
-def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Path):
-    z = Zygote(["json", "decimal"])
+def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Path, make_zygote: MakeZygote):
+    z = make_zygote(["json", "decimal"])
     z.start()
     try:
         src = """
@@ -66,25 +114,60 @@ def test_each_task_starts_from_the_zygote_not_from_the_task_before(tmp_path: Pat
 
 
 @pytest.mark.security
-def test_the_zygote_holds_no_credentials(monkeypatch):
+def test_the_zygote_holds_no_credentials(monkeypatch, make_zygote: MakeZygote):
     monkeypatch.setenv("GPUMESH_URL", "redis://:hunter2@127.0.0.1:1/0")
     monkeypatch.setenv("REDIS_PASSWORD", "hunter2")
-    z = Zygote()
+    z = make_zygote()
     z.start()
     try:
         assert z.proc is not None
-        environ = Path(f"/proc/{z.proc.pid}/environ").read_bytes()
-        cmdline = Path(f"/proc/{z.proc.pid}/cmdline").read_bytes()
+        # the zygote, and (a job's) the confined process below its supervisor that imported the preload
+        pids = [z.proc.pid, *(p.pid for p in psutil.Process(z.proc.pid).children(recursive=True))]
+        environ = [Path(f"/proc/{pid}/environ").read_bytes() for pid in pids]
+        cmdline = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids]
     finally:
         z.close()
-    assert b"hunter2" not in environ and b"GPUMESH_URL" not in environ
-    assert b"hunter2" not in cmdline
+    assert all(b"hunter2" not in e and b"GPUMESH_URL" not in e for e in environ)
+    assert all(b"hunter2" not in c for c in cmdline)
+
+
+@pytest.mark.security
+def test_a_task_holds_no_descriptor_but_its_stdio(make_zygote: MakeZygote):
+    """Neither the zygote's socket to the worker nor the attempt's reply socket (on which a task could tell the
+    worker its own outcome) reaches the task: only its stdin, stdout and stderr."""
+    z = make_zygote(["json"])
+    z.start()
+    try:
+        outs = [run(z, OPEN_FDS_SCRIPT) for _ in range(2)]
+    finally:
+        z.close()
+    for out in outs:
+        assert out.returncode == 0, list(out.stderr_tail)
+        assert sorted(json.loads(out.last_line)) == ["0", "1", "2"], out.last_line
+
+
+@pytest.mark.processes
+def test_a_preload_that_writes_much_at_import_does_not_stall_its_zygote(make_zygote: MakeZygote):
+    z = make_zygote(
+        ["chatty"],
+        # it writes a temp file as it imports, too (a cache): its zygote has a HOME and TMPDIR it may write
+        {
+            "chatty.py": "import sys, tempfile\ntempfile.TemporaryFile().write(b'x')\n"
+            "for _ in range(4096):\n    print('x' * 255, file=sys.stderr)\n"
+        },
+    )
+    z.start()
+    try:
+        out = run(z, "import json, sys\nprint(json.dumps('chatty' in sys.modules))\n")
+    finally:
+        z.close()
+    assert out.returncode == 0 and out.last_line == "true", list(out.stderr_tail)
 
 
 @pytest.mark.faults
-def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path):
+def test_a_zygote_that_dies_mid_attempt_fails_that_attempt_and_is_restarted(tmp_path: Path, make_zygote: MakeZygote):
     pidfile = tmp_path / "pid"
-    z = Zygote()
+    z = make_zygote()
     z.start()
     try:
         result: list[sandbox.Attempt] = []
@@ -254,25 +337,25 @@ def test_modules_the_zygote_imported_are_reseeded_for_each_task(tmp_path: Path):
 
 
 @pytest.mark.security
-def test_a_preload_that_initialises_cuda_is_refused_before_any_task(tmp_path: Path):
+def test_a_preload_that_initialises_cuda_is_refused_before_any_task(tmp_path: Path, make_zygote: MakeZygote):
     # CUDA does not survive fork: a zygote whose preload initialised it would break every task. A stand-in
     # torch whose CUDA says it is initialised shows the refusal without a GPU.
-    fake = tmp_path / "torch"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("class cuda:\n    is_initialized = staticmethod(lambda: True)\n")
-    z = Zygote(["torch"], env={"PYTHONPATH": str(tmp_path)})
+    z = make_zygote(["torch"], {"torch/__init__.py": "class cuda:\n    is_initialized = staticmethod(lambda: True)\n"})
     with pytest.raises(ZygoteError, match="initialised CUDA"):
         z.start()
     z.close()
 
 
 @pytest.mark.security
-def test_what_the_zygote_preloaded_does_not_count_against_each_task_s_memory_cap(tmp_path: Path):
+def test_what_the_zygote_preloaded_does_not_count_against_each_task_s_memory_cap(
+    tmp_path: Path, make_zygote: MakeZygote
+):
     # A preload of 120 MB is shared by the zygote, each attempt's supervisor and its script: counted once
     # (by PSS), it leaves a 200 MB cap room for a small task, and a task that allocates past the cap is
     # still killed for it.
-    (tmp_path / "ballast.py").write_text("B = bytearray(120 << 20)\nfor i in range(0, len(B), 4096):\n    B[i] = 1\n")
-    z = Zygote(["ballast"], env={"PYTHONPATH": str(tmp_path)})
+    z = make_zygote(
+        ["ballast"], {"ballast.py": "B = bytearray(120 << 20)\nfor i in range(0, len(B), 4096):\n    B[i] = 1\n"}
+    )
     z.start()
     try:
         small = run(z, "import time\ntime.sleep(1.5)\nprint('{}')\n", memory_bytes=200 << 20)
