@@ -197,10 +197,19 @@ def template(found: dict[str, str | None]) -> str:
         '# include = [".env.example"] # secret-looking files to send anyway',
         "# reuse_process = false      # true: one process per worker runs the tasks; the script defines main(payload)",
     ]
-    if found["requirements"]:
-        lines += [
-            "",
-            f"# Found {found['requirements']}: packages do not travel with a job in this version of gpumesh;",
-            "# install them on the workers (or pin workers that have them with requires).",
-        ]
+    reqs = found["requirements"]
+    lines += [
+        "",
+        "# The packages travel with the job: locked at submit (uv), built once per worker machine",
+        "# (docs/environments.md). Uncomment [env] and what you need.",
+        "# [env]",
+        f'# requirements = "{reqs}"   # found here'
+        if reqs and reqs != "pyproject.toml"
+        else "# (pyproject.toml found: its dependencies travel with the project, its uv.lock honoured)"
+        if reqs
+        else '# requirements = "requirements.txt"   # or pylock.toml',
+        '# dependencies = ["numpy"]   # or a PEP 723 block in the script',
+        '# python = ">=3.11"',
+        '# preload = ["numpy"]        # warm workers import these once per job, in its own sandboxed process',
+    ]
     return "\n".join(lines) + "\n"
