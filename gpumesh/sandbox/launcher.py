@@ -363,11 +363,16 @@ CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
 # machine -> (AUDIT_ARCH_*, {name: number})
 ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (0xC000003E, {"keyctl": 250, "add_key": 248, "request_key": 249, "unshare": 272, "setns": 308,
-                            "clone": 56, "clone3": 435}),
+                            "clone": 56, "clone3": 435, "mq_open": 240}),
     "aarch64": (0xC00000B7, {"keyctl": 219, "add_key": 217, "request_key": 218, "unshare": 97, "setns": 268,
-                             "clone": 220, "clone3": 435}),
+                             "clone": 220, "clone3": 435, "mq_open": 180}),
 }  # fmt: skip
 REFUSED = ("keyctl", "add_key", "request_key", "unshare", "setns")  # EPERM; clone3 ENOSYS; clone by its flags
+# An attempt a job's preload zygote forks shares the zygote's IPC namespace (it cannot make one: unshare is refused),
+# and the zygote cannot empty its POSIX message queues between attempts (their file system cannot be mounted
+# where it runs), as it empties /dev/shm and SysV IPC: so such an attempt may not open one (EPERM), and no queue is
+# left for the job's next task. A second filter, stacked on the zygote's.
+PRELOADED_REFUSED = ("mq_open",)
 
 # classic BPF opcodes
 _LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
@@ -413,6 +418,28 @@ def seccomp_program(machine: str) -> bytes:
         ("enosys", _RET_K, None, None, SECCOMP_RET_ERRNO | errno.ENOSYS),
         ("kill", _RET_K, None, None, SECCOMP_RET_KILL_PROCESS),
     ]
+    return _assemble(rows)
+
+
+def seccomp_refusing(machine: str, names: Sequence[str]) -> bytes:
+    """A filter for ``machine`` that refuses ``names`` (EPERM) and lets every other call through: one stacked on the
+    task's filter (which already kills a call made for another architecture)."""
+    arch, nr = ARCHES[machine]
+    rows: list[tuple[str | None, int, str | None, str | None, int]] = [
+        (None, _LD_W_ABS, None, None, _ARCH),
+        (None, _JEQ_K, None, "allow", arch),
+        (None, _LD_W_ABS, None, None, _NR),
+    ]
+    rows += [(None, _JEQ_K, "eperm", None, nr[name]) for name in names]
+    rows += [
+        ("allow", _RET_K, None, None, SECCOMP_RET_ALLOW),
+        ("eperm", _RET_K, None, None, SECCOMP_RET_ERRNO | errno.EPERM),
+    ]
+    return _assemble(rows)
+
+
+def _assemble(rows: list[tuple[str | None, int, str | None, str | None, int]]) -> bytes:
+    """BPF rows (label, code, jump-if-true label, jump-if-false label, k) as the kernel reads them."""
     at = {label: i for i, (label, *_rest) in enumerate(rows) if label}
     out = []
     for i, (_label, code, jt, jf, k) in enumerate(rows):
@@ -436,13 +463,14 @@ def prepare_seccomp() -> bool:
     return True
 
 
-def install_seccomp(libc: ctypes.CDLL) -> None:
-    """Filter this process and all it starts. Needs no_new_privs set already (Landlock's restrict sets it).
-    Raises OSError where the kernel refuses, or where this machine's architecture has no filter here."""
+def install_seccomp(libc: ctypes.CDLL, code: bytes | None = None) -> None:
+    """Filter this process and all it starts (``code``: that filter, else the task's). Needs no_new_privs set already
+    (Landlock's restrict sets it). Raises OSError where the kernel refuses, or where this machine's architecture has
+    no filter here."""
     machine = os.uname().machine
     if not prepare_seccomp():
         raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
-    buf = _PROGRAM[machine]
+    buf = _PROGRAM[machine] if code is None else ctypes.create_string_buffer(code, len(code))
     prog = _SockFprog(len(buf.raw) // 8, ctypes.addressof(buf))
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
@@ -1346,6 +1374,8 @@ def _preloaded_attempt(req: dict[str, Any], reply: int, stdio: list[int], own: l
                 restrict_to(ruleset)
             finally:
                 os.close(ruleset)
+            if prepare_seccomp():  # the zygote's filter is on already (inherited): this one stacks on it
+                install_seccomp(_syscall()[1], seccomp_refusing(os.uname().machine, PRELOADED_REFUSED))
     except OSError as exc:  # never run a task less isolated than the worker said it would be
         print(f"gpumesh: the task's isolation could not be applied ({exc}); it did not run", file=sys.stderr)
         _exit_flushed(70)

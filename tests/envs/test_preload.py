@@ -45,15 +45,18 @@ try:
     open("/dev/shm/gm-left-by-a-task", "w").close()
 except OSError:
     pass
-ipc = False
-if json.load(sys.stdin).get("private"):  # a SysV segment, in the job's own IPC namespace
+ipc = mq = False
+if json.load(sys.stdin).get("private"):  # a SysV segment and a POSIX message queue, in the job's own IPC namespace
     import ctypes
-    libc = ctypes.CDLL(None)
+    libc = ctypes.CDLL(None, use_errno=True)
     ipc = libc.shmget(0x676D6C66, 0, 0) >= 0
     libc.shmget(0x676D6C66, 4096, 0o1000 | 0o600)  # IPC_CREAT
+    name = b"/gm-left-by-a-task"
+    mq = libc.mq_open(name, os.O_RDONLY) >= 0
+    libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
 import gmpre
 print(json.dumps({"before": before, "seen": seen, "pid": os.getpid(), "zygote": gmpre.PID, "at": gmpre.AT,
-                  "tag": gmpre.TAG, "shm": shm, "ipc": ipc}))
+                  "tag": gmpre.TAG, "shm": shm, "ipc": ipc, "mq": mq}))
 """
 
 
@@ -80,7 +83,7 @@ def test_warm_tasks_find_their_job_s_preload_imported_and_still_start_fresh(
     second = finished(submit(script, env, "--preload", "gmpre,gmpre_extra", "--preload", "json"), workers)
     for results in (first, second):
         assert all(isinstance(r, dict) and r["before"] and r["seen"] is None for r in results), results
-        assert not private or not any(r["shm"] or r["ipc"] for r in results), results  # type: ignore[index]
+        assert not private or not any(r["shm"] or r["ipc"] or r["mq"] for r in results), results  # type: ignore[index]
         assert len({r["zygote"] for r in results}) == 1  # type: ignore[index]
         assert all(r["zygote"] != r["pid"] for r in results)  # type: ignore[index]
     z1, z2 = first[0]["zygote"], second[0]["zygote"]  # type: ignore[index]
