@@ -107,6 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ray-python", required=True, help="an interpreter with ray, pip and uv installed")
     ap.add_argument("--packages", default="numpy,scikit-learn")
+    ap.add_argument("--workers", default="1,2", help="the fleet sizes to run, comma-separated")
     args = ap.parse_args()
     packages = args.packages.split(",")
     ray_version = subprocess.run([args.ray_python, "-c", "import ray; print(ray.__version__)"],
@@ -117,7 +118,7 @@ def main() -> None:
     rows = []
     try:
         mesh = gpumesh.connect()
-        for workers in (1, 2):
+        for workers in [int(n) for n in args.workers.split(",")]:
             cold, per = ours(mesh, server.url, workers, packages, tmp)
             rows.append(["gpumesh (uv, locked at submit)", workers, f"{cold:.1f}", f"{per:.1f}"])
             modules = [p.replace("-", "_").replace("scikit_learn", "sklearn") for p in packages]
@@ -153,7 +154,7 @@ def main() -> None:
             "second job there is a new job, so each worker starts one new process for it.",
         ]
     )
-    command = f"python benchmarks/envs_ray.py --ray-python PYTHON_WITH_RAY --packages {args.packages}"
+    command = f"python benchmarks/envs_ray.py --ray-python PYTHON_WITH_RAY --packages {args.packages} --workers {args.workers}"
     publish("envs-ray", "Environments against Ray's runtime_env", body, command)
     json.dump(rows, sys.stderr)
 
