@@ -317,6 +317,13 @@ class Executor:
             gone.close()
         return z
 
+    def _pause_job_zygotes(self) -> None:
+        """Once an attempt is over: the preload zygotes kept here run nothing until their job's next attempt."""
+        with self._job_zygotes_lock:
+            kept = list(self._job_zygotes.values())
+        for z in kept:
+            z.pause()
+
     def _prune_job_zygotes(self, ended: Callable[[list[str]], set[str]]) -> None:
         """Close the preload zygotes of jobs that have ended (never the one of the attempt running now)."""
         with self._job_zygotes_lock:
@@ -687,8 +694,12 @@ class Executor:
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
         """Supervise the attempt to its end. Its log lines are in the broker before its end is reported: sent
-        with the completion (_complete), or flushed before any other report (_outcome)."""
-        return started.finish()
+        with the completion (_complete), or flushed before any other report (_outcome). Once it is over, the
+        job zygotes kept here are paused until their job's next attempt."""
+        try:
+            return started.finish()
+        finally:
+            self._pause_job_zygotes()
 
     def _flush_logs(self) -> None:
         self.w.logs.flush(timeout=self._log_wait)

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -336,3 +337,55 @@ def test_a_preload_zygote_that_names_another_process_moves_and_signals_nothing(
     finally:
         decoy.kill()
         decoy.wait()
+
+
+# A preload that leaves a thread running in its zygote: it counts, in a file of the zygote's HOME, as long as it runs.
+TICKER = """\
+import os, threading, time
+HOME = os.environ["HOME"]
+def _tick():
+    n = 0
+    while True:
+        n += 1
+        with open(os.path.join(HOME, "ticks"), "w") as f:
+            f.write(str(n))
+        time.sleep(0.02)
+threading.Thread(target=_tick, daemon=True).start()
+"""
+
+TICKS = """\
+# /// script
+# dependencies = ["gmpre"]
+# ///
+import gmticker, json, os
+print(json.dumps({"home": gmticker.HOME, "pid": os.getpid()}))
+"""
+
+
+@pytest.mark.security
+def test_a_preload_zygote_runs_nothing_between_its_job_s_attempts(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """What a job's preload leaves running in its zygote (here a thread) runs only while an attempt of that job
+    does: once the attempt is over the zygote uses nothing of the machine (another job's task may run now), and the
+    job's next task still finds it, as it was."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmticker.py": TICKER})
+    script = tmp_path / "ticks.py"
+    script.write_text(TICKS)
+    # a heartbeat seldom enough that the ended job's zygote is not closed while it is watched here
+    workers.start("--warm", GPUMESH_HEARTBEAT_INTERVAL="20", GPUMESH_LEASE_TTL="60")
+    results = finished(submit(script, env, "--preload", "gmticker", n=2), workers)
+    homes = {r["home"] for r in results}  # type: ignore[index]
+    assert len(homes) == 1, results  # one zygote served both tasks
+    ticks = Path(next(iter(homes))) / "ticks"
+
+    def count() -> int:
+        try:
+            return int(ticks.read_text() or 0)
+        except (OSError, ValueError):
+            return -1
+
+    before = count()
+    assert before > 0, "the preload's thread never ran"
+    time.sleep(1.0)
+    assert count() == before, "the job's preload ran on after its last attempt"
