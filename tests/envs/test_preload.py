@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -358,7 +359,7 @@ TICKS = """\
 # dependencies = ["gmpre"]
 # ///
 import gmticker, json, os
-print(json.dumps({"home": gmticker.HOME, "pid": os.getpid()}))
+print(json.dumps({"home": gmticker.HOME, "pid": os.getpid(), "zygote": os.getppid()}))
 """
 
 
@@ -389,3 +390,24 @@ def test_a_preload_zygote_runs_nothing_between_its_job_s_attempts(
     assert before > 0, "the preload's thread never ran"
     time.sleep(1.0)
     assert count() == before, "the job's preload ran on after its last attempt"
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_paused_preload_zygote_goes_with_its_worker(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, sig: int
+) -> None:
+    """A job's zygote, stopped between its attempts with the thread its preload left running, goes when the worker
+    stops or is killed: nothing of the job stays on the machine."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmticker.py": TICKER})
+    script = tmp_path / "ticks.py"
+    script.write_text(TICKS)
+    proc = workers.start("--warm", GPUMESH_HEARTBEAT_INTERVAL="20", GPUMESH_LEASE_TTL="60")
+    (result,) = finished(submit(script, env, "--preload", "gmticker", n=1), workers)
+    zygote = result["zygote"]  # type: ignore[index]
+    assert pid_alive(zygote)
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=60)
+    wait_until(lambda: not pid_alive(zygote), timeout=30, what="the job's zygote to go")
+    home = Path(result["home"])  # type: ignore[index]
+    wait_until(lambda: not home.parent.exists(), timeout=30, what="the job's zygote's directory to go")
