@@ -56,9 +56,18 @@ class AttemptGroup(WarmProcess):
     (:func:`_child_of`), and from then on the process is known by its pidfd, so that a signal never reaches a
     process that took its pid over after it ended (even if the zygote never says so)."""
 
-    def __init__(self, pid: int, pidfd: int, reply: socket.socket, stdout: Any, stderr: Any) -> None:
+    def __init__(
+        self, pid: int, pidfd: int, reply: socket.socket, stdout: Any, stderr: Any, zygote: int | None = None
+    ) -> None:  # fmt: skip
         super().__init__(pid, reply, stdout, stderr)
         self.pidfd = pidfd
+        self.zygote = zygote  # the zygote's supervisor (this worker's child): its tree holds the attempt's
+
+    @property
+    def memory_pid(self) -> int:
+        """Whose process tree the memory cap counts: the whole zygote's, the attempt's with it. The zygote runs the
+        job's code too (what its preload left running), and as the attempt runs nothing else watches it."""
+        return self.zygote if self.zygote is not None else self.pid
 
     def same_process(self) -> bool:
         return self.pidfd >= 0 and _alive(self.pidfd)
@@ -327,7 +336,9 @@ class JobZygote(Zygote):
                 stderr.close()
                 self._end()  # it does not say what it did: a new one starts for the next attempt
                 raise JobZygoteLost(f"the job's preload zygote {why}")
-            proc = AttemptGroup(int((msg or {})["pid"]), pidfd, mine, stdout, stderr)
+            proc = AttemptGroup(
+                int((msg or {})["pid"]), pidfd, mine, stdout, stderr, self.proc.pid if self.proc is not None else None
+            )
             try:
                 mine.send(b"go")  # in its cgroup now: it may run the task
             except OSError:

@@ -411,3 +411,43 @@ def test_a_paused_preload_zygote_goes_with_its_worker(
     wait_until(lambda: not pid_alive(zygote), timeout=30, what="the job's zygote to go")
     home = Path(result["home"])  # type: ignore[index]
     wait_until(lambda: not home.parent.exists(), timeout=30, what="the job's zygote's directory to go")
+
+
+# A preload whose zygote grows once its job's attempt has started: a thread that takes 600 MB a moment after import.
+HOG = """\
+import threading, time
+HELD = []
+def _grow():
+    time.sleep(1.5)
+    for _ in range(60):
+        HELD.append(bytearray(10 << 20))
+        time.sleep(0.01)
+threading.Thread(target=_grow, daemon=True).start()
+"""
+
+WAITS = """\
+# /// script
+# dependencies = ["gmpre"]
+# ///
+import gmhog, time
+time.sleep(12)
+print("{}")
+"""
+
+
+@pytest.mark.security
+def test_what_a_preload_zygote_holds_counts_in_its_job_s_memory_cap(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The job's memory cap bounds its zygote too while an attempt runs: a preload that grows past the cap once the
+    attempt has started fails the attempt for memory, as the same code in the task would."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmhog.py": HOG})
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS)
+    workers.start("--warm", GPUMESH_TASK_MEMORY_MB="300")
+    job_id = submit(script, env, "--preload", "gmhog", "--max-attempts", "1", n=1)
+    with gpumesh.connect() as mesh:
+        job = mesh.job(job_id)
+        assert job.wait(timeout=120).status == "failed", [(r.status, r.error) for r in job.results()]
+        (row,) = job.results()
+    assert row.error_kind == "memory", (row.error_kind, row.error)
