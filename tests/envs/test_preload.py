@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -97,6 +98,7 @@ def _hostile_wheel(links: Path, marker: Path, secret: Path) -> None:
     file that writes ``marker`` too, wherever the env's site runs."""
     tries = f"""\
 import os
+import re
 GOT = {{"environ": []}}
 def _try(f):
     try:
@@ -451,3 +453,42 @@ def test_what_a_preload_zygote_holds_counts_in_its_job_s_memory_cap(
         assert job.wait(timeout=120).status == "failed", [(r.status, r.error) for r in job.results()]
         (row,) = job.results()
     assert row.error_kind == "memory", (row.error_kind, row.error)
+
+
+# A preload that writes in its zygote's HOME, then fails: the error names that HOME.
+LEAKY = """\
+import os
+import re
+with open(os.path.join(os.environ["HOME"], "big"), "wb") as f:
+    f.write(b"x" * (1 << 20))
+{end}
+"""
+
+
+@pytest.mark.security
+@pytest.mark.parametrize(
+    "end",
+    [
+        "raise ValueError(os.environ['HOME'])",
+        "import sys; print(os.environ['HOME'], file=sys.stderr, flush=True); os._exit(3)",
+    ],
+)
+def test_a_preload_zygote_that_does_not_start_leaves_no_directory(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, end: str
+) -> None:
+    """A preload zygote that fails to start (its preload raises, or it exits without a word) leaves nothing of what
+    it wrote on the worker's disk."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmleak.py": LEAKY.format(end=end)})
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    workers.start("--warm")
+    job_id = submit(script, env, "--preload", "gmleak", "--max-attempts", "1", n=2)
+    with gpumesh.connect() as mesh:
+        mesh.job(job_id).wait(timeout=120)
+    log = workers.log(0)
+    homes = {Path(p) for p in re.findall(r"(/\S+/\.zygote-home)\b", log)}
+    with gpumesh.connect() as mesh:
+        errors = [r.error or "" for r in mesh.job(job_id).results()]
+    homes |= {Path(p) for e in errors for p in re.findall(r"(/\S+/\.zygote-home)\b", e)}
+    assert homes, (errors, log[-2000:])
+    wait_until(lambda: not any(h.parent.exists() for h in homes), timeout=30, what="the zygotes' directories to go")
