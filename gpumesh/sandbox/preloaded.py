@@ -26,6 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psutil
+
 from gpumesh.sandbox import taskdir, tree
 from gpumesh.sandbox.launch import clean_env, forget_launcher_command
 from gpumesh.sandbox.launcher import CACHE_DIR_PREFIX, LIMITS, PRELOAD_ERROR, TASK_DIR_PREFIX
@@ -54,9 +56,18 @@ class AttemptGroup(WarmProcess):
     (:func:`_child_of`), and from then on the process is known by its pidfd, so that a signal never reaches a
     process that took its pid over after it ended (even if the zygote never says so)."""
 
-    def __init__(self, pid: int, pidfd: int, reply: socket.socket, stdout: Any, stderr: Any) -> None:
+    def __init__(
+        self, pid: int, pidfd: int, reply: socket.socket, stdout: Any, stderr: Any, zygote: int | None = None
+    ) -> None:  # fmt: skip
         super().__init__(pid, reply, stdout, stderr)
         self.pidfd = pidfd
+        self.zygote = zygote  # the zygote's supervisor (this worker's child): its tree holds the attempt's
+
+    @property
+    def memory_pid(self) -> int:
+        """Whose process tree the memory cap counts: the whole zygote's, the attempt's with it. The zygote runs the
+        job's code too (what its preload left running), and as the attempt runs nothing else watches it."""
+        return self.zygote if self.zygote is not None else self.pid
 
     def same_process(self) -> bool:
         return self.pidfd >= 0 and _alive(self.pidfd)
@@ -137,6 +148,7 @@ class JobZygote(Zygote):
         self._dir_fd: int | None = None
         self._cgroup: str | None = None
         self._stderr: Any = None
+        self._paused = False
 
     def attempt_dir(self) -> tuple[str, int] | None:
         """A new directory for an attempt, beneath this zygote's own (the only place its Landlock lets it write),
@@ -284,6 +296,7 @@ class JobZygote(Zygote):
         if serve is not None:
             raise ZygoteError("a job's preload zygote runs no reused process")
         with self._lock:
+            self._resume()
             if not self.alive():
                 if self.started:
                     log.warning("the preload zygote of job %s is gone; starting a new one", self.job_id)
@@ -323,7 +336,9 @@ class JobZygote(Zygote):
                 stderr.close()
                 self._end()  # it does not say what it did: a new one starts for the next attempt
                 raise JobZygoteLost(f"the job's preload zygote {why}")
-            proc = AttemptGroup(int((msg or {})["pid"]), pidfd, mine, stdout, stderr)
+            proc = AttemptGroup(
+                int((msg or {})["pid"]), pidfd, mine, stdout, stderr, self.proc.pid if self.proc is not None else None
+            )
             try:
                 mine.send(b"go")  # in its cgroup now: it may run the task
             except OSError:
@@ -367,8 +382,71 @@ class JobZygote(Zygote):
         self._end(timeout)
         self._remove()
 
+    def pause(self) -> None:
+        """Between its job's attempts (another job's may run now): stop every process of the zygote but its
+        supervisor (SIGSTOP, which no code of the job can catch or ignore), so that nothing its preload left running
+        (a thread, a process) uses this machine until the job's next attempt; and check what it holds against the
+        job's memory cap (over it, the zygote goes: the next attempt starts a new one, which the cap refuses)."""
+        with self._lock:
+            if self.proc is None or not self.alive() or self._paused:
+                return
+            over = self._over_cap()
+            if over:
+                log.warning("job %s: its preload zygote goes (%s)", self.job_id, over)
+                self._end()
+                return
+            self._paused = True
+            self._signal_all(signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._signal_all(signal.SIGCONT)
+
+    def _members(self) -> set[int]:
+        """The processes of the zygote but its supervisor: its cgroup's (the kernel's list), else its descendants."""
+        if self.proc is None:
+            return set()
+        if self._cgroup is not None:
+            try:
+                with open(os.path.join(self._cgroup, "cgroup.procs")) as f:
+                    pids = {int(line) for line in f if line.strip()}
+            except (OSError, ValueError):
+                pids = set()
+        else:
+            try:
+                pids = {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+            except psutil.Error:
+                pids = set()
+        pids.discard(self.proc.pid)
+        return pids
+
+    def _signal_all(self, sig: int) -> None:
+        """Send ``sig`` to each of :meth:`_members`, again until no new one appears (one that forks meanwhile): each
+        held by a pidfd and found a member still once held, so that a pid taken over by another process is never
+        signalled."""
+        done: set[int] = set()
+        for _ in range(50):
+            pids = self._members() - done
+            if not pids:
+                return
+            for pid in pids:
+                done.add(pid)
+                try:
+                    pidfd = os.pidfd_open(pid)
+                except OSError:
+                    continue
+                try:
+                    if pid in self._members():
+                        signal.pidfd_send_signal(pidfd, sig)
+                except OSError:
+                    pass
+                finally:
+                    os.close(pidfd)
+
     def _end(self, timeout: float = 5.0) -> None:
         """Stop the zygote and everything in its cgroup, keeping its directory (a new one may start in it)."""
+        self._resume()  # a stopped zygote would not see its socket close, nor end with grace
         self._stop(timeout)
         self._drop_stderr()
         tree.end_cgroup(self._cgroup)

@@ -820,7 +820,9 @@ class _Supervision:
             self._kill("timeout")
         elif self.limits.memory_bytes and now >= self.next_rss:
             self.next_rss = now + 0.25
-            if tree_memory(self.proc.pid, self.limits.memory_bytes) > self.limits.memory_bytes:
+            # a preload zygote's attempt: the zygote's tree with it (AttemptGroup.memory_pid)
+            counted = getattr(self.proc, "memory_pid", self.proc.pid)
+            if tree_memory(counted, self.limits.memory_bytes) > self.limits.memory_bytes:
                 self._kill("memory")
 
     def _kill(self, reason: str) -> None:

@@ -184,7 +184,8 @@ class Executor:
         # closes those whose job has ended
         self._job_zygotes: dict[tuple[str, str], JobZygote] = {}
         self._job_zygotes_lock = threading.Lock()
-        self._preload_failed: dict[tuple[str, str], str] = {}  # (job id, env digest) -> why its preload failed here
+        # (job id, env digest) -> why its preload failed here ("": its zygote did not start, its attempts start cold)
+        self._preload_failed: dict[tuple[str, str], str] = {}
 
     @property
     def projects(self) -> ProjectCache:
@@ -289,6 +290,8 @@ class Executor:
         could not start for another reason."""
         key = (job_id, env.digest)
         failed = self._preload_failed.get(key)
+        if failed == "":
+            return None  # its zygote did not start here: cold
         if failed is not None:
             raise PreloadFailed(failed)
         with self._job_zygotes_lock:
@@ -302,12 +305,17 @@ class Executor:
             try:
                 z.start()
             except PreloadFailed as exc:
+                z.close()  # its directory too, and what the preload wrote there before it failed
                 if len(self._preload_failed) > 256:
                     self._preload_failed.clear()
                 self._preload_failed[key] = str(exc)
                 raise
             except (OSError, ZygoteError) as exc:
+                z.close()
                 log.warning("job %s: its preload zygote did not start (%s); its attempts start cold", job_id, exc)
+                if len(self._preload_failed) > 256:
+                    self._preload_failed.clear()
+                self._preload_failed[key] = ""  # the job's other attempts here start cold, not with a new try
                 return None
         with self._job_zygotes_lock:
             self._job_zygotes[key] = z
@@ -316,6 +324,13 @@ class Executor:
         for gone in old:
             gone.close()
         return z
+
+    def _pause_job_zygotes(self) -> None:
+        """Once an attempt is over: the preload zygotes kept here run nothing until their job's next attempt."""
+        with self._job_zygotes_lock:
+            kept = list(self._job_zygotes.values())
+        for z in kept:
+            z.pause()
 
     def _prune_job_zygotes(self, ended: Callable[[list[str]], set[str]]) -> None:
         """Close the preload zygotes of jobs that have ended (never the one of the attempt running now)."""
@@ -687,8 +702,12 @@ class Executor:
 
     def _finish_in_sandbox(self, started: sandbox.Started) -> sandbox.Attempt:
         """Supervise the attempt to its end. Its log lines are in the broker before its end is reported: sent
-        with the completion (_complete), or flushed before any other report (_outcome)."""
-        return started.finish()
+        with the completion (_complete), or flushed before any other report (_outcome). Once it is over, the
+        job zygotes kept here are paused until their job's next attempt."""
+        try:
+            return started.finish()
+        finally:
+            self._pause_job_zygotes()
 
     def _flush_logs(self) -> None:
         self.w.logs.flush(timeout=self._log_wait)

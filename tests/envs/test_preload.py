@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -98,6 +101,7 @@ def _hostile_wheel(links: Path, marker: Path, secret: Path) -> None:
     file that writes ``marker`` too, wherever the env's site runs."""
     tries = f"""\
 import os
+import re
 GOT = {{"environ": []}}
 def _try(f):
     try:
@@ -339,3 +343,155 @@ def test_a_preload_zygote_that_names_another_process_moves_and_signals_nothing(
     finally:
         decoy.kill()
         decoy.wait()
+
+
+# A preload that leaves a thread running in its zygote: it counts, in a file of the zygote's HOME, as long as it runs.
+TICKER = """\
+import os, threading, time
+HOME = os.environ["HOME"]
+def _tick():
+    n = 0
+    while True:
+        n += 1
+        with open(os.path.join(HOME, "ticks"), "w") as f:
+            f.write(str(n))
+        time.sleep(0.02)
+threading.Thread(target=_tick, daemon=True).start()
+"""
+
+TICKS = """\
+# /// script
+# dependencies = ["gmpre"]
+# ///
+import gmticker, json, os
+print(json.dumps({"home": gmticker.HOME, "pid": os.getpid(), "zygote": os.getppid()}))
+"""
+
+
+@pytest.mark.security
+def test_a_preload_zygote_runs_nothing_between_its_job_s_attempts(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """What a job's preload leaves running in its zygote (here a thread) runs only while an attempt of that job
+    does: once the attempt is over the zygote uses nothing of the machine (another job's task may run now), and the
+    job's next task still finds it, as it was."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmticker.py": TICKER})
+    script = tmp_path / "ticks.py"
+    script.write_text(TICKS)
+    # a heartbeat seldom enough that the ended job's zygote is not closed while it is watched here
+    workers.start("--warm", GPUMESH_HEARTBEAT_INTERVAL="20", GPUMESH_LEASE_TTL="60")
+    results = finished(submit(script, env, "--preload", "gmticker", n=2), workers)
+    homes = {r["home"] for r in results}  # type: ignore[index]
+    assert len(homes) == 1, results  # one zygote served both tasks
+    ticks = Path(next(iter(homes))) / "ticks"
+
+    def count() -> int:
+        try:
+            return int(ticks.read_text() or 0)
+        except (OSError, ValueError):
+            return -1
+
+    before = count()
+    assert before > 0, "the preload's thread never ran"
+    time.sleep(1.0)
+    assert count() == before, "the job's preload ran on after its last attempt"
+
+
+@pytest.mark.security
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_paused_preload_zygote_goes_with_its_worker(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, sig: int
+) -> None:
+    """A job's zygote, stopped between its attempts with the thread its preload left running, goes when the worker
+    stops or is killed: nothing of the job stays on the machine."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmticker.py": TICKER})
+    script = tmp_path / "ticks.py"
+    script.write_text(TICKS)
+    proc = workers.start("--warm", GPUMESH_HEARTBEAT_INTERVAL="20", GPUMESH_LEASE_TTL="60")
+    (result,) = finished(submit(script, env, "--preload", "gmticker", n=1), workers)
+    zygote = result["zygote"]  # type: ignore[index]
+    assert pid_alive(zygote)
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=60)
+    wait_until(lambda: not pid_alive(zygote), timeout=30, what="the job's zygote to go")
+    home = Path(result["home"])  # type: ignore[index]
+    wait_until(lambda: not home.parent.exists(), timeout=30, what="the job's zygote's directory to go")
+
+
+# A preload whose zygote grows once its job's attempt has started: a thread that takes 600 MB a moment after import.
+HOG = """\
+import threading, time
+HELD = []
+def _grow():
+    time.sleep(1.5)
+    for _ in range(60):
+        HELD.append(bytearray(10 << 20))
+        time.sleep(0.01)
+threading.Thread(target=_grow, daemon=True).start()
+"""
+
+WAITS = """\
+# /// script
+# dependencies = ["gmpre"]
+# ///
+import gmhog, time
+time.sleep(12)
+print("{}")
+"""
+
+
+@pytest.mark.security
+def test_what_a_preload_zygote_holds_counts_in_its_job_s_memory_cap(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The job's memory cap bounds its zygote too while an attempt runs: a preload that grows past the cap once the
+    attempt has started fails the attempt for memory, as the same code in the task would."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmhog.py": HOG})
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS)
+    workers.start("--warm", GPUMESH_TASK_MEMORY_MB="300")
+    job_id = submit(script, env, "--preload", "gmhog", "--max-attempts", "1", n=1)
+    with gpumesh.connect() as mesh:
+        job = mesh.job(job_id)
+        assert job.wait(timeout=120).status == "failed", [(r.status, r.error) for r in job.results()]
+        (row,) = job.results()
+    assert row.error_kind == "memory", (row.error_kind, row.error)
+
+
+# A preload that writes in its zygote's HOME, then fails: the error names that HOME.
+LEAKY = """\
+import os
+import re
+with open(os.path.join(os.environ["HOME"], "big"), "wb") as f:
+    f.write(b"x" * (1 << 20))
+{end}
+"""
+
+
+@pytest.mark.security
+@pytest.mark.parametrize(
+    "end",
+    [
+        "raise ValueError(os.environ['HOME'])",
+        "import sys; print(os.environ['HOME'], file=sys.stderr, flush=True); os._exit(3)",
+    ],
+)
+def test_a_preload_zygote_that_does_not_start_leaves_no_directory(
+    index: Path, workers: Workers, env: dict[str, str], tmp_path: Path, end: str
+) -> None:
+    """A preload zygote that fails to start (its preload raises, or it exits without a word) leaves nothing of what
+    it wrote on the worker's disk."""
+    make_wheel(index, "gmpre", "1.0", {"gmpre.py": PRELOADED.format(tag="pre"), "gmleak.py": LEAKY.format(end=end)})
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    workers.start("--warm")
+    job_id = submit(script, env, "--preload", "gmleak", "--max-attempts", "1", n=2)
+    with gpumesh.connect() as mesh:
+        mesh.job(job_id).wait(timeout=120)
+    log = workers.log(0)
+    homes = {Path(p) for p in re.findall(r"(/\S+/\.zygote-home)\b", log)}
+    with gpumesh.connect() as mesh:
+        errors = [r.error or "" for r in mesh.job(job_id).results()]
+    homes |= {Path(p) for e in errors for p in re.findall(r"(/\S+/\.zygote-home)\b", e)}
+    assert homes, (errors, log[-2000:])
+    wait_until(lambda: not any(h.parent.exists() for h in homes), timeout=30, what="the zygotes' directories to go")
