@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -209,6 +210,32 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
     assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
+
+
+@pytest.mark.core
+def test_ctrl_c_while_a_model_is_first_built_waits_for_the_build_and_is_a_plain_interrupt():
+    """Models are built on first use, which may be as the user presses Ctrl-C (submit --wait's first status read,
+    just after the job is written): pydantic-core turns a KeyboardInterrupt raised inside its build into a
+    SchemaError, a traceback and exit 1 in place of "stopped waiting" and 130. Ctrl-C there is held until the
+    build is over, then raised."""
+    from pydantic_core import core_schema
+
+    from gpumesh.models import Model
+
+    class PressedWhileBuilt(str):
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the build
+            return core_schema.str_schema()
+
+    class Late(Model):
+        name: PressedWhileBuilt
+
+    with pytest.raises(KeyboardInterrupt):
+        Late.model_validate({"name": "x"})
+    assert Late.__pydantic_complete__, "the interrupt cut the build short"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert Late.model_validate({"name": "x"}).name == "x"
 
 
 @pytest.mark.processes
