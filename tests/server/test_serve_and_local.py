@@ -143,13 +143,12 @@ def test_join_with_token_runs_a_worker(env, tmp_path: Path):
         serve.stop()
 
 
-def _leftovers(parent_pid: int) -> list[psutil.Process]:
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if f"--exit-with-parent {parent_pid}" in cmd or ("gpumesh-local-" in cmd and "redis" in cmd):
-            out.append(proc)
-    return out
+def _running(proc: psutil.Process) -> bool:
+    """Whether this very process (not another that took its pid since) still runs; a zombie has stopped."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.processes
@@ -184,12 +183,17 @@ def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
         [sys.executable, "-m", "gpumesh", "run", str(script), "--payloads", str(tmp_path / "p.json"), "--local", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    wait_until(lambda: (tmp_path / "started").exists(), timeout=60, what="the task to start")
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=30)
+    try:
+        wait_until(lambda: (tmp_path / "started").exists(), timeout=60, what="the task to start")
+        started = psutil.Process(proc.pid).children(recursive=True)  # its broker, its worker and the task
+        assert len(started) >= 3, started
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
     assert proc.returncode == 130, stderr
     assert "stopping the local mesh" in stderr
-    wait_until(lambda: not _leftovers(proc.pid), timeout=15, what="workers and broker to stop")
+    wait_until(lambda: not [p for p in started if _running(p)], timeout=15, what="workers, broker and task to stop")
 
 
 @pytest.mark.processes
