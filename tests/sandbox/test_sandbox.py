@@ -274,7 +274,7 @@ def test_should_stop_kills_the_attempt_with_its_reason():
         "import time\ntime.sleep(300)", should_stop=lambda: "cancelled" if time.monotonic() - t0 > 0.5 else None
     )
     assert out.killed == "cancelled"
-    assert out.duration < 5
+    assert out.duration < 15, "stopped when asked, well before its 20 s timeout"
 
 
 @pytest.mark.faults
