@@ -143,6 +143,12 @@ def test_join_with_token_runs_a_worker(env, tmp_path: Path):
         serve.stop()
 
 
+# What a shell reports as 130 after Ctrl-C: an exit with 130, or death by SIGINT. The interpreter sometimes ends the
+# second way after gpumesh has said its line and asked for 130 (seen with strace: CPython resets SIGINT and kills
+# itself with it, its exit for a KeyboardInterrupt it took for unhandled), when the Ctrl-C lands early in the command.
+SHELL_130 = (130, -signal.SIGINT)
+
+
 def _running(proc: psutil.Process) -> bool:
     """Whether this very process (not another that took its pid since) still runs; a zombie has stopped."""
     try:
@@ -191,7 +197,7 @@ def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
         _, stderr = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     assert "stopping the local mesh" in stderr
     wait_until(lambda: not [p for p in started if _running(p)], timeout=15, what="workers, broker and task to stop")
 
@@ -209,7 +215,7 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     wait_until(lambda: (tmp_path / "started").exists(), what="the task to start")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=20)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     job = re.search(r"job (\w+) keeps running", stderr).group(1)  # said wherever after the write Ctrl-C lands
     assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
     assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
@@ -281,7 +287,7 @@ def test_ctrl_c_while_the_broker_does_not_answer_exits_130_in_one_line(env, redi
         out, stderr = proc.communicate(timeout=20)
     finally:
         proxy.close()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     assert stderr.strip().splitlines() == ["interrupted"], stderr
     assert out == ""
 
@@ -324,7 +330,7 @@ def test_ctrl_c_at_a_prompt_exits_130_and_writes_nothing(env, tmp_path: Path):
         _, stderr = proc.communicate(timeout=20)
     finally:
         os.close(master)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     assert stderr.strip().splitlines() == ["interrupted"], stderr
     assert not config.exists()
 
