@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar, cast, get_args
@@ -96,6 +100,39 @@ class Model(BaseModel):
     pays only for the models it uses (`gpumesh status --json` starts about 20 ms sooner)."""
 
     model_config = ConfigDict(defer_build=True)
+
+    @classmethod
+    def model_rebuild(
+        cls, *, force: bool = False, raise_errors: bool = True, _parent_namespace_depth: int = 2,
+        _types_namespace: Any = None,
+    ) -> bool | None:  # fmt: skip
+        """The build on first use, which may come while a command waits for Ctrl-C (``submit --wait``'s first
+        status read): pydantic-core turns a KeyboardInterrupt raised inside its build into a SchemaError, a
+        traceback where the user pressed Ctrl-C. A Ctrl-C during the build is raised once it is over."""
+        with _ctrl_c_held():
+            return super().model_rebuild(
+                force=force, raise_errors=raise_errors, _parent_namespace_depth=_parent_namespace_depth + 1,
+                _types_namespace=_types_namespace,
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block and raise its KeyboardInterrupt at the end. Only where Python's
+    own handler would raise it (the main thread, SIGINT not ignored nor handled otherwise); else nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 class JobOptions(Model):

@@ -51,6 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests press Ctrl-C (SIGINT) in commands they start, as a user at a terminal does. A suite started with
+    SIGINT ignored (a background job of a non-interactive shell, as some CI runners start it) would hand that on
+    to every command it starts, since exec keeps an ignored signal ignored, and they would sit through it: the
+    suite's processes take SIGINT as Python's own default has it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class RedisServer:
     def __init__(self, tmp: Path, password: str | None = None, port: int | None = None) -> None:
         self.port = port or free_port()

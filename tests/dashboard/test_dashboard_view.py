@@ -29,9 +29,11 @@ from gpumesh.store.reaper import reap_once
 
 from ..conftest import RedisServer, Workers, wait_until
 
-SCRIPT = """import json, sys, time
+SCRIPT = """import json, os, sys, time
 p = json.load(sys.stdin)
 time.sleep(p.get("sleep", 0))
+while p.get("until") and not os.path.exists(p["until"]):  # runs until the test has seen it run
+    time.sleep(0.01)
 if p.get("fail"):
     raise ValueError("bad learning rate")
 print(json.dumps(p))
@@ -152,12 +154,13 @@ def test_an_unreadable_rq_job_a_credential_planted_is_dropped_and_rq_s_maintenan
 
 @pytest.mark.core
 def test_a_delivery_says_its_job_task_cost_and_requirements_while_it_runs_and_goes_when_it_ends(
-    env, broker, mesh_worker, script, dashboard
+    env, broker, mesh_worker, script, dashboard, tmp_path: Path
 ):
     """What rq-dashboard shows of a delivery while it is queued or running; once its run has ended RQ keeps
     nothing of it (gpumesh keeps the outcome), and the worker's RQ record counts the run."""
     w = mesh_worker.start(name="dash", resources={"pool": "a", "zone": "x"})
-    payloads = [{"i": 0, "cost": 2.5, "requires": ["zone=x"], "sleep": 2}, {"i": 1, "fail": True}]
+    release = tmp_path / "seen-running"
+    payloads = [{"i": 0, "cost": 2.5, "requires": ["zone=x"], "until": str(release)}, {"i": 1, "fail": True}]
     with gpumesh.connect() as mesh:
         job = mesh.submit(
             script, payloads, name="sweep", requires=["pool=a"], max_attempts=2, timeout=600, retry_on="all"
@@ -178,6 +181,7 @@ def test_a_delivery_says_its_job_task_cost_and_requirements_while_it_runs_and_go
         assert json.loads(page["metadata"])["requires"] == ["pool=a", "zone=x"]
         listed = dashboard(f"jobs/{keys.tier_queue(2)}/started/50/asc/1.json")["jobs"]
         assert [j["description"] for j in listed] == [running.description]
+        release.write_text("")
         assert job.wait(timeout=60).status == "failed"
     # The last run's records reach Redis a few ms after its end, which a wait on the job's stream can beat.
     bad = keys.task_id(job.id, 1)

@@ -115,6 +115,12 @@ time.sleep(60)
 """
 
 
+# An attempt whose task cannot kill its supervisor ends at its timeout; the task must have said so by then (an
+# interpreter's start, two forks and a line), which a loaded machine may take seconds for. There is no earlier
+# event to end it on: the timeout is what is shown.
+REFUSED_KILL_TIMEOUT = 8
+
+
 def _escaped(lines: list[tuple[str, str]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for stream, line in lines:
@@ -159,12 +165,15 @@ def test_a_task_that_kills_its_supervisor_leaves_nothing_running(mode, user, cgr
     # cannot signal it, and the attempt goes at its timeout. Every other supervisor is the task's user.
     out_of_reach = bool(user and "zygote" in mode)
     started = time.monotonic()
-    out, lines = attempt(ESCAPE, mode, timeout=3 if out_of_reach else 30, **extra)  # no isolation to stop the kill
+    out, lines = attempt(ESCAPE, mode, timeout=REFUSED_KILL_TIMEOUT if out_of_reach else 30, **extra)  # no isolation
     seen = _escaped(lines)
     if out_of_reach:
         assert seen.get("killed") is False and out.killed == "timeout", (lines, out.describe_exit())
     else:
-        assert seen.get("killed") is True, (lines, out.describe_exit())
+        # The supervisor's death may take the task down before it says it killed it: the attempt's SIGKILL, well
+        # before its timeout, says so too.
+        killed = seen.get("killed") is True or (seen.get("killed") is None and out.returncode == -signal.SIGKILL)
+        assert killed, (lines, out.describe_exit())
         assert time.monotonic() - started < 20, "the attempt ended when its supervisor died, not at its timeout"
     for what in ("task", "daemon"):
         assert not pid_alive(seen[what]), f"the {what} outlived its attempt ({seen[what]})"
@@ -173,7 +182,7 @@ def test_a_task_that_kills_its_supervisor_leaves_nothing_running(mode, user, cgr
 @needs_landlock
 @needs_scoped_signals
 def test_under_isolation_a_task_cannot_even_signal_its_supervisor(mode):
-    out, lines = attempt(ESCAPE, mode, timeout=3, isolation=landlock.Isolation())
+    out, lines = attempt(ESCAPE, mode, timeout=REFUSED_KILL_TIMEOUT, isolation=landlock.Isolation())
     seen = _escaped(lines)
     assert seen.get("killed") is False, lines
     assert out.killed == "timeout"

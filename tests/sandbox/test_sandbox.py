@@ -196,12 +196,12 @@ def test_timeout_kills_the_whole_tree_including_a_setsid_grandchild(tmp_path: Pa
         open({str(pidfile)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
         time.sleep(300)
         """,
-        timeout=1.5,
+        timeout=5,  # time to start both interpreters and write the file, on a loaded machine too
     )
     assert out.killed == "timeout" and out.describe_exit() == "timed out"
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60, "killed at its timeout, not at the end of its 300 s"
     for pid in map(int, pidfile.read_text().split()):
-        wait_until(lambda pid=pid: not pid_alive(pid), timeout=5, what=f"pid {pid} to die")
+        wait_until(lambda pid=pid: not pid_alive(pid), what=f"pid {pid} to die")
 
 
 @pytest.mark.core
@@ -274,7 +274,7 @@ def test_should_stop_kills_the_attempt_with_its_reason():
         "import time\ntime.sleep(300)", should_stop=lambda: "cancelled" if time.monotonic() - t0 > 0.5 else None
     )
     assert out.killed == "cancelled"
-    assert out.duration < 5
+    assert out.duration < 15, "stopped when asked, well before its 20 s timeout"
 
 
 @pytest.mark.faults

@@ -269,9 +269,10 @@ def test_supervisors_serve_attempt_after_attempt_and_one_is_ready_while_a_long_a
     (a fork of a zygote that imported torch takes tens of ms), and while one runs an attempt the zygote keeps a
     second one ready for the next attempt, prepared for it (its cgroup joined, its rules built). A long attempt's
     successor runs in that one."""
-    pidfile = tmp_path / "pid"
-    src = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\ntime.sleep(1.5)\nprint('{{}}')"
-    short = src.replace("time.sleep(1.5)", "")
+    pidfile, release = tmp_path / "pid", tmp_path / "release"
+    short = f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getppid()))\nprint('{{}}')"
+    # The long attempt runs until the test has seen what the zygote does meanwhile, however slow a loaded machine.
+    src = short.replace("print(", f"while not os.path.exists({str(release)!r}):\n    time.sleep(0.01)\nprint(")
     z = Zygote()
     z.start()
     try:
@@ -287,9 +288,10 @@ def test_supervisors_serve_attempt_after_attempt_and_one_is_ready_while_a_long_a
         t.start()
         try:
             wait_until(lambda: pidfile.exists() and pidfile.read_text(), what="the long attempt to start")
-            wait_until(lambda: zygote_children(zygote) == (1, 1), timeout=1, what="one ready while the attempt runs")
+            wait_until(lambda: zygote_children(zygote) == (1, 1), what="one ready while the attempt runs")
             (ready,) = (c for c in zygote.children() if not c.children())
         finally:
+            release.write_text("")
             t.join(timeout=15)
         pidfile.unlink()
         assert run(z, short).returncode == 0

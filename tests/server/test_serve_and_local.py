@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -142,13 +143,18 @@ def test_join_with_token_runs_a_worker(env, tmp_path: Path):
         serve.stop()
 
 
-def _leftovers(parent_pid: int) -> list[psutil.Process]:
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if f"--exit-with-parent {parent_pid}" in cmd or ("gpumesh-local-" in cmd and "redis" in cmd):
-            out.append(proc)
-    return out
+# What a shell reports as 130 after Ctrl-C: an exit with 130, or death by SIGINT. The interpreter sometimes ends the
+# second way after gpumesh has said its line and asked for 130 (seen with strace: CPython resets SIGINT and kills
+# itself with it, its exit for a KeyboardInterrupt it took for unhandled), when the Ctrl-C lands early in the command.
+SHELL_130 = (130, -signal.SIGINT)
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether this very process (not another that took its pid since) still runs; a zombie has stopped."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.processes
@@ -183,12 +189,17 @@ def test_run_local_ctrl_c_stops_everything(env, tmp_path: Path):
         [sys.executable, "-m", "gpumesh", "run", str(script), "--payloads", str(tmp_path / "p.json"), "--local", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    wait_until(lambda: (tmp_path / "started").exists(), timeout=60, what="the task to start")
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 130, stderr
+    try:
+        wait_until(lambda: (tmp_path / "started").exists(), timeout=60, what="the task to start")
+        started = psutil.Process(proc.pid).children(recursive=True)  # its broker, its worker and the task
+        assert len(started) >= 3, started
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in SHELL_130, stderr
     assert "stopping the local mesh" in stderr
-    wait_until(lambda: not _leftovers(proc.pid), timeout=15, what="workers and broker to stop")
+    wait_until(lambda: not [p for p in started if _running(p)], timeout=15, what="workers, broker and task to stop")
 
 
 @pytest.mark.processes
@@ -204,11 +215,37 @@ def test_submit_wait_ctrl_c_leaves_the_job_running(env, workers, tmp_path: Path)
     wait_until(lambda: (tmp_path / "started").exists(), what="the task to start")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=20)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     job = re.search(r"job (\w+) keeps running", stderr).group(1)  # said wherever after the write Ctrl-C lands
     assert f"job {job} keeps running. Follow it with: gpumesh status {job} --watch" in stderr
     assert stderr.strip().splitlines()[-1].startswith("stopped waiting")
     assert json.loads(gpumesh("status", job, "--json", env=env).stdout)["status"] == "running"
+
+
+@pytest.mark.core
+def test_ctrl_c_while_a_model_is_first_built_waits_for_the_build_and_is_a_plain_interrupt():
+    """Models are built on first use, which may be as the user presses Ctrl-C (submit --wait's first status read,
+    just after the job is written): pydantic-core turns a KeyboardInterrupt raised inside its build into a
+    SchemaError, a traceback and exit 1 in place of "stopped waiting" and 130. Ctrl-C there is held until the
+    build is over, then raised."""
+    from pydantic_core import core_schema
+
+    from gpumesh.models import Model
+
+    class PressedWhileBuilt(str):
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the build
+            return core_schema.str_schema()
+
+    class Late(Model):
+        name: PressedWhileBuilt
+
+    with pytest.raises(KeyboardInterrupt):
+        Late.model_validate({"name": "x"})
+    assert Late.__pydantic_complete__, "the interrupt cut the build short"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert Late.model_validate({"name": "x"}).name == "x"
 
 
 @pytest.mark.processes
@@ -250,7 +287,7 @@ def test_ctrl_c_while_the_broker_does_not_answer_exits_130_in_one_line(env, redi
         out, stderr = proc.communicate(timeout=20)
     finally:
         proxy.close()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     assert stderr.strip().splitlines() == ["interrupted"], stderr
     assert out == ""
 
@@ -293,7 +330,7 @@ def test_ctrl_c_at_a_prompt_exits_130_and_writes_nothing(env, tmp_path: Path):
         _, stderr = proc.communicate(timeout=20)
     finally:
         os.close(master)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode in SHELL_130, stderr
     assert stderr.strip().splitlines() == ["interrupted"], stderr
     assert not config.exists()
 

@@ -67,7 +67,9 @@ print(json.dumps(p))
 """)  # fmt: skip
     workers.start()
     payloads = [{"do": d} for d in ("raise", "sleep", "memoryerror", "cuda", "ok")]
-    p = run_cli("submit", str(script), "--payloads", "-", "--timeout", "2", "--max-attempts", "1", "--wait",
+    # The timeout ends the task that sleeps 30 s; the others must be done by then, a loaded machine's slow
+    # interpreter start included, which 2 s left little room for.
+    p = run_cli("submit", str(script), "--payloads", "-", "--timeout", "8", "--max-attempts", "1", "--wait",
                 env=env, input=json.dumps(payloads))  # fmt: skip
     assert p.returncode == 1
     job = p.stdout.split()[0]

@@ -207,7 +207,8 @@ def test_a_dispatch_whose_reply_was_lost_leases_one_task_not_two(env, workers: W
     never heard of it until its lease lapses and the reaper requeues it."""
     w = workers.start(GPUMESH_URL=f"redis://127.0.0.1:{proxy.port}/0", GPUMESH_LEASE_TTL="30")
     wait_until(lambda: r.zcard(keys.WORKERS) == 1, what="the worker to register")
-    time.sleep(0.5)  # past its first dispatch, which found nothing: it waits on its wake list
+    # past its first dispatch, which found nothing: it waits on its wake list
+    wait_until(lambda: r.scard(keys.IDLE) == 1, what="the worker's first dispatch to find nothing")
     proxy.lose_reply_after(b"dispatch")
     p = gpumesh("submit", str(script(tmp_path, first=0)), "--payloads", "-", env=env, input='[{"n": 1}, {"n": 2}]')
     assert p.returncode == 0, p.stderr

@@ -235,7 +235,9 @@ def test_a_task_over_the_lender_s_vram_cap_is_killed_as_a_memory_failure(
     )
 
 
-# Counts to 100, a step every 0.1 s, from where its checkpoint says; saves a checkpoint every 10.
+# Counts to 100, a step every 0.1 s, from where its checkpoint says; saves a checkpoint every 10. Started from 0,
+# it stops counting at 55, between two checkpoints, until it is stopped: where the pause finds it does not
+# depend on how soon a loaded machine runs the lender's probe.
 CHECKPOINTED = """
 import json, os, time
 import gpumesh
@@ -246,6 +248,8 @@ open(os.path.join(tmp, "from-" + os.environ["GPUMESH_WORKER_ID"]), "w").write(st
 for i in range(start + 1, 101):
     time.sleep(0.1)
     open(os.path.join(tmp, "at"), "w").write(str(i))
+    if start == 0 and i == 55:
+        time.sleep(300)
     if i % 10 == 0:
         with open(state + ".tmp", "w") as f:
             json.dump({{"i": i}}, f)
@@ -262,13 +266,12 @@ def test_a_paused_task_resumes_elsewhere_from_its_last_checkpoint(env, workers: 
     path.write_text(textwrap.dedent(CHECKPOINTED.format(tmp=str(tmp_path))))
     workers.start("--name", "lender", "--pause-when", f"test -e {flag}", **FAST_PROBE)
     job, tid = submit_one(env, path, "--max-attempts", "1")
-    wait_until(lambda: int(written(tmp_path / "at") or 0) >= 55, timeout=60, interval=0.02, what="the count at 55")
+    wait_until(lambda: written(tmp_path / "at") == "55", timeout=60, interval=0.02, what="the count at 55")
     flag.write_text("")  # the owner is back at 55
     t0 = time.monotonic()
     wait_until(lambda: r.hget(keys.task(tid), "status") == "queued", timeout=15, what="the task handed back")
     back = time.monotonic() - t0
     paused_at = int((tmp_path / "at").read_text())
-    assert 55 <= paused_at < 60, paused_at
     workers.start("--name", "other")
     wait_until(lambda: r.hget(keys.task(tid), "status") == "done", timeout=60, what="the task done elsewhere")
     result = json.loads(r.hget(keys.task(tid), "result"))
