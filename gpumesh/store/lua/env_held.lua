@@ -29,7 +29,8 @@ local HOLDERS_TTL_MS = '86400000'
 for _, list in ipairs({held, trees}) do
   for short in string.gmatch(list, '[^,]+') do
     local key = env_holders(short)
-    if redis.pcall('ZADD', key, score, worker_id) ~= nil then  -- pcall: a score that is not a number adds nothing
+    -- pcall: a score that is not a number, or a key that is not a zset, adds nothing (and then sets no TTL)
+    if type(redis.pcall('ZADD', key, score, worker_id)) == 'number' then
       redis.pcall('PEXPIRE', key, HOLDERS_TTL_MS)
     end
   end
