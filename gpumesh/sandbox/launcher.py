@@ -1088,10 +1088,7 @@ def _serve_tasks(ctrl_fd: int, script: str) -> int:
             msg, ancdata, _flags, _addr = sock.recvmsg(1 << 20, _socket.CMSG_LEN(3 * 4))
         except OSError:
             return 70
-        fds: list[int] = []
-        for level, kind, data in ancdata:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+        fds = _fds_in(ancdata)
         if not msg or len(fds) != 3:
             return 0
         for target, fd in enumerate(fds):
@@ -1261,10 +1258,7 @@ def _serve_preloaded(ctrl_fd: int, preload: list[str], own: list[str]) -> int:
             continue
         except OSError:
             return 70
-        fds: list[int] = []
-        for level, kind, data in ancdata:
-            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-                fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+        fds = _fds_in(ancdata)
         if not msg or len(fds) != 4:
             for fd in fds:
                 os.close(fd)
@@ -1775,11 +1769,18 @@ def _recv_with_fds(fd: int, maxfds: int) -> tuple[bytes, list[int]]:
         msg, ancdata, _flags, _addr = sock.recvmsg(1 << 20, _socket.CMSG_LEN(maxfds * 4))
     finally:
         sock.close()
+    return msg, _fds_in(ancdata)
+
+
+def _fds_in(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried (recvmsg's ancillary data)."""
+    import _socket
+
     fds: list[int] = []
     for level, kind, data in ancdata:
         if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds += [int.from_bytes(data[i : i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
-    return msg, fds
+    return fds
 
 
 def _fork_supervisor(own: list[int], isolation: str = "-", ahead: str = "-") -> tuple[int, socket.socket]:
